@@ -1,0 +1,39 @@
+"""Expert caching: eviction policies, the ExpertCache, and the trace-driven simulator.
+
+It decides which experts hold fast-memory slots; it never touches weights, and imports nothing
+else of this project.
+"""
+
+from cache.errors import CacheError, CacheFullError, CapacityError, PolicyError, UnknownPolicyError
+from cache.expert_cache import CacheStats, ExpertCache
+from cache.policies import FIFO, LFU, LRU, MRS, POLICIES, Belady, StaticHot, make_policy
+from cache.policy import Candidates, EvictionPolicy, Key, OrderedPolicy, RankedPolicy
+from cache.simulator import Replay, SimResult, batch_steps, expert_frequencies, simulate
+
+__all__ = [
+    "Belady",
+    "CacheError",
+    "CacheFullError",
+    "CacheStats",
+    "Candidates",
+    "CapacityError",
+    "EvictionPolicy",
+    "ExpertCache",
+    "FIFO",
+    "Key",
+    "LFU",
+    "LRU",
+    "MRS",
+    "OrderedPolicy",
+    "POLICIES",
+    "PolicyError",
+    "RankedPolicy",
+    "Replay",
+    "SimResult",
+    "StaticHot",
+    "UnknownPolicyError",
+    "batch_steps",
+    "expert_frequencies",
+    "make_policy",
+    "simulate",
+]

@@ -1,0 +1,36 @@
+"""Every way to guess a token's experts ahead of its routers, behind one interface.
+
+Kinds (registered by name in `PREDICTORS`): "sida" (learned hash function), "frequency",
+"token-table", "klotski-correlation", "gate-lookahead", "oracle". Artifacts are saved and
+loaded with `save_predictor` / `load_predictor`.
+"""
+
+from predictor.artifact import PredictorArtifactError, load_predictor, read_predictor_meta, save_predictor
+from predictor.base import PREDICTORS, ExpertPredictor, PredictorError, PredictorMeta, predictor_class
+from predictor.baselines import FrequencyPredictor, OraclePredictor, TokenTablePredictor
+from predictor.correlation import CorrelationTable
+from predictor.lookahead import GateLookahead
+from predictor.metrics import recall_at
+from predictor.sida import SiDAHash, SiDAPredictor, SiDASizes, read_token_embeddings
+
+__all__ = [
+    "PREDICTORS",
+    "CorrelationTable",
+    "ExpertPredictor",
+    "FrequencyPredictor",
+    "GateLookahead",
+    "OraclePredictor",
+    "PredictorArtifactError",
+    "PredictorError",
+    "PredictorMeta",
+    "SiDAHash",
+    "SiDAPredictor",
+    "SiDASizes",
+    "TokenTablePredictor",
+    "load_predictor",
+    "predictor_class",
+    "read_predictor_meta",
+    "recall_at",
+    "read_token_embeddings",
+    "save_predictor",
+]

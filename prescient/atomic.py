@@ -1,0 +1,38 @@
+"""Atomic file writes: a reader sees the old file or the whole new one, never half of one."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+@contextmanager
+def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path in the target's folder; rename it onto the target on success."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, target)
+    finally:
+        tmp_path.unlink(missing_ok=True)
+
+
+def write_atomic(target: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Call `write(tmp_path)` and move the result onto `target` atomically."""
+    with atomic_path(target) as tmp:
+        write(tmp)
+    return Path(target)
+
+
+def write_json_atomic(target: str | os.PathLike, obj: Any) -> Path:
+    """Write `obj` as indented JSON, atomically."""
+    return write_atomic(target, lambda p: p.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n"))

@@ -1,0 +1,37 @@
+"""Exceptions with messages that tell the user what to do."""
+
+
+class PrescientError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+
+class NotAMoEModelError(PrescientError):
+    """The model holds no mixture-of-experts block that an adapter recognises."""
+
+
+class ModelFilesError(PrescientError):
+    """A model directory is missing, or one of its weight files is missing or corrupt."""
+
+
+class DatasetError(PrescientError):
+    """A dataset spec cannot be loaded, is empty, or lacks its text field."""
+
+
+class TraceError(PrescientError):
+    """A trace directory is missing, incomplete or corrupt."""
+
+
+class FingerprintMismatchError(PrescientError):
+    """An artifact was built for another model than the one it is used with."""
+
+    def __init__(self, what: str, expected: "object", found: "object"):
+        super().__init__(
+            f"{what} was built for model {found} but is used with model {expected}; "
+            "rebuild it from traces of this model."
+        )
+        self.expected = expected
+        self.found = found
+
+
+class CapacityError(PrescientError):
+    """A cache capacity or memory budget is too small to run at all."""

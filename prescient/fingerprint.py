@@ -1,0 +1,82 @@
+"""The model fingerprint: what a trace or predictor was built for.
+
+Two models share a fingerprint when they route identically: same architecture, same
+MoE shape, same vocabulary, and the same tensors outside the routed experts (those are
+what decide the hidden states every router sees). Routed expert tensors are left out of
+the hash on purpose: hashing gigabytes of experts on every load would be slow, and the
+zero-widened `bench` reference model, which routes exactly like `tiny`, then shares its
+fingerprint, so predictors trained on `tiny` serve `bench`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from prescient.arch import MoELayer, find_moe_layers
+from prescient.errors import FingerprintMismatchError
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    arch: str  # config.model_type
+    n_moe_layers: int
+    n_experts: int
+    top_k: int
+    vocab_size: int
+    weights_hash: str  # sha256 prefix over every tensor outside the routed experts
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelFingerprint":
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+
+    def __str__(self) -> str:
+        return (
+            f"{self.arch}(L={self.n_moe_layers}, E={self.n_experts}, k={self.top_k}, "
+            f"vocab={self.vocab_size}, hash={self.weights_hash})"
+        )
+
+    def require_same(self, other: "ModelFingerprint", what: str) -> None:
+        """Raise a clear error if `other` (the artifact's fingerprint) is not this model's."""
+        if other != self:
+            raise FingerprintMismatchError(what, expected=self, found=other)
+
+
+def expert_tensor_names(layers: list[MoELayer]) -> set[str]:
+    """Fully qualified names of all routed-expert tensors."""
+    return {
+        f"{layer.name}.experts.{param}" for layer in layers for param in layer.adapter.expert_param_names(layer)
+    }
+
+
+def fingerprint_model(model: nn.Module, layers: list[MoELayer] | None = None) -> ModelFingerprint:
+    layers = layers if layers is not None else find_moe_layers(model)
+    skip = expert_tensor_names(layers)
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        if name in skip or tensor.device.type == "meta":
+            continue
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    n_experts = {layer.num_experts for layer in layers}
+    top_k = {layer.top_k for layer in layers}
+    if len(n_experts) != 1 or len(top_k) != 1:
+        raise NotImplementedError(
+            f"MoE layers differ in expert count {sorted(n_experts)} or top-k {sorted(top_k)}; "
+            "per-layer shapes are not supported yet."
+        )
+    config = model.config
+    return ModelFingerprint(
+        arch=str(config.model_type),
+        n_moe_layers=len(layers),
+        n_experts=n_experts.pop(),
+        top_k=top_k.pop(),
+        vocab_size=int(config.vocab_size),
+        weights_hash=digest.hexdigest()[:16],
+    )

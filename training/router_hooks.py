@@ -1,0 +1,47 @@
+"""Forward hooks on a model's routers that record each MoE layer's routing decision."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from collections.abc import Iterator
+
+import torch
+
+from prescient.arch import MoELayer
+
+
+class RouterRecorder:
+    """Collects, per MoE layer, the router logits and the selected experts of one forward."""
+
+    def __init__(self, layers: list[MoELayer]):
+        self.layers = layers
+        self.logits: list[torch.Tensor | None] = [None] * len(layers)
+        self.selected: list[torch.Tensor | None] = [None] * len(layers)
+
+    def _hook(self, layer: MoELayer):
+        def record(_module, _inputs, output):
+            logits, selected = layer.adapter.routing(layer, output)
+            self.logits[layer.index] = logits.detach()
+            self.selected[layer.index] = selected.detach()
+
+        return record
+
+    @contextmanager
+    def recording(self) -> Iterator["RouterRecorder"]:
+        handles = [layer.router.register_forward_hook(self._hook(layer)) for layer in self.layers]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def stacked(self, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [B, S, L, E], selected [B, S, L, k]) of the last forward."""
+        missing = [i for i, t in enumerate(self.logits) if t is None]
+        if missing:
+            raise RuntimeError(f"MoE layers {missing} did not run in the last forward")
+        logits = torch.stack([t.reshape(batch, seq, -1) for t in self.logits], dim=2)
+        selected = torch.stack([t.reshape(batch, seq, -1) for t in self.selected], dim=2)
+        self.logits = [None] * len(self.layers)
+        self.selected = [None] * len(self.layers)
+        return logits, selected
