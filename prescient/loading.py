@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -16,8 +17,20 @@ log = logging.getLogger(__name__)
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The directory's safetensors files, each checked to open; errors name the file."""
+    """The directory's safetensors files, each checked to open; errors name the file.
+
+    A sharded model's index (`*.safetensors.index.json`) must name only files that exist.
+    """
     files = sorted(model_dir.glob("*.safetensors"))
+    for index in model_dir.glob("*.safetensors.index.json"):
+        try:
+            listed = set(json.loads(index.read_text())["weight_map"].values())
+        except (json.JSONDecodeError, KeyError, AttributeError) as exc:
+            raise ModelFilesError(f"weight index {index} is corrupt ({exc})") from exc
+        missing = sorted(name for name in listed if not (model_dir / name).is_file())
+        if missing:
+            raise ModelFilesError(f"weight file {model_dir / missing[0]} listed in {index.name} is missing"
+                                  + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     if not files:
         raise ModelFilesError(f"{model_dir} holds no *.safetensors weight files; expected a Hugging Face model directory")
     for path in files:
@@ -43,7 +56,10 @@ def load_model(model: str | Path, dtype: torch.dtype | None = None, **kwargs) ->
         weight_files(path)
     elif str(model).startswith((".", "/")) or path.suffix:
         raise ModelFilesError(f"model directory {path} does not exist")
-    config = AutoConfig.from_pretrained(model)
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except OSError as exc:  # a hub name that cannot be fetched (no network, no such repo)
+        raise ModelFilesError(f"cannot load model {model!r}: not a local directory, and the hub says: {exc}") from exc
     loaded = model_class(config).from_pretrained(model, dtype=dtype or "auto", **kwargs)
     loaded.eval()
     return loaded, find_moe_layers(loaded)

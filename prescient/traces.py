@@ -17,6 +17,8 @@ Each shard holds one row per real token (padding never appears), with columns
 
 A shard is written to a temporary file and renamed, and only then listed in the manifest,
 so a shard named in the manifest is always complete. `complete` turns true at the end.
+A writer opened on an interrupted trace removes the temporaries a killed write left behind
+and continues the shard numbering after the last listed shard.
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ class TraceWriter:
     def __init__(self, trace_dir: str | Path, manifest: TraceManifest):
         self.dir = Path(trace_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        for leftover in self.dir.glob(".*.tmp"):  # temporaries of a killed write; never listed
+            leftover.unlink()
         self.manifest = manifest
         self._save_manifest()
 

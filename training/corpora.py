@@ -10,7 +10,8 @@ Any other spec goes through `datasets.load_dataset`:
   json:PATH / jsonl:PATH / text:PATH / parquet:PATH / csv:PATH   a local file
   PATH with one of those extensions                               the same
   NAME (or NAME:CONFIG)                                           a hub dataset
-A local file without the requested split is split by row with the same hash rule.
+A local file is split by row number with the same hash rule: `datasets` names a single
+file's rows "train", and taking those as the train split would overlap the others.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import logging
+import os
 import sysconfig
 from collections.abc import Iterator
 from functools import lru_cache
@@ -33,6 +35,7 @@ SPLITS = ("train", "validation", "test")
 BUILTIN = ("stdlib-code", "stdlib-docs")
 _LOCAL_BUILDERS = {"json": "json", "jsonl": "json", "text": "text", "txt": "text", "parquet": "parquet", "csv": "csv"}
 _SPLIT_PERCENT = (90, 5)  # train, validation; the rest is test
+_NOT_STDLIB = {"site-packages", "dist-packages", "__pycache__"}
 
 
 def split_of(key: str) -> str:
@@ -51,12 +54,12 @@ def stdlib_root() -> Path:
 
 def stdlib_files() -> list[Path]:
     """Standard-library source files, sorted, without installed third-party packages."""
-    root = stdlib_root()
-    return sorted(
-        f
-        for f in root.rglob("*.py")
-        if not ({"site-packages", "dist-packages", "__pycache__"} & set(f.relative_to(root).parts))
-    )
+    files: list[Path] = []
+    # os.walk, pruned: site-packages lives under the stdlib folder and can hold 100k files.
+    for folder, subfolders, names in os.walk(stdlib_root()):
+        subfolders[:] = [d for d in subfolders if d not in _NOT_STDLIB]
+        files += [Path(folder) / name for name in names if name.endswith(".py")]
+    return sorted(files)
 
 
 def _read_source(path: Path) -> str | None:
@@ -131,6 +134,20 @@ def _parse_local(spec: str) -> tuple[str, str] | None:
     return None
 
 
+def _local_split(builder: str, path: str, split: str) -> datasets.Dataset:
+    """Rows of one local file whose row number hashes to `split` (a single file holds no splits)."""
+    file = Path(path)
+    if not file.is_file():
+        raise DatasetError(f"dataset file {file} does not exist")
+    if file.stat().st_size == 0:
+        raise DatasetError(f"dataset file {file} is empty")
+    try:
+        whole = datasets.load_dataset(builder, data_files=str(file), split="train")
+    except Exception as exc:  # datasets raises many kinds (ValueError, StopIteration, Arrow errors...)
+        raise DatasetError(f"cannot read dataset file {file} as {builder} ({type(exc).__name__}: {exc})") from exc
+    return whole.select([i for i in range(len(whole)) if split_of(f"row-{i}") == split])
+
+
 def load_corpus(spec: str, split: str = "train", text_field: str = "text") -> datasets.Dataset:
     """Rows of `spec`'s split, each with a `text` column. Raises DatasetError when unusable."""
     if split not in SPLITS:
@@ -138,15 +155,7 @@ def load_corpus(spec: str, split: str = "train", text_field: str = "text") -> da
     if spec in BUILTIN:
         data = _builtin(spec, split)
     elif (local := _parse_local(spec)) is not None:
-        builder, path = local
-        if not Path(path).exists():
-            raise DatasetError(f"dataset file {path} does not exist")
-        loaded = datasets.load_dataset(builder, data_files=path)
-        if split in loaded:
-            data = loaded[split]
-        else:
-            whole = loaded["train"]
-            data = whole.select([i for i in range(len(whole)) if split_of(f"row-{i}") == split])
+        data = _local_split(*local, split)
     else:
         name, _, config = spec.partition(":")
         try:
@@ -156,13 +165,16 @@ def load_corpus(spec: str, split: str = "train", text_field: str = "text") -> da
                 f"cannot load dataset {spec!r} (split {split!r}): {exc}. Built-in corpora: {', '.join(BUILTIN)}; "
                 "local files: json:PATH, text:PATH, parquet:PATH, csv:PATH"
             ) from exc
+    if len(data) == 0:
+        raise DatasetError(f"dataset {spec!r} split {split!r} has no rows")
     if text_field not in data.column_names:
         raise DatasetError(
             f"dataset {spec!r} has no text field {text_field!r}; its columns are {data.column_names}. "
             "Pass --text-field NAME."
         )
+    if data.features[text_field] not in (datasets.Value("string"), datasets.Value("large_string")):
+        raise DatasetError(f"field {text_field!r} of dataset {spec!r} holds {data.features[text_field]}, not text")
     if text_field != "text":
-        data = data.rename_column(text_field, "text") if "text" not in data.column_names else data
-    if len(data) == 0:
-        raise DatasetError(f"dataset {spec!r} split {split!r} is empty")
+        data = data.remove_columns([c for c in ("text",) if c in data.column_names])
+        data = data.rename_column(text_field, "text")
     return data

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import lightning as L
@@ -10,6 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
 
 from training.corpora import load_corpus
+
+log = logging.getLogger(__name__)
 
 CORPORA = ("stdlib-code", "stdlib-docs")
 
@@ -59,6 +62,18 @@ class PackedCorporaData(L.LightningDataModule):
 
     def val_dataloader(self) -> list[DataLoader]:
         return [DataLoader(TensorDataset(w), batch_size=self.batch_size) for w in self.val_sets]
+
+
+class StepStatus(L.Callback):
+    """A one-line status every `every` steps, readable in logs where no progress bar renders."""
+
+    def __init__(self, every: int = 50):
+        self.every = every
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step % self.every == 0 or step == trainer.max_steps:
+            log.info("step %d/%d  loss %.3f", step, trainer.max_steps, float(outputs["loss"]))
 
 
 class MoECausalLM(L.LightningModule):

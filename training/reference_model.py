@@ -23,7 +23,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig
 
 from prescient.atomic import write_json_atomic
-from training.reference_lm import CORPORA, MoECausalLM, PackedCorporaData, corpus_texts
+from training.reference_lm import CORPORA, MoECausalLM, PackedCorporaData, StepStatus, corpus_texts
 from training.tokenizer import train_byte_level_bpe
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ def train_tiny(out: Path, spec: dict) -> None:
         max_steps=train["max_steps"], accelerator="cpu", devices=1, deterministic=True, logger=False,
         enable_checkpointing=False, val_check_interval=train["max_steps"], check_val_every_n_epoch=None,
         num_sanity_val_steps=0, gradient_clip_val=1.0, default_root_dir=str(out.parent),
+        enable_progress_bar=False, callbacks=[StepStatus()],
     )
     trainer.fit(module, datamodule=data)
     metrics = trainer.validate(module, datamodule=data, verbose=False)

@@ -3,31 +3,37 @@
 Text is tokenized per document and cut into windows of `seq_len` tokens; windows are
 batched with right padding, and only real tokens become rows. Every `shard_sequences`
 windows make one shard (see `prescient.traces` for the format). A rerun with the same
-settings resumes after the last complete shard.
+settings resumes after the last complete shard, with the same batches, so its rows are
+those of an uninterrupted run.
+
+An encoder-decoder (Switch Transformers) reads the window with its encoder and the same
+window shifted right with its decoder. A row's decoder layers are therefore those of the
+decoder step that predicts the row's token (its input is the token before, or the
+decoder start token at position 0); its encoder layers are those of the token itself.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from itertools import islice
+from collections.abc import Iterable, Iterator
+from itertools import chain, islice
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from prescient.arch import is_encoder_decoder
+from prescient.arch import MoELayer, is_encoder_decoder
 from prescient.errors import TraceError
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_model, load_tokenizer
-from prescient.traces import TraceManifest, TraceWriter, read_manifest
+from prescient.traces import MANIFEST, TraceManifest, TraceWriter, read_manifest
 from training.corpora import load_corpus
 from training.router_hooks import RouterRecorder
 
 log = logging.getLogger(__name__)
 
 
-def token_windows(tokenizer, texts, seq_len: int, max_tokens: int) -> Iterator[list[int]]:
+def token_windows(tokenizer, texts: Iterable[str], seq_len: int, max_tokens: int) -> Iterator[list[int]]:
     """Windows of at most `seq_len` token ids, document by document, `max_tokens` in all."""
     left = max_tokens
     for text in texts:
@@ -42,26 +48,38 @@ def token_windows(tokenizer, texts, seq_len: int, max_tokens: int) -> Iterator[l
 
 
 def pad_batch(windows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) [B, S], right-padded to the longest window."""
     width = max(len(w) for w in windows)
-    ids = torch.full((len(windows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(windows), width), dtype=torch.long)
-    for row, window in enumerate(windows):
-        ids[row, : len(window)] = torch.tensor(window)
-        mask[row, : len(window)] = 1
+    ids = torch.tensor([w + [pad_id] * (width - len(w)) for w in windows], dtype=torch.long)
+    lengths = torch.tensor([len(w) for w in windows])
+    mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
     return ids, mask
 
 
+def decoder_start_id(config) -> int:
+    """The decoder start token; older Switch/T5 configs leave it out and start with pad."""
+    start = getattr(config, "decoder_start_token_id", None)
+    start = config.pad_token_id if start is None else start
+    if start is None:
+        raise TraceError("the encoder-decoder config sets neither decoder_start_token_id nor pad_token_id")
+    return int(start)
+
+
 def model_inputs(model, ids: torch.Tensor, mask: torch.Tensor) -> dict:
-    """Forward kwargs; an encoder-decoder also gets the same text, shifted, as decoder input."""
+    """Forward kwargs; an encoder-decoder also gets the same text, shifted right, as decoder input."""
     inputs = {"input_ids": ids, "attention_mask": mask}
     if is_encoder_decoder(model):
-        inputs["decoder_input_ids"] = model._shift_right(ids)
+        start = torch.full_like(ids[:, :1], decoder_start_id(model.config))
+        inputs["decoder_input_ids"] = torch.cat([start, ids[:, :-1]], dim=1)
         inputs["decoder_attention_mask"] = mask
     return inputs
 
 
 def rows_of_batch(ids, mask, logits, selected, first_seq: int, top_t: int) -> dict[str, torch.Tensor]:
-    """Trace columns for the real (unpadded) tokens of one batch."""
+    """Trace columns for the real (unpadded) tokens of one batch.
+
+    `logits` [B, S, L, E] and `selected` [B, S, L, k] come from `RouterRecorder.stacked`.
+    """
     real = mask.bool()
     seq_ids = (torch.arange(ids.shape[0]) + first_seq).unsqueeze(1).expand_as(ids)
     positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
@@ -79,22 +97,56 @@ def rows_of_batch(ids, mask, logits, selected, first_seq: int, top_t: int) -> di
     }
 
 
+@torch.no_grad()
+def trace_windows(model, layers: list[MoELayer], windows: Iterable[list[int]], writer: TraceWriter, *,
+                  pad_id: int, top_t: int, batch_size: int, shard_sequences: int, first_seq: int = 0,
+                  progress: tqdm | None = None) -> None:
+    """Run `model` over `windows` and append one shard to `writer` per `shard_sequences` windows."""
+    windows = iter(windows)
+    recorder = RouterRecorder(layers)
+    seq = first_seq
+    with recorder.recording():
+        while chunk := list(islice(windows, shard_sequences)):
+            parts: list[dict[str, torch.Tensor]] = []
+            for start in range(0, len(chunk), batch_size):
+                ids, mask = pad_batch(chunk[start : start + batch_size], pad_id)
+                model(**model_inputs(model, ids, mask))
+                logits, selected = recorder.stacked(*ids.shape)
+                parts.append(rows_of_batch(ids, mask, logits, selected, seq + start, top_t))
+                if progress is not None:
+                    progress.update(int(mask.sum()))
+            writer.add_shard({k: torch.cat([p[k] for p in parts]) for k in parts[0]}, sequences=len(chunk))
+            seq += len(chunk)
+
+
 def _resume_point(out: Path, manifest: TraceManifest) -> TraceManifest | None:
-    """The existing manifest to continue, or None to start over."""
+    """The existing manifest to continue, or None to start a new trace."""
     old = read_manifest(out)
     if old is None:
+        if out.exists() and any(not p.name.startswith(".") for p in out.iterdir()):
+            raise TraceError(f"{out} exists and is not a trace directory (no {MANIFEST}); choose another --out")
         return None
-    same = (old.fingerprint, old.dataset, old.split, old.top_t, old.settings) == (
-        manifest.fingerprint, manifest.dataset, manifest.split, manifest.top_t, manifest.settings)
-    if not same:
-        raise TraceError(f"{out} already holds a trace made with other settings; choose another --out or delete it")
+    differ = [
+        f"{what}: {a!r} there, {b!r} now"
+        for what, a, b in [
+            ("fingerprint", str(old.fingerprint), str(manifest.fingerprint)),
+            ("dataset", old.dataset, manifest.dataset),
+            ("split", old.split, manifest.split),
+            ("top_t", old.top_t, manifest.top_t),
+            *((key, old.settings.get(key), manifest.settings.get(key))
+              for key in sorted(set(old.settings) | set(manifest.settings))),
+        ]
+        if a != b
+    ]
+    if differ:
+        raise TraceError(f"{out} already holds a trace made with other settings ({'; '.join(differ)}); "
+                         "choose another --out or delete it")
     for shard in old.shards:
         if not (out / shard["file"]).exists():
             raise TraceError(f"{out} lists shard {shard['file']} that is missing; delete {out} and trace again")
     return old
 
 
-@torch.no_grad()
 def trace_model(model_dir: str | Path, dataset: str, out: str | Path, split: str = "validation",
                 max_tokens: int = 50_000, top_t: int = 30, text_field: str = "text", seq_len: int = 128,
                 batch_size: int = 16, shard_sequences: int = 256) -> Path:
@@ -104,9 +156,8 @@ def trace_model(model_dir: str | Path, dataset: str, out: str | Path, split: str
     tokenizer = load_tokenizer(model_dir)
     fingerprint = fingerprint_model(model, layers)
     texts = load_corpus(dataset, split, text_field)["text"]
-    top_t = min(top_t, fingerprint.n_experts)
     manifest = TraceManifest(
-        fingerprint=fingerprint, dataset=dataset, split=split, top_t=top_t,
+        fingerprint=fingerprint, dataset=dataset, split=split, top_t=min(top_t, fingerprint.n_experts),
         settings={"max_tokens": max_tokens, "seq_len": seq_len, "shard_sequences": shard_sequences,
                   "text_field": text_field},
     )
@@ -114,29 +165,18 @@ def trace_model(model_dir: str | Path, dataset: str, out: str | Path, split: str
     if previous is not None and previous.complete:
         log.info("trace in %s is already complete (%d tokens)", out, previous.n_tokens)
         return out
-    writer = TraceWriter(out, previous or manifest)
-    done_seqs = sum(s["sequences"] for s in writer.manifest.shards)
-    windows = token_windows(tokenizer, texts, seq_len, max_tokens)
-    windows = islice(windows, done_seqs, None)
-    recorder = RouterRecorder(layers)
-    bar = tqdm(total=max_tokens, initial=writer.manifest.n_tokens, unit="tok", desc=f"trace {dataset}/{split}")
-    seq = done_seqs
-    with recorder.recording():
-        while chunk := list(islice(windows, shard_sequences)):
-            parts: list[dict[str, torch.Tensor]] = []
-            for start in range(0, len(chunk), batch_size):
-                batch = chunk[start : start + batch_size]
-                ids, mask = pad_batch(batch, tokenizer.pad_token_id)
-                model(**model_inputs(model, ids, mask))
-                logits, selected = recorder.stacked(*ids.shape)
-                parts.append(rows_of_batch(ids, mask, logits, selected, seq + start, top_t))
-                bar.update(int(mask.sum()))
-            columns = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-            writer.add_shard(columns, sequences=len(chunk))
-            seq += len(chunk)
-    bar.close()
-    if not writer.manifest.shards:
+    done_seqs = sum(s["sequences"] for s in previous.shards) if previous else 0
+    windows = islice(token_windows(tokenizer, texts, seq_len, max_tokens), done_seqs, None)
+    first = next(windows, None)
+    if first is None and done_seqs == 0:
         raise TraceError(f"dataset {dataset!r} split {split!r} gave no tokens to trace")
+    writer = TraceWriter(out, previous or manifest)
+    if done_seqs:
+        log.info("resuming the trace in %s after %d tokens", out, writer.manifest.n_tokens)
+    with tqdm(total=max_tokens, initial=writer.manifest.n_tokens, unit="tok", desc=f"trace {dataset}/{split}") as bar:
+        trace_windows(model, layers, chain([first], windows) if first else windows, writer,
+                      pad_id=tokenizer.pad_token_id, top_t=manifest.top_t, batch_size=batch_size,
+                      shard_sequences=shard_sequences, first_seq=done_seqs, progress=bar)
     writer.finish()
     log.info("traced %d tokens of %s/%s into %s", writer.manifest.n_tokens, dataset, split, out)
     return out

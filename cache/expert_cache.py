@@ -1,0 +1,282 @@
+"""ExpertCache: which experts hold a fast-memory slot. It decides; it never copies weights.
+
+The budget is `capacity` slots in all (global) or per layer (`per_layer=True`). A miss inserts
+the key, evicting the policy's victim when the partition is full. Pinned keys (experts in use, a
+pin count each) are never evicted. One RLock guards everything: the runtime's loader thread
+(prefetch) and inference thread (access, pin) share one cache.
+
+`on_evict(key)` is called, under the lock, after each eviction: the runtime frees the slot there,
+the simulator cancels the key's transfer. It must not block; it may call back into the cache.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from cache.errors import CacheError, CacheFullError, CapacityError
+from cache.policy import Candidates, EvictionPolicy, Key, Partition
+
+
+@dataclass
+class CacheStats:
+    accesses: int = 0
+    hits: int = 0
+    misses: int = 0
+    prefetch_inserts: int = 0
+    prefetch_hits: int = 0  # accesses served by a prefetched entry not accessed before
+    wasted_prefetches: int = 0  # prefetched entries evicted without being accessed
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.accesses if self.accesses else 0.0
+
+
+class ExpertCache:
+    """Slot bookkeeping for experts plus one eviction policy; thread-safe."""
+
+    def __init__(
+        self,
+        capacity: int,
+        policy: EvictionPolicy,
+        per_layer: bool = False,
+        n_layers: int | None = None,
+        top_k: int | None = None,
+        on_evict: Callable[[Key], None] | None = None,
+    ) -> None:
+        """`capacity`: slots in all, or per layer if `per_layer`. `n_layers`, if given, bounds
+        the layer of inserted keys. `top_k`, if given, is checked: a layer's experts must fit."""
+        where = "per layer" if per_layer else "in all"
+        if top_k is not None and capacity < top_k:
+            raise CapacityError(
+                f"capacity {capacity} {where} cannot hold one layer's top-{top_k} experts; "
+                f"the minimum is {top_k} slots {where}"
+            )
+        if capacity < 1:
+            raise CapacityError(f"capacity {capacity} {where}: the minimum is 1 slot {where}")
+        policy.attach(per_layer)
+        self.capacity = capacity
+        self.policy = policy
+        self.per_layer = per_layer
+        self.n_layers = n_layers
+        self.top_k = top_k
+        self.on_evict = on_evict
+        self._lock = threading.RLock()
+        self._stats = CacheStats()
+        self._resident: set[Key] = set()
+        self._fill: dict[Partition, int] = {}
+        self._pins: dict[Key, int] = {}
+        self._candidates: dict[Partition, Candidates] = {}
+        self._unused_prefetches: set[Key] = set()
+
+    # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> CacheStats:
+        """A snapshot of the counters."""
+        with self._lock:
+            return replace(self._stats)
+
+    def contains(self, key: Key) -> bool:
+        with self._lock:
+            return key in self._resident
+
+    __contains__ = contains
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._resident)
+
+    def resident(self) -> frozenset[Key]:
+        with self._lock:
+            return frozenset(self._resident)
+
+    def pinned(self) -> dict[Key, int]:
+        """Pinned keys and their pin counts."""
+        with self._lock:
+            return dict(self._pins)
+
+    # -- demand path -----------------------------------------------------------------------
+
+    def access(self, key: Key, score: float | None = None) -> bool:
+        """Use `key`; True on a hit. A miss inserts it, evicting a victim if needed.
+
+        Raises CacheFullError if the key's partition is full of pinned keys."""
+        with self._lock:
+            stats = self._stats
+            hit = key in self._resident
+            if hit:
+                stats.hits += 1
+                if key in self._unused_prefetches:
+                    self._unused_prefetches.discard(key)
+                    stats.prefetch_hits += 1
+            else:
+                self._insert(key, demand=True)
+                stats.misses += 1
+            stats.accesses += 1
+            self.policy.on_access(key, score)
+            return hit
+
+    def access_many(self, keys: Sequence[Key], pin: bool = False) -> int:
+        """Use `keys` (one layer-step's experts) in order; return the number of misses.
+
+        The keys are pinned for the whole call, so a miss never evicts another of them; with
+        `pin=True` they stay pinned afterwards (release with `unpin_many`). Raises CacheFullError,
+        leaving pins as they were, if the keys and the pinned keys do not fit in a partition."""
+        with self._lock:
+            if not self._resident.issuperset(keys):
+                return self._access_with_misses(keys, pin)
+            # all hits: nothing is inserted, so nothing needs protecting during the call
+            stats = self._stats
+            unused = self._unused_prefetches
+            if unused and not unused.isdisjoint(keys):
+                used = unused.intersection(keys)
+                unused -= used
+                stats.prefetch_hits += len(used)
+            self.policy.on_access_many(keys)
+            stats.accesses += len(keys)
+            stats.hits += len(keys)
+            if pin:
+                self._hold(keys)
+            return 0
+
+    # -- prefetch path ---------------------------------------------------------------------
+
+    def prefetch(self, key: Key, pin: bool = False) -> bool:
+        """Insert `key` ahead of use (no access counted). False if it is already resident or
+        its partition is full of pinned keys."""
+        return bool(self.prefetch_many((key,), pin))
+
+    def prefetch_many(self, keys: Iterable[Key], pin: bool = False) -> list[Key]:
+        """`prefetch` keys in order (best first); return those inserted. A key inserted by the
+        call is not evicted by a later one of the same call: what does not fit is skipped.
+        With `pin=True` the inserted keys stay pinned (while the loader fills their slots)."""
+        with self._lock:
+            resident, insert = self._resident, self._insert
+            inserted: list[Key] = []
+            try:
+                for key in keys:
+                    if key not in resident and insert(key, demand=False):
+                        inserted.append(key)
+                        self._hold((key,))
+            finally:
+                if not pin:
+                    self._release(inserted)
+            self._stats.prefetch_inserts += len(inserted)
+            self._unused_prefetches.update(inserted)
+            return inserted
+
+    # -- pins --------------------------------------------------------------------------------
+
+    def pin(self, key: Key) -> None:
+        """Protect a resident key from eviction until a matching `unpin`."""
+        with self._lock:
+            if key not in self._resident:
+                raise CacheError(f"cannot pin {key}: it is not resident; access or prefetch it first")
+            self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: Key) -> None:
+        with self._lock:
+            if key not in self._pins:
+                raise CacheError(f"cannot unpin {key}: it is not pinned")
+            self._release((key,))
+
+    def unpin_many(self, keys: Sequence[Key]) -> None:
+        with self._lock:
+            missing = [key for key in keys if key not in self._pins]
+            if missing:
+                raise CacheError(f"cannot unpin {missing}: not pinned")
+            self._release(keys)
+
+    # -- policy hook -------------------------------------------------------------------------
+
+    def on_step(self, layer: int, scores: Mapping[int, float] | Sequence[float]) -> None:
+        """Forward one layer-step's router scores to the policy (MRS uses them)."""
+        with self._lock:
+            self.policy.on_step(layer, scores)
+
+    # -- internals (lock held) ---------------------------------------------------------------
+
+    def _access_with_misses(self, keys: Sequence[Key], pin: bool) -> int:
+        self._hold(keys)  # a miss must not evict another key of the call
+        resident = self._resident
+        unused = self._unused_prefetches
+        on_access = self.policy.on_access
+        done = misses = prefetch_hits = 0
+        try:
+            for key in keys:
+                if key in resident:
+                    if key in unused:
+                        unused.discard(key)
+                        prefetch_hits += 1
+                else:
+                    self._insert(key, demand=True)
+                    misses += 1
+                on_access(key, None)
+                done += 1
+        except CacheFullError:
+            self._release(keys)
+            raise
+        finally:
+            stats = self._stats
+            stats.accesses += done
+            stats.misses += misses
+            stats.hits += done - misses
+            stats.prefetch_hits += prefetch_hits
+        if not pin:
+            self._release(keys)
+        return misses
+
+    def _hold(self, keys: Iterable[Key]) -> None:
+        pins = self._pins
+        for key in keys:
+            pins[key] = pins.get(key, 0) + 1
+
+    def _release(self, keys: Iterable[Key]) -> None:
+        pins = self._pins
+        for key in keys:
+            count = pins[key] - 1
+            if count:
+                pins[key] = count
+            else:
+                del pins[key]
+
+    def _insert(self, key: Key, demand: bool) -> bool:
+        """Make room in the key's partition and insert it. On no room: raise if `demand`,
+        else return False."""
+        if self.n_layers is not None and not 0 <= key[0] < self.n_layers:
+            raise CacheError(f"key {key} names layer {key[0]} but the cache has {self.n_layers} layers")
+        part = key[0] if self.per_layer else None
+        fill = self._fill.get(part, 0)
+        if fill < self.capacity:
+            self._fill[part] = fill + 1
+        else:
+            candidates = self._candidates.get(part)
+            if candidates is None:
+                candidates = self._candidates[part] = Candidates(part, self._pins)
+            victim = self.policy.victim(candidates)
+            if victim is None:
+                if not demand:
+                    return False
+                where = f"layer {part}" if self.per_layer else "the cache"
+                raise CacheFullError(
+                    f"cannot insert {key}: all {self.capacity} slots of {where} are pinned or in use "
+                    "by the same call; raise the capacity or unpin experts sooner"
+                )
+            self._evict(victim)  # the partition's fill stays: one out, one in
+        self._resident.add(key)
+        self.policy.on_insert(key)
+        return True
+
+    def _evict(self, key: Key) -> None:
+        self._resident.remove(key)
+        self.policy.on_evict(key)
+        stats = self._stats
+        stats.evictions += 1
+        if self._unused_prefetches and key in self._unused_prefetches:
+            self._unused_prefetches.remove(key)
+            stats.wasted_prefetches += 1
+        if self.on_evict is not None:
+            self.on_evict(key)

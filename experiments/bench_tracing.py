@@ -1,0 +1,131 @@
+"""Tracing throughput against a plain forward pass of the same batches.
+
+    python -m experiments.bench_tracing --model DIR --json OUT [--dataset stdlib-code] [--tokens 16384]
+
+Both sides run the same model over the same padded batches of the same windows. "plain" is
+the model's forward and nothing else; "traced" is `training.tracing.trace_windows`: the same
+forwards with router hooks, gathering rows and writing shards to a fresh trace folder.
+Repetitions interleave plain and traced runs (the machine may be shared) and the medians
+are reported, of wall time and of this process's CPU time (steadier on a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from prescient.atomic import write_json_atomic
+from prescient.fingerprint import fingerprint_model
+from prescient.loading import load_model, load_tokenizer
+from prescient.traces import TraceManifest, TraceWriter
+from training.corpora import load_corpus
+from training.tracing import model_inputs, pad_batch, token_windows, trace_windows
+
+log = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def plain_pass(model, windows: list[list[int]], pad_id: int, batch_size: int, shard_sequences: int) -> None:
+    """The forwards `trace_windows` makes, batched the same way, without hooks."""
+    for first in range(0, len(windows), shard_sequences):
+        chunk = windows[first : first + shard_sequences]
+        for start in range(0, len(chunk), batch_size):
+            model(**model_inputs(model, *pad_batch(chunk[start : start + batch_size], pad_id)))
+
+
+def traced_pass(model, layers, manifest: TraceManifest, windows: list[list[int]], pad_id: int, batch_size: int,
+                shard_sequences: int) -> int:
+    """One full trace into a fresh folder; returns the rows written."""
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = TraceWriter(Path(tmp) / "trace", manifest)
+        trace_windows(model, layers, windows, writer, pad_id=pad_id, top_t=manifest.top_t,
+                      batch_size=batch_size, shard_sequences=shard_sequences)
+        writer.finish()
+        return writer.manifest.n_tokens
+
+
+def timed(fn, *args) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of `fn(*args)`."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn(*args)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def run(model_dir: str, dataset: str, split: str, tokens: int, seq_len: int, batch_size: int,
+        shard_sequences: int, top_t: int, repeats: int) -> dict:
+    model, layers = load_model(model_dir, dtype=torch.float32)
+    tokenizer = load_tokenizer(model_dir)
+    fingerprint = fingerprint_model(model, layers)
+    texts = load_corpus(dataset, split)["text"]
+    windows = list(token_windows(tokenizer, texts, seq_len, tokens))
+    n_tokens = sum(len(w) for w in windows)
+    manifest = TraceManifest(fingerprint, dataset, split, min(top_t, fingerprint.n_experts))
+    args = (windows, tokenizer.pad_token_id, batch_size, shard_sequences)
+    rows = traced_pass(model, layers, manifest, *args)  # warm-up, and a check that every token became a row
+    if rows != n_tokens:
+        raise RuntimeError(f"the trace holds {rows} rows for {n_tokens} tokens")
+    plain_pass(model, *args)
+    times: dict[str, list[tuple[float, float]]] = {"plain": [], "traced": []}
+    for rep in range(repeats):
+        times["plain"].append(timed(plain_pass, model, *args))
+        times["traced"].append(timed(traced_pass, model, layers, manifest, *args))
+        log.info("repeat %d: plain %.3f s (cpu %.3f s), traced %.3f s (cpu %.3f s)", rep,
+                 *times["plain"][-1], *times["traced"][-1])
+    wall = {k: statistics.median(t[0] for t in v) for k, v in times.items()}
+    cpu = {k: statistics.median(t[1] for t in v) for k, v in times.items()}
+    return {
+        "model": str(model_dir),
+        "fingerprint": str(fingerprint),
+        "dataset": f"{dataset}/{split}",
+        "tokens": n_tokens,
+        "settings": {"seq_len": seq_len, "batch_size": batch_size, "shard_sequences": shard_sequences,
+                     "top_t": manifest.top_t, "repeats": repeats},
+        "plain_tokens_per_s": n_tokens / wall["plain"],
+        "traced_tokens_per_s": n_tokens / wall["traced"],
+        "overhead_pct": 100 * (wall["traced"] / wall["plain"] - 1),
+        # CPU seconds of this process: steadier than wall time when other jobs share the machine
+        "cpu_overhead_pct": 100 * (cpu["traced"] / cpu["plain"] - 1),
+        "runs_s": {k: [{"wall": w, "cpu": c} for w, c in v] for k, v in times.items()},
+        "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+                    "load_avg_1m": os.getloadavg()[0]},
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="Hugging Face MoE model directory")
+    parser.add_argument("--json", required=True, help="where to write the results")
+    parser.add_argument("--dataset", default="stdlib-code")
+    parser.add_argument("--split", default="validation")
+    parser.add_argument("--tokens", type=int, default=16_384)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--shard-sequences", type=int, default=64)
+    parser.add_argument("--top-t", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = run(args.model, args.dataset, args.split, args.tokens, args.seq_len, args.batch_size,
+                 args.shard_sequences, args.top_t, args.repeats)
+    write_json_atomic(args.json, result)
+    log.info("%d tokens: plain %.0f tok/s, traced %.0f tok/s, overhead %.1f%% (CPU time %.1f%%)", result["tokens"],
+             result["plain_tokens_per_s"], result["traced_tokens_per_s"], result["overhead_pct"],
+             result["cpu_overhead_pct"])
+    return result
+
+
+if __name__ == "__main__":
+    main()

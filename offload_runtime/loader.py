@@ -1,0 +1,40 @@
+"""`load_offloaded`: the one-call entry point that returns a servable offloaded model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from offload_runtime.runtime import OffloadRuntime
+from offload_runtime.slots import SlotPool
+from offload_runtime.store import ExpertStore
+from predictor.artifact import load_predictor
+from prescient.fingerprint import fingerprint_model
+from prescient.loading import load_model
+
+log = logging.getLogger(__name__)
+
+
+def load_offloaded(model_dir: str | Path, predictor: str | Path | None = None, policy: str = "lru",
+                   budget: float | int | str = 0.5, store: str = "disk", drop_page_cache: bool = False,
+                   device: str | torch.device = "cpu", prefetch_per_layer: int | None = None):
+    """A transformers model whose routed experts live in `store` ("disk" or "host") and are
+    loaded into `budget` worth of slots on `device` (a fraction of all experts, bytes, or a
+    string like "512MiB"). `predictor` is a predictor artifact path for SiDA-style prefetching.
+    `generate(...)` works as usual; `model.offload_runtime` holds the runtime (stats, close)."""
+    model, layers = load_model(model_dir, dtype=torch.float32)
+    fingerprint = fingerprint_model(model, layers)
+    hash_fn = load_predictor(predictor, fingerprint=fingerprint) if predictor is not None else None
+    expert_store = ExpertStore(model_dir, model, layers, mode=store, drop_page_cache=drop_page_cache)
+    pool = SlotPool.for_budget(expert_store.specs, layers[0].num_experts, layers[0].top_k, budget, device)
+    model.offload_runtime = OffloadRuntime(model, layers, expert_store, pool, policy=policy, predictor=hash_fn,
+                                           prefetch_per_layer=prefetch_per_layer)
+    # What stays resident (attention, routers, norms, shared experts) is copied out of the
+    # memory-mapped checkpoint, so the mapping goes and dropping the page cache really drops it.
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor.data = tensor.data.to(device, copy=True)
+    log.info("offloaded %d MoE layers: %d of %d experts fit the budget (%.1f MiB of slots)", len(layers),
+             pool.num_slots, len(layers) * layers[0].num_experts, pool.nbytes / 2**20)
+    return model

@@ -1,0 +1,101 @@
+"""Predictor artifacts: `NAME.safetensors` (tensors) + `NAME.json` (kind, hyper-parameters,
+fingerprint, training data, metrics).
+
+The tensors are written first and the JSON last, each atomically; the JSON records the
+SHA-256 of the tensor file, so a pair torn by a crash between the two renames is detected
+on load instead of serving weights that do not match their description.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from predictor.base import ExpertPredictor, PredictorMeta, predictor_class
+from prescient.atomic import write_atomic, write_json_atomic
+from prescient.errors import PrescientError
+from prescient.fingerprint import ModelFingerprint
+
+log = logging.getLogger(__name__)
+
+FORMAT = "prescient-predictor/1"
+
+
+class PredictorArtifactError(PrescientError):
+    """A predictor artifact is missing, corrupt, or its two files do not belong together."""
+
+
+def artifact_paths(path: str | Path) -> tuple[Path, Path]:
+    """`NAME`, `NAME.json` or `NAME.safetensors` → (NAME.safetensors, NAME.json)."""
+    path = Path(path)
+    if path.suffix in (".json", ".safetensors"):
+        path = path.with_suffix("")
+    return path.with_name(path.name + ".safetensors"), path.with_name(path.name + ".json")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save_predictor(pred: ExpertPredictor, path: str | Path) -> Path:
+    """Write `pred` as an artifact at `path` (see module doc); returns the JSON path."""
+    weights_path, meta_path = artifact_paths(path)
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in pred.tensors().items()}
+    write_atomic(weights_path, lambda p: save_file(tensors, str(p)))
+    meta = {"format": FORMAT, **pred.meta.to_dict(), "weights_sha256": _sha256(weights_path)}
+    write_json_atomic(meta_path, meta)
+    log.info("saved %s predictor to %s", pred.kind, meta_path)
+    return meta_path
+
+
+def read_predictor_meta(path: str | Path) -> PredictorMeta:
+    """The JSON half of an artifact, without loading tensors."""
+    _, meta_path = artifact_paths(path)
+    return PredictorMeta.from_dict(_read_meta_json(meta_path))
+
+
+def _read_meta_json(meta_path: Path) -> dict:
+    if not meta_path.exists():
+        raise PredictorArtifactError(f"predictor artifact {meta_path} does not exist; train one with `prescient train`")
+    try:
+        data = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise PredictorArtifactError(f"{meta_path} is not valid JSON ({exc}); export the predictor again") from exc
+    if data.get("format") != FORMAT:
+        raise PredictorArtifactError(f"{meta_path} has format {data.get('format')!r}; expected {FORMAT!r}")
+    return data
+
+
+def load_predictor(path: str | Path, fingerprint: ModelFingerprint | None = None) -> ExpertPredictor:
+    """Load an artifact. With `fingerprint` (the serving model's), a predictor built for
+    another model raises `FingerprintMismatchError` naming both."""
+    weights_path, meta_path = artifact_paths(path)
+    data = _read_meta_json(meta_path)
+    try:
+        meta = PredictorMeta.from_dict(data)
+    except (KeyError, TypeError) as exc:
+        raise PredictorArtifactError(f"{meta_path} lacks a field ({exc}); export the predictor again") from exc
+    cls = predictor_class(meta.kind)
+    if fingerprint is not None:
+        fingerprint.require_same(meta.fingerprint, f"predictor {meta_path}")
+    if not weights_path.exists():
+        raise PredictorArtifactError(f"{weights_path} is missing; it belongs to {meta_path}")
+    if _sha256(weights_path) != data.get("weights_sha256"):
+        raise PredictorArtifactError(
+            f"{weights_path} does not match {meta_path} (interrupted export?); export the predictor again"
+        )
+    try:
+        tensors: dict[str, torch.Tensor] = load_file(str(weights_path))
+    except (SafetensorError, OSError) as exc:
+        raise PredictorArtifactError(f"{weights_path} is corrupt ({exc}); export the predictor again") from exc
+    return cls.from_artifact(meta, tensors)

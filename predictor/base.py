@@ -1,0 +1,139 @@
+"""The one interface every expert predictor implements, and the registry of predictor kinds.
+
+A predictor guesses, for each token, which experts every MoE layer's router will pick.
+Scores are "higher is likelier"; callers take the top-k (or top-2k) per layer.
+
+    predict(input_ids [B, T])        -> [B, T, L, E]   a whole prompt at once
+    start(batch_size) -> state                          begin decoding
+    step(state, token_ids [B])       -> [B, L, E]      one new token per row, causal,
+                                                       incremental: each token is seen once
+
+Kinds are registered by name (the style of transformers' `ExpertsInterface`) so an artifact's
+JSON `kind` picks the class that loads it; see `predictor.artifact`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import torch
+
+from prescient.errors import PrescientError
+from prescient.fingerprint import ModelFingerprint
+from prescient.traces import TraceManifest
+
+
+class PredictorError(PrescientError):
+    """A predictor cannot do what was asked (unknown kind, unsupported operation, unknown input)."""
+
+
+@dataclass
+class PredictorMeta:
+    """What an artifact's JSON holds besides the tensors."""
+
+    kind: str
+    fingerprint: ModelFingerprint
+    hparams: dict[str, Any] = field(default_factory=dict)  # everything needed to rebuild the module
+    training: dict[str, Any] = field(default_factory=dict)  # trace dirs, dataset, split, config
+    metrics: dict[str, float] = field(default_factory=dict)  # validation metrics at export
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "fingerprint": self.fingerprint.to_dict(),
+            "hparams": self.hparams,
+            "training": self.training,
+            "metrics": self.metrics,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PredictorMeta":
+        return cls(
+            kind=data["kind"],
+            fingerprint=ModelFingerprint.from_dict(data["fingerprint"]),
+            hparams=dict(data.get("hparams", {})),
+            training=dict(data.get("training", {})),
+            metrics=dict(data.get("metrics", {})),
+        )
+
+
+P = TypeVar("P", bound="ExpertPredictor")
+
+
+class ExpertPredictor(ABC):
+    """Base of every predictor kind. Subclasses set `kind` and implement the three calls
+    plus `tensors` / `from_artifact` for the artifact format."""
+
+    kind: ClassVar[str]
+    meta: PredictorMeta
+
+    @property
+    def n_layers(self) -> int:
+        return self.meta.fingerprint.n_moe_layers
+
+    @property
+    def n_experts(self) -> int:
+        return self.meta.fingerprint.n_experts
+
+    @abstractmethod
+    def predict(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Scores [B, T, L, E] for every token of a batch of prompts."""
+
+    @abstractmethod
+    def start(self, batch_size: int) -> Any:
+        """Fresh decoding state for `batch_size` rows."""
+
+    @abstractmethod
+    def step(self, state: Any, token_ids: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row ([B]); scores [B, L, E] for it. Updates `state` in place."""
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors an artifact stores for this predictor."""
+        raise PredictorError(f"a {self.kind!r} predictor has no artifact form")
+
+    @classmethod
+    def from_artifact(cls: type[P], meta: PredictorMeta, tensors: dict[str, torch.Tensor]) -> P:
+        raise PredictorError(f"a {cls.kind!r} predictor cannot be loaded from an artifact")
+
+
+class TokenwisePredictor(ExpertPredictor):
+    """A predictor whose guess for a token depends on that token alone (tables, frequencies):
+    decoding needs no state and `step` is `predict` on a length-1 prompt."""
+
+    def start(self, batch_size: int) -> None:
+        return None
+
+    def step(self, state: None, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.predict(token_ids[:, None])[:, 0]
+
+
+PREDICTORS: dict[str, type[ExpertPredictor]] = {}
+
+
+def register_predictor(cls: type[P]) -> type[P]:
+    """Class decorator: make `cls` loadable by its `kind`."""
+    if cls.kind in PREDICTORS and PREDICTORS[cls.kind] is not cls:
+        raise ValueError(f"predictor kind {cls.kind!r} is registered twice")
+    PREDICTORS[cls.kind] = cls
+    return cls
+
+
+def predictor_class(kind: str) -> type[ExpertPredictor]:
+    try:
+        return PREDICTORS[kind]
+    except KeyError:
+        raise PredictorError(f"unknown predictor kind {kind!r}; known kinds: {', '.join(sorted(PREDICTORS))}") from None
+
+
+def describe_trace(manifest: TraceManifest, trace_dir: str | None = None) -> dict[str, Any]:
+    """What an artifact records about the trace it was built from."""
+    return {
+        "trace_dir": trace_dir,
+        "dataset": manifest.dataset,
+        "split": manifest.split,
+        "n_tokens": manifest.n_tokens,
+        "top_t": manifest.top_t,
+        "settings": manifest.settings,
+    }

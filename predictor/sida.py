@@ -1,0 +1,265 @@
+"""SiDA's hash function: an LSTM with sparsemax self-attention that predicts every MoE
+layer's experts for every token (Du et al., SiDA, §3.4), made causal for decoders.
+
+    token ids ─▶ target model's embeddings (frozen) ─▶ Linear compression (d_c) + LayerNorm
+              ─▶ 2-layer LSTM (H) ─▶ self-attention over the LSTM outputs ─▶ + LSTM output of
+                 the current token (residual) ─▶ Linear to L·E ─▶ [.., L, E] logits
+
+Choices the paper leaves open, and ours:
+- Attention: q = W_q·h, k = W_k·h, v = h (the LSTM outputs; learned query/key projections
+  of size H, no value projection). Without projections the score h_t·h_t usually dominates
+  and the attention collapses onto the token itself. Weights are `entmax.sparsemax` of the
+  raw scaled scores q·k/√H, so most weights are exactly zero.
+- Causal variant (default, for decoders): unidirectional LSTM, and token t attends to the
+  last `attn_window` tokens s ∈ (t − W, t]. `step` keeps the LSTM state and the keys/values
+  of the last W tokens, so each decoded token costs O(W), and `step` equals `predict` on the
+  same prefix. The window bounds memory and latency on long generations.
+- Bidirectional variant (for prompts / encoders): bidirectional LSTM (outputs 2H), full
+  attention over the prompt. Its `step` re-encodes the last W tokens per call (O(W) LSTM
+  steps); decode with the causal variant.
+- The compression is Linear + LayerNorm (embeddings of real models are tiny). Export folds
+  the frozen embedding, the Linear and the LayerNorm into one [V, d_c] table (exact: the
+  map depends on the token alone), so an artifact needs neither the model nor its
+  embedding matrix and a token costs one row lookup.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+import torch
+from entmax import sparsemax
+from safetensors import safe_open
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from predictor.base import ExpertPredictor, PredictorMeta, register_predictor
+from prescient.errors import ModelFilesError
+
+EMBEDDING_SUFFIXES = ("embed_tokens.weight", "shared.weight")
+
+
+def read_token_embeddings(model_dir: str | Path) -> torch.Tensor:
+    """The input-embedding matrix [V, D] (float32) of a HF model directory, read from its
+    safetensors files alone (the model is not loaded)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelFilesError(f"{model_dir} holds no *.safetensors files; expected a Hugging Face model directory")
+    found: list[tuple[str, Path]] = []
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            found += [(name, file) for name in f.keys() if name.endswith(EMBEDDING_SUFFIXES)]
+    if not found:
+        raise ModelFilesError(
+            f"no tensor named *{' or *'.join(EMBEDDING_SUFFIXES)} in {model_dir}; cannot read token embeddings"
+        )
+    name, file = min(found, key=lambda item: len(item[0]))  # tied copies: the shortest name is the source
+    with safe_open(str(file), framework="pt") as f:
+        return f.get_tensor(name).float()
+
+
+@dataclass
+class SiDASizes:
+    compress_dim: int = 128  # d_c, the compressed embedding
+    hidden_dim: int = 256  # H, per LSTM direction
+    lstm_layers: int = 2
+    attn_window: int = 128  # W, tokens a causal query attends to (itself included)
+    bidirectional: bool = False
+    dropout: float = 0.0  # between LSTM layers and on the LSTM outputs, training only
+
+
+class CompressedEmbedding(nn.Module):
+    """Frozen target-model embeddings, then the trainable compression Linear and a LayerNorm
+    (model embeddings are tiny, std ~0.02; unnormalised they starve the LSTM). The embedding
+    is a non-persistent buffer: checkpoints stay small and re-read it from the model."""
+
+    def __init__(self, embedding: torch.Tensor, dim: int):
+        super().__init__()
+        self.register_buffer("embedding", embedding.float(), persistent=False)
+        self.compress = nn.Linear(embedding.shape[1], dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.compress(nn.functional.embedding(token_ids, self.embedding)))
+
+    def folded(self) -> nn.Embedding:
+        """The whole per-token map as one table: exact, since it depends on the token alone."""
+        with torch.no_grad():
+            return nn.Embedding.from_pretrained(self(torch.arange(len(self.embedding), device=self.embedding.device)),
+                                                freeze=True)
+
+
+@dataclass
+class SiDAState:
+    """Decoding state of the causal hash function."""
+
+    lstm: tuple[torch.Tensor, torch.Tensor] | None  # (h, c), each [layers, B, H]
+    keys: torch.Tensor  # [B, ≤W, H] projected keys of the last W tokens
+    values: torch.Tensor  # [B, ≤W, H] their LSTM outputs
+    tokens: torch.Tensor  # [B, ≤W] the last W tokens (bidirectional fallback only)
+
+
+class SiDAHash(nn.Module):
+    def __init__(self, token_proj: nn.Module, n_layers: int, n_experts: int, sizes: SiDASizes):
+        super().__init__()
+        self.n_layers, self.n_experts, self.sizes = n_layers, n_experts, sizes
+        self.token_proj = token_proj
+        self.lstm = nn.LSTM(
+            sizes.compress_dim,
+            sizes.hidden_dim,
+            num_layers=sizes.lstm_layers,
+            batch_first=True,
+            bidirectional=sizes.bidirectional,
+            dropout=sizes.dropout if sizes.lstm_layers > 1 else 0.0,
+        )
+        width = sizes.hidden_dim * (2 if sizes.bidirectional else 1)
+        self.query = nn.Linear(width, width, bias=False)
+        self.key = nn.Linear(width, width, bias=False)
+        self.scale = 1.0 / math.sqrt(width)
+        self.dropout = nn.Dropout(sizes.dropout)
+        self.head = nn.Linear(width, n_layers * n_experts)
+
+    @classmethod
+    def from_embedding(cls, embedding: torch.Tensor, n_layers: int, n_experts: int, sizes: SiDASizes) -> "SiDAHash":
+        return cls(CompressedEmbedding(embedding, sizes.compress_dim), n_layers, n_experts, sizes)
+
+    def folded(self) -> "SiDAHash":
+        """A copy whose token projection is one [V, d_c] table (see module doc)."""
+        if not isinstance(self.token_proj, CompressedEmbedding):
+            return self
+        table = self.token_proj.folded()
+        out = SiDAHash(table, self.n_layers, self.n_experts, self.sizes)
+        rest = {k: v for k, v in self.state_dict().items() if not k.startswith("token_proj.")}
+        out.load_state_dict({**rest, "token_proj.weight": table.weight})
+        return out.train(self.training)
+
+    # --- whole sequences -------------------------------------------------------------
+    def lstm_states(self, token_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """LSTM outputs [B, T, H'] (padding after `lengths` ignored by the bidirectional LSTM)."""
+        x = self.token_proj(token_ids)
+        if self.sizes.bidirectional and lengths is not None:
+            packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+            states, _ = pad_packed_sequence(self.lstm(packed)[0], batch_first=True, total_length=x.shape[1])
+        else:
+            states, _ = self.lstm(x)
+        return self.dropout(states)
+
+    def attention_mask(self, length: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Allowed (query, key) pairs: [T, T] band for the causal variant, [B, 1, T] key
+        padding (or all-True [T, T]) for the bidirectional one."""
+        pos = torch.arange(length, device=self.head.weight.device)
+        if not self.sizes.bidirectional:
+            offset = pos[:, None] - pos[None, :]
+            return (offset >= 0) & (offset < self.sizes.attn_window)
+        if lengths is None:
+            return torch.ones(length, length, dtype=torch.bool, device=pos.device)
+        return (pos[None, :] < lengths.to(pos.device)[:, None])[:, None, :]
+
+    def _attend(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = (self.query(queries) @ keys.transpose(-1, -2)) * self.scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = sparsemax(scores, dim=-1)  # of the raw scaled scores: exact zeros
+        return weights @ values, weights
+
+    def attention(self, states: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sparsemax self-attention over `states` [B, T, H']. Returns (context, weights [B, T, T])."""
+        return self._attend(states, self.key(states), states, mask)
+
+    def _logits(self, states: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        out = self.head(self.dropout(context) + states)
+        return out.view(*out.shape[:-1], self.n_layers, self.n_experts)
+
+    def forward(self, token_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Expert logits [B, T, L, E]."""
+        states = self.lstm_states(token_ids, lengths)
+        context, _ = self.attention(states, self.attention_mask(token_ids.shape[1], lengths))
+        return self._logits(states, context)
+
+    # --- incremental decoding ----------------------------------------------------------
+    def start(self, batch_size: int) -> SiDAState:
+        device = self.head.weight.device
+        width = self.query.in_features
+        empty = torch.zeros(batch_size, 0, width, device=device)
+        return SiDAState(None, empty, empty, torch.zeros(batch_size, 0, dtype=torch.long, device=device))
+
+    def _lstm_step(self, state: SiDAState, x: torch.Tensor) -> torch.Tensor:
+        """One time step of the stacked LSTM with `torch.lstm_cell` on nn.LSTM's own weights
+        (the same math; oneDNN's sequence kernel costs milliseconds for a single step)."""
+        if state.lstm is None:
+            zeros = x.new_zeros(self.sizes.lstm_layers, x.shape[0], self.sizes.hidden_dim)
+            state.lstm = (zeros, zeros)
+        hs, cs = [], []
+        for i in range(self.sizes.lstm_layers):
+            weights = [getattr(self.lstm, f"{name}_l{i}") for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+            h, c = torch.lstm_cell(x, (state.lstm[0][i], state.lstm[1][i]), *weights)
+            hs.append(h)
+            cs.append(c)
+            x = h
+        state.lstm = (torch.stack(hs), torch.stack(cs))
+        return x
+
+    def step(self, state: SiDAState, token_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, L, E] for one new token per row; updates `state`."""
+        window = self.sizes.attn_window
+        if self.sizes.bidirectional:
+            state.tokens = torch.cat([state.tokens, token_ids[:, None]], dim=1)[:, -window:]
+            return self.forward(state.tokens)[:, -1]
+        out = self._lstm_step(state, self.token_proj(token_ids))[:, None]
+        state.keys = torch.cat([state.keys, self.key(out)], dim=1)[:, -window:]
+        state.values = torch.cat([state.values, out], dim=1)[:, -window:]
+        context, _ = self._attend(out, state.keys, state.values)
+        return self._logits(out, context)[:, 0]
+
+
+@register_predictor
+class SiDAPredictor(ExpertPredictor):
+    """A trained (folded) hash function behind the predictor interface, in eval mode."""
+
+    kind = "sida"
+
+    def __init__(self, hash_fn: SiDAHash, meta: PredictorMeta):
+        self.hash = hash_fn.folded().eval()
+        self.meta = meta
+
+    @torch.inference_mode()
+    def predict(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.hash(input_ids)
+
+    @torch.inference_mode()
+    def start(self, batch_size: int) -> SiDAState:
+        return self.hash.start(batch_size)
+
+    @torch.inference_mode()
+    def _lstm_step(self, state: SiDAState, x: torch.Tensor) -> torch.Tensor:
+        """One time step of the stacked LSTM with `torch.lstm_cell` on nn.LSTM's own weights
+        (the same math; oneDNN's sequence kernel costs milliseconds for a single step)."""
+        if state.lstm is None:
+            zeros = x.new_zeros(self.sizes.lstm_layers, x.shape[0], self.sizes.hidden_dim)
+            state.lstm = (zeros, zeros)
+        hs, cs = [], []
+        for i in range(self.sizes.lstm_layers):
+            weights = [getattr(self.lstm, f"{name}_l{i}") for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+            h, c = torch.lstm_cell(x, (state.lstm[0][i], state.lstm[1][i]), *weights)
+            hs.append(h)
+            cs.append(c)
+            x = h
+        state.lstm = (torch.stack(hs), torch.stack(cs))
+        return x
+
+    def step(self, state: SiDAState, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.hash.step(state, token_ids)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.hash.state_dict())
+
+    @classmethod
+    def from_artifact(cls, meta: PredictorMeta, tensors: dict[str, torch.Tensor]) -> "SiDAPredictor":
+        sizes = SiDASizes(**meta.hparams)
+        table = nn.Embedding(*tensors["token_proj.weight"].shape)
+        hash_fn = SiDAHash(table, meta.fingerprint.n_moe_layers, meta.fingerprint.n_experts, sizes)
+        hash_fn.load_state_dict(tensors)
+        return cls(hash_fn, meta)

@@ -1,0 +1,192 @@
+"""ExpertCache: pins, prefetch statistics, capacity errors, eviction callback, threads."""
+
+import random
+import sys
+import threading
+
+import pytest
+
+from cache import (
+    CacheError,
+    CacheFullError,
+    CapacityError,
+    ExpertCache,
+    make_policy,
+)
+from cache.policies import LFU, LRU
+
+A, B, C, D = (0, 0), (0, 1), (0, 2), (0, 3)
+
+
+def test_pinned_keys_are_never_evicted():
+    cache = ExpertCache(2, LRU())
+    cache.access(A)
+    cache.access(B)
+    cache.pin(A)  # A is least recently used, but in use
+    assert cache.access(C) is False
+    assert cache.resident() == {A, C}
+    cache.pin(C)
+    with pytest.raises(CacheFullError, match="pinned"):
+        cache.access(D)
+    assert cache.prefetch(D) is False
+    cache.unpin(C)
+    assert cache.access(D) is False
+    assert cache.resident() == {A, D}
+
+
+def test_pins_are_counted():
+    cache = ExpertCache(1, LRU())
+    cache.access(A)
+    cache.pin(A)
+    cache.pin(A)
+    cache.unpin(A)
+    with pytest.raises(CacheFullError):
+        cache.access(B)
+    cache.unpin(A)
+    cache.access(B)
+    assert cache.resident() == {B}
+    with pytest.raises(CacheError, match="not pinned"):
+        cache.unpin(B)
+    with pytest.raises(CacheError, match="not resident"):
+        cache.pin(C)
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "fifo", "static", "mrs"])
+def test_access_many_never_evicts_its_own_keys(name):
+    """Static-hot ranks C lowest, so one by one, B's insertion would evict the just-loaded C."""
+    kwargs = {"frequencies": {A: 9, B: 1, C: 0}} if name == "static" else {"top_k": 2} if name == "mrs" else {}
+    cache = ExpertCache(2, make_policy(name, **kwargs))
+    cache.access(A)
+    assert cache.access_many([C, B]) == 2
+    assert cache.resident() == {B, C}
+    assert cache.pinned() == {}
+
+
+def test_access_many_pin_keeps_keys_pinned_until_released():
+    cache = ExpertCache(3, LRU())
+    assert cache.access_many([A, B], pin=True) == 2
+    assert cache.pinned() == {A: 1, B: 1}
+    cache.access(C)
+    cache.access(D)  # A and B are pinned: C goes
+    assert cache.resident() == {A, B, D}
+    cache.unpin_many([A, B])
+    assert cache.pinned() == {}
+
+
+def test_access_many_that_cannot_fit_leaves_pins_as_they_were():
+    cache = ExpertCache(2, LRU())
+    cache.access(A)
+    cache.pin(A)
+    with pytest.raises(CacheFullError):
+        cache.access_many([B, C])
+    assert cache.pinned() == {A: 1}
+
+
+def test_stats_count_prefetch_hits_and_waste():
+    evicted = []
+    cache = ExpertCache(2, LRU(), on_evict=evicted.append)
+    assert cache.prefetch(A) is True
+    assert cache.prefetch(B) is True
+    assert cache.prefetch(A) is False  # already resident
+    assert cache.access(A) is True  # served by a prefetch
+    assert cache.access(A) is True  # A was already used once: a plain hit
+    assert cache.access(C) is False  # evicts B, prefetched and never used
+    s = cache.stats
+    assert (s.accesses, s.hits, s.misses) == (3, 2, 1)
+    assert (s.prefetch_inserts, s.prefetch_hits, s.wasted_prefetches, s.evictions) == (2, 1, 1, 1)
+    assert s.hit_rate == pytest.approx(2 / 3)
+    assert evicted == [B]
+
+
+def test_access_many_counts_like_access():
+    cache = ExpertCache(2, LFU())
+    cache.prefetch(B)
+    assert cache.access_many([A, B]) == 1
+    assert cache.access_many([A, B]) == 0
+    s = cache.stats
+    assert (s.accesses, s.hits, s.misses, s.prefetch_hits) == (4, 3, 1, 1)
+
+
+def test_capacity_below_top_k_names_the_minimum():
+    with pytest.raises(CapacityError, match=r"minimum is 4 slots per layer"):
+        ExpertCache(3, LRU(), per_layer=True, top_k=4)
+    with pytest.raises(CapacityError, match=r"minimum is 2 slots in all"):
+        ExpertCache(1, LRU(), top_k=2)
+    ExpertCache(2, LRU(), top_k=2)
+
+
+def test_n_layers_bounds_keys():
+    cache = ExpertCache(4, LRU(), n_layers=2)
+    cache.access((1, 3))
+    with pytest.raises(CacheError, match="layer 2"):
+        cache.access((2, 0))
+
+
+def test_per_layer_capacity_is_per_layer():
+    cache = ExpertCache(2, LRU(), per_layer=True, n_layers=3)
+    for layer in range(3):
+        for expert in range(4):
+            cache.access((layer, expert))
+    assert cache.resident() == {(l, e) for l in range(3) for e in (2, 3)}
+
+
+def test_two_threads_hammering_keep_the_invariants():
+    """A loader thread prefetches, an inference thread accesses and pins; the switch interval is
+    cut so the threads interleave inside methods. Any race breaks the policy's bookkeeping
+    (KeyError), the capacity, or the counts."""
+    capacity, keys = 6, [(l, e) for l in range(3) for e in range(6)]
+    cache = ExpertCache(capacity, LRU())
+    errors: list[BaseException] = []
+    seen_sizes: list[int] = []
+
+    def inference(seed: int) -> None:
+        rnd = random.Random(seed)
+        try:
+            for _ in range(20_000):
+                batch = rnd.sample(keys, 2)
+                cache.access_many(batch, pin=True)
+                seen_sizes.append(len(cache))
+                cache.unpin_many(batch)
+                cache.access(rnd.choice(keys))
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    def loader(seed: int) -> None:
+        rnd = random.Random(seed)
+        try:
+            for _ in range(40_000):
+                cache.prefetch(rnd.choice(keys))
+                seen_sizes.append(len(cache.resident()))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=inference, args=(1,)), threading.Thread(target=loader, args=(2,))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert errors == []
+    assert max(seen_sizes) <= capacity
+    s = cache.stats
+    assert s.accesses == 20_000 * 3 and s.hits + s.misses == s.accesses
+    assert s.prefetch_hits <= s.prefetch_inserts
+    assert cache.pinned() == {}
+    assert list(cache.policy._orders[None]) and set(cache.policy._orders[None]) == cache.resident()
+
+
+def test_prefetch_can_pin_the_slot_while_the_loader_fills_it():
+    cache = ExpertCache(2, LRU())
+    assert cache.prefetch(A, pin=True) is True
+    cache.access(B)
+    cache.access(C)  # A is least recently used but its slot is being filled: B goes
+    assert cache.resident() == {A, C}
+    cache.unpin(A)
+    cache.pin(C)
+    assert cache.prefetch_many([B, D], pin=True) == [B]  # B evicts A; D finds C pinned, B held
+    assert cache.resident() == {B, C}
+    assert cache.pinned() == {B: 1, C: 1}

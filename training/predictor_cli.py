@@ -1,0 +1,80 @@
+"""`prescient train`: LightningCLI over `PredictorModule` + `PredictorDataModule`.
+
+    prescient train --config configs/predictor/sida.yaml --data.trace_dir DIR [--export PATH]
+    python -m training.predictor_cli --config ... (the same)
+
+Everything the YAML holds can be overridden on the command line (`--model.lr 1e-3`,
+`--trainer.max_epochs 5`, `--trainer.strategy ddp --trainer.devices 2`). Two options of
+our own: `--ckpt_path` resumes a run from a checkpoint, and `--export` names the artifact
+(NAME.safetensors + NAME.json) written after training from the best checkpoint; by default
+it lands beside the run's checkpoint folder as `predictor.*`.
+
+Weights & Biases runs offline unless WANDB_MODE says otherwise: no network is ever needed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.cli import LightningCLI
+
+from predictor.artifact import save_predictor
+from training.predictor_data import PredictorDataModule
+from training.predictor_module import PredictorModule
+
+log = logging.getLogger(__name__)
+
+
+class PredictorCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.link_arguments("data.trace_dir", "model.trace_dir")
+        parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume training from")
+        parser.add_argument(
+            "--export", type=str | None, default=None,
+            help="predictor artifact path NAME (writes NAME.safetensors + NAME.json); default: <run dir>/predictor",
+        )
+
+
+def default_export_path(trainer: Trainer) -> Path:
+    checkpoint = trainer.checkpoint_callback
+    if checkpoint is not None and checkpoint.dirpath:
+        return Path(checkpoint.dirpath).parent / "predictor"
+    return Path(trainer.default_root_dir) / "predictor"
+
+
+def export_best(cli: PredictorCLI, path: str | Path | None) -> Path:
+    """Validate the best checkpoint (the last weights if none) and save it as an artifact."""
+    trainer, model, data = cli.trainer, cli.model, cli.datamodule
+    best = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
+    results = trainer.validate(model, datamodule=data, ckpt_path=best, verbose=False)
+    target = Path(path) if path else default_export_path(trainer)
+    if trainer.is_global_zero:
+        config = json.loads(cli.parser.dump(cli.config, format="json", skip_link_targets=False))
+        training = {**data.describe(), "checkpoint": best, "config": config}
+        save_predictor(model.to_predictor(training, {k: float(v) for k, v in results[0].items()}), target)
+        log.info("exported the predictor to %s.{safetensors,json}", target)
+    trainer.strategy.barrier("predictor-export")
+    return target
+
+
+def main(args: list[str] | None = None) -> None:
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    cli = PredictorCLI(
+        PredictorModule,
+        PredictorDataModule,
+        args=args,
+        run=False,
+        save_config_kwargs={"overwrite": True},
+    )
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.ckpt_path)
+    export_best(cli, cli.config.export)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    main()

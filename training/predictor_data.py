@@ -1,0 +1,141 @@
+"""LightningDataModule over router traces: fixed-length windows of token ids with the
+router's choices for every MoE layer as targets.
+
+A traced sequence is cut into consecutive windows of `window` tokens (the last one shorter,
+padded, with `mask` False on the padding). Each window is one sample:
+
+    token_ids   [W]        long
+    mask        [W]        bool, True on real tokens
+    topk_ids    [W, L, k]  long, the router's selection, best first
+    topt_ids    [W, L, T]  long, the T highest-logit experts
+    topt_logits [W, L, T]  float32, their logits
+
+Validation reads `val_trace_dir` when given, otherwise a deterministic `val_fraction` of the
+training trace's sequences (chosen by seq_id with a seeded permutation), so the same
+sequences are held out on every run and every DDP rank.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from predictor.base import describe_trace
+from prescient.errors import TraceError
+from prescient.traces import Trace, load_trace
+
+log = logging.getLogger(__name__)
+
+
+class TraceWindows(Dataset):
+    """Windows over the given sequences (lists of contiguous row indices) of a trace."""
+
+    def __init__(self, trace: Trace, sequences: list[torch.Tensor], window: int):
+        self.trace, self.window = trace, window
+        self.spans = [
+            (int(rows[0]) + offset, min(window, len(rows) - offset))
+            for rows in sequences
+            for offset in range(0, len(rows), window)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        start, n = self.spans[index]
+        pad = self.window - n
+        rows = slice(start, start + n)
+
+        def take(column: str, dtype: torch.dtype) -> torch.Tensor:
+            value = self.trace[column][rows].to(dtype)
+            return F.pad(value, (0, 0) * (value.dim() - 1) + (0, pad))
+
+        return {
+            "token_ids": take("token_id", torch.long),
+            "mask": torch.arange(self.window) < n,
+            "topk_ids": take("topk_ids", torch.long),
+            "topt_ids": take("topt_ids", torch.long),
+            "topt_logits": take("topt_logits", torch.float32),
+        }
+
+
+def split_sequences(trace: Trace, val_fraction: float, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(train, validation) sequences: a seeded permutation of the sequences, the first
+    ⌈val_fraction·n⌉ for validation."""
+    sequences = trace.sequences()
+    if len(sequences) < 2:
+        raise TraceError(
+            f"the trace holds {len(sequences)} sequence(s); a validation split needs at least 2 "
+            "(trace more tokens or give data.val_trace_dir)"
+        )
+    # order by seq_id first, so the split depends on which sequences exist, not on shard order
+    sequences.sort(key=lambda rows: int(trace["seq_id"][rows[0]]))
+    n_val = min(len(sequences) - 1, max(1, round(val_fraction * len(sequences))))
+    order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [sequences[i] for i in order[n_val:]], [sequences[i] for i in order[:n_val]]
+
+
+class PredictorDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        trace_dir: str,
+        val_trace_dir: str | None = None,
+        val_fraction: float = 0.1,
+        window: int = 128,
+        batch_size: int = 64,
+        num_workers: int = 0,
+        split_seed: int = 0,
+    ):
+        """
+        Args:
+            trace_dir: router trace to train on (made by `prescient trace`).
+            val_trace_dir: router trace to validate on; default: hold out `val_fraction` of `trace_dir`.
+            val_fraction: share of the training trace's sequences held out when `val_trace_dir` is not given.
+            window: tokens per training sample; longer sequences are cut into consecutive windows.
+            batch_size: windows per batch (SiDA: 64).
+            num_workers: DataLoader worker processes.
+            split_seed: seed of the held-out split.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        self.train_set: TraceWindows | None = None
+        self.val_set: TraceWindows | None = None
+
+    def setup(self, stage: str) -> None:
+        if self.train_set is not None:
+            return
+        hp = self.hparams
+        train = load_trace(hp.trace_dir)
+        if hp.val_trace_dir:
+            val = load_trace(hp.val_trace_dir)
+            train.fingerprint.require_same(val.fingerprint, f"validation trace {hp.val_trace_dir}")
+            train_seqs, val_seqs = train.sequences(), val.sequences()
+        else:
+            val = train
+            train_seqs, val_seqs = split_sequences(train, hp.val_fraction, hp.split_seed)
+        self.train_set = TraceWindows(train, train_seqs, hp.window)
+        self.val_set = TraceWindows(val, val_seqs, hp.window)
+        log.info("predictor data: %d training and %d validation windows of %d tokens",
+                 len(self.train_set), len(self.val_set), hp.window)
+
+    def describe(self) -> dict:
+        """What a predictor artifact records about its training data."""
+        hp = self.hparams
+        train = describe_trace(self.train_set.trace.manifest, hp.trace_dir)
+        val = {"val_trace_dir": hp.val_trace_dir} if hp.val_trace_dir else {"val_fraction": hp.val_fraction, "split_seed": hp.split_seed}
+        return {**train, **val, "window": hp.window}
+
+    def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
+        hp = self.hparams
+        return DataLoader(dataset, batch_size=hp.batch_size, shuffle=shuffle, num_workers=hp.num_workers,
+                          persistent_workers=hp.num_workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)

@@ -1,0 +1,127 @@
+"""LightningModule that trains SiDA's hash function on router traces with truncated KD.
+
+It reads the trace manifest for the MoE shape and fingerprint (`trace_dir` is linked from
+the data module by the CLI) and the target model's token embeddings from `model_dir`
+(default: the model directory the trace manifest records under `settings["model"]`).
+
+Logged: train/{loss, ce, tkd, ...} every step; val/{loss, ...}, val/recall_at_k (share of
+the router's top-k experts among the predicted top-k, k = the model's top-k) and
+val/recall_at_2k (among the predicted top-2k) every validation.
+
+A non-finite loss stops training by raising `NonFiniteLossError` before the optimizer
+step, on every DDP rank at once, so no checkpoint holding bad weights is ever written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import lightning as L
+import torch
+
+from predictor.base import PredictorMeta
+from predictor.losses import LossConfig, predictor_loss
+from predictor.metrics import recall_at
+from predictor.sida import SiDAHash, SiDAPredictor, SiDASizes, read_token_embeddings
+from prescient.errors import ModelFilesError, PrescientError, TraceError
+from prescient.traces import read_manifest
+
+
+class NonFiniteLossError(PrescientError):
+    """The training loss became NaN or infinite."""
+
+
+class PredictorModule(L.LightningModule):
+    def __init__(
+        self,
+        trace_dir: str,
+        model_dir: str | None = None,
+        sizes: SiDASizes | None = None,
+        loss: LossConfig | None = None,
+        lr: float = 2e-3,
+        weight_decay: float = 0.01,
+    ):
+        """
+        Args:
+            trace_dir: training trace (linked from data.trace_dir); gives the MoE shape and fingerprint.
+            model_dir: the traced HF model directory, for its token embeddings; default: the trace's.
+            sizes: hash-function sizes and variant (causal / bidirectional).
+            loss: loss terms and weights.
+            lr: AdamW learning rate.
+            weight_decay: AdamW weight decay.
+        """
+        super().__init__()
+        # dicts come back from a checkpoint's hyper-parameters (`load_from_checkpoint`)
+        self.sizes = SiDASizes(**sizes) if isinstance(sizes, dict) else sizes or SiDASizes()
+        self.loss_config = LossConfig(**loss) if isinstance(loss, dict) else loss or LossConfig()
+        manifest = read_manifest(trace_dir)
+        if manifest is None:
+            raise TraceError(f"{trace_dir} is not a trace directory (no manifest); make one with `prescient trace`")
+        self.fingerprint = manifest.fingerprint
+        model_dir = model_dir or manifest.settings.get("model")
+        if not model_dir:
+            raise ModelFilesError(
+                f"the trace {trace_dir} does not record its model directory; give --model.model_dir"
+            )
+        embedding = read_token_embeddings(model_dir)
+        if embedding.shape[0] < self.fingerprint.vocab_size:
+            raise ModelFilesError(
+                f"{model_dir} embeds {embedding.shape[0]} tokens but the trace's model has a vocabulary of "
+                f"{self.fingerprint.vocab_size}; give the model directory the trace was made from"
+            )
+        self.save_hyperparameters(
+            {"trace_dir": trace_dir, "model_dir": str(model_dir), "sizes": asdict(self.sizes),
+             "loss": asdict(self.loss_config), "lr": lr, "weight_decay": weight_decay}
+        )
+        fp = self.fingerprint
+        self.hash = SiDAHash.from_embedding(embedding, fp.n_moe_layers, fp.n_experts, self.sizes)
+        # every DDP rank reads the same frozen embedding: never broadcast it (it can be GBs)
+        self._ddp_params_and_buffers_to_ignore = ["hash.token_proj.embedding"]
+
+    def forward(self, token_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        return self.hash(token_ids, lengths)
+
+    def _terms(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logits = self(batch["token_ids"], batch["mask"].sum(1))
+        terms = predictor_loss(
+            logits, batch["topk_ids"], batch["topt_ids"], batch["topt_logits"], batch["mask"], self.loss_config
+        )
+        return logits, terms
+
+    def _require_finite(self, loss: torch.Tensor) -> None:
+        finite = bool(torch.isfinite(loss))
+        if self.trainer.strategy.reduce_boolean_decision(finite, all=True):
+            return
+        checkpoint = self.trainer.checkpoint_callback
+        last = getattr(checkpoint, "last_model_path", "") or "none written yet"
+        raise NonFiniteLossError(
+            f"the training loss became {loss.item()} at step {self.global_step}; training stopped before "
+            f"the optimizer step. Last good checkpoint: {last}. Lower the learning rate (or check the trace "
+            "for bad logits) and resume with --ckpt_path."
+        )
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        _, terms = self._terms(batch)
+        self._require_finite(terms["loss"])
+        n_tokens = int(batch["mask"].sum())
+        self.log_dict({f"train/{name}": value for name, value in terms.items()}, batch_size=n_tokens)
+        return terms["loss"]
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        logits, terms = self._terms(batch)
+        mask, topk = batch["mask"], batch["topk_ids"]
+        k = self.fingerprint.top_k
+        n_tokens = int(mask.sum())
+        metrics = {f"val/{name}": value for name, value in terms.items()}
+        metrics["val/recall_at_2k"] = recall_at(logits, topk, 2 * k, mask)
+        self.log_dict(metrics, batch_size=n_tokens, sync_dist=True)
+        self.log("val/recall_at_k", recall_at(logits, topk, k, mask), batch_size=n_tokens, sync_dist=True, prog_bar=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [p for p in self.hash.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+
+    def to_predictor(self, training: dict | None = None, metrics: dict[str, float] | None = None) -> SiDAPredictor:
+        """The trained hash function behind the predictor interface, ready to save."""
+        meta = PredictorMeta(SiDAPredictor.kind, self.fingerprint, asdict(self.sizes), training or {}, metrics or {})
+        return SiDAPredictor(self.hash, meta)
