@@ -129,18 +129,55 @@ class ExpertCache:
             if not self._resident.issuperset(keys):
                 return self._access_with_misses(keys, pin)
             # all hits: nothing is inserted, so nothing needs protecting during the call
-            stats = self._stats
-            unused = self._unused_prefetches
-            if unused and not unused.isdisjoint(keys):
-                used = unused.intersection(keys)
-                unused -= used
-                stats.prefetch_hits += len(used)
+            if self._unused_prefetches:
+                self._count_prefetch_hits(keys)
             self.policy.on_access_many(keys)
+            stats = self._stats
             stats.accesses += len(keys)
             stats.hits += len(keys)
             if pin:
                 self._hold(keys)
             return 0
+
+    def access_steps(
+        self,
+        steps: Iterable[Sequence[Sequence[Key]]],
+        scores: Iterable[Sequence[Mapping[int, float] | Sequence[float]]] | None = None,
+    ) -> int:
+        """Decode token-steps in order: for each step, for each layer l, `on_step(l, scores[t][l])`
+        (if `scores` is given), then `access_many(steps[t][l])`. The same as those calls one by
+        one, under one lock (the simulator's demand replay). Returns the number of misses."""
+        with self._lock:
+            issuperset = self._resident.issuperset
+            on_hits, on_step = self.policy.on_access_many, self.policy.on_step
+            with_misses, unused = self._access_with_misses, self._unused_prefetches
+            hit_keys = misses = 0
+            try:
+                if scores is None:
+                    for step in steps:
+                        for keys in step:
+                            if issuperset(keys):
+                                if unused:
+                                    self._count_prefetch_hits(keys)
+                                on_hits(keys)
+                                hit_keys += len(keys)
+                            else:
+                                misses += with_misses(keys, False)
+                else:
+                    for step, step_scores in zip(steps, scores):
+                        for layer, (keys, layer_scores) in enumerate(zip(step, step_scores)):
+                            on_step(layer, layer_scores)
+                            if issuperset(keys):
+                                if unused:
+                                    self._count_prefetch_hits(keys)
+                                on_hits(keys)
+                                hit_keys += len(keys)
+                            else:
+                                misses += with_misses(keys, False)
+            finally:
+                self._stats.accesses += hit_keys
+                self._stats.hits += hit_keys
+            return misses
 
     # -- prefetch path ---------------------------------------------------------------------
 
@@ -154,18 +191,19 @@ class ExpertCache:
         call is not evicted by a later one of the same call: what does not fit is skipped.
         With `pin=True` the inserted keys stay pinned (while the loader fills their slots)."""
         with self._lock:
-            resident, insert = self._resident, self._insert
+            resident, insert, pins = self._resident, self._insert, self._pins
             inserted: list[Key] = []
             try:
                 for key in keys:
                     if key not in resident and insert(key, demand=False):
                         inserted.append(key)
-                        self._hold((key,))
+                        pins[key] = pins.get(key, 0) + 1
             finally:
-                if not pin:
+                if not pin and inserted:
                     self._release(inserted)
-            self._stats.prefetch_inserts += len(inserted)
-            self._unused_prefetches.update(inserted)
+            if inserted:
+                self._stats.prefetch_inserts += len(inserted)
+                self._unused_prefetches.update(inserted)
             return inserted
 
     # -- pins --------------------------------------------------------------------------------
@@ -185,8 +223,9 @@ class ExpertCache:
 
     def unpin_many(self, keys: Sequence[Key]) -> None:
         with self._lock:
-            missing = [key for key in keys if key not in self._pins]
-            if missing:
+            pins = self._pins
+            if not all(key in pins for key in keys):
+                missing = [key for key in keys if key not in pins]
                 raise CacheError(f"cannot unpin {missing}: not pinned")
             self._release(keys)
 
@@ -200,20 +239,20 @@ class ExpertCache:
     # -- internals (lock held) ---------------------------------------------------------------
 
     def _access_with_misses(self, keys: Sequence[Key], pin: bool) -> int:
-        self._hold(keys)  # a miss must not evict another key of the call
-        resident = self._resident
-        unused = self._unused_prefetches
-        on_access = self.policy.on_access
+        pins = self._pins
+        for key in keys:  # a miss must not evict another key of the call
+            pins[key] = pins.get(key, 0) + 1
+        resident, unused = self._resident, self._unused_prefetches
+        insert, on_access = self._insert, self.policy.on_access
         done = misses = prefetch_hits = 0
         try:
             for key in keys:
-                if key in resident:
-                    if key in unused:
-                        unused.discard(key)
-                        prefetch_hits += 1
-                else:
-                    self._insert(key, demand=True)
+                if key not in resident:
+                    insert(key, True)
                     misses += 1
+                elif unused and key in unused:
+                    unused.discard(key)
+                    prefetch_hits += 1
                 on_access(key, None)
                 done += 1
         except CacheFullError:
@@ -228,6 +267,14 @@ class ExpertCache:
         if not pin:
             self._release(keys)
         return misses
+
+    def _count_prefetch_hits(self, keys: Sequence[Key]) -> None:
+        """Resident `keys` are being used: those prefetched and not used before count once."""
+        unused = self._unused_prefetches
+        if not unused.isdisjoint(keys):
+            used = unused.intersection(keys)
+            unused -= used
+            self._stats.prefetch_hits += len(used)
 
     def _hold(self, keys: Iterable[Key]) -> None:
         pins = self._pins
@@ -250,13 +297,14 @@ class ExpertCache:
             raise CacheError(f"key {key} names layer {key[0]} but the cache has {self.n_layers} layers")
         part = key[0] if self.per_layer else None
         fill = self._fill.get(part, 0)
+        policy = self.policy
         if fill < self.capacity:
             self._fill[part] = fill + 1
         else:
             candidates = self._candidates.get(part)
             if candidates is None:
                 candidates = self._candidates[part] = Candidates(part, self._pins)
-            victim = self.policy.victim(candidates)
+            victim = policy.victim(candidates)
             if victim is None:
                 if not demand:
                     return False
@@ -267,7 +315,7 @@ class ExpertCache:
                 )
             self._evict(victim)  # the partition's fill stays: one out, one in
         self._resident.add(key)
-        self.policy.on_insert(key)
+        policy.on_insert(key)
         return True
 
     def _evict(self, key: Key) -> None:
@@ -275,8 +323,9 @@ class ExpertCache:
         self.policy.on_evict(key)
         stats = self._stats
         stats.evictions += 1
-        if self._unused_prefetches and key in self._unused_prefetches:
-            self._unused_prefetches.remove(key)
+        unused = self._unused_prefetches
+        if unused and key in unused:
+            unused.remove(key)
             stats.wasted_prefetches += 1
         if self.on_evict is not None:
             self.on_evict(key)

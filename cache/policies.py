@@ -5,10 +5,11 @@ Registry by name: `POLICIES` and `make_policy(name, **kwargs)`.
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
-from operator import itemgetter
+from collections.abc import Container, Mapping, Sequence
+from operator import itemgetter, mul
 
 from cache.errors import PolicyError, UnknownPolicyError
 from cache.policy import Candidates, EvictionPolicy, Key, OrderedPolicy, RankedPolicy
@@ -109,16 +110,21 @@ class Belady(RankedPolicy):
 
 _RESCALE_BELOW = 1e-120
 _SCORE = itemgetter(1)
+_INF = float("inf")
 
 
-class MRS(RankedPolicy):
+class MRS(EvictionPolicy):
     """HybriMoE's Minus Recent Score: per layer S ← α·TopP(s) + (1−α)·S; evict the lowest S.
 
     TopP keeps the p largest step scores (p = 2·top_k by default) and zeroes the rest. Scores are
     kept for every expert, resident or not. Stored as u = S / scale[layer]: a step multiplies the
-    layer's scale by (1−α) instead of decaying all E scores, so a step costs O(p log n) and the
-    heap order within a layer stays exact; under a global budget the victim compares real S over
-    the lowest key of each layer. Ties go to the lower expert id.
+    layer's scale by (1−α) instead of decaying all E scores, so a step costs O(p) and the order
+    within a layer stays exact. Ties go to the lower expert id.
+
+    Bookkeeping, per layer: u by expert, the resident experts, and a lazy min-heap of
+    (u, expert) whose top is kept valid (resident, at its current u) after every change, so a
+    layer's lowest key is its heap top. Under a global budget the victim compares real S over
+    the layers' tops: one C-level pass over [L] lists.
     """
 
     uses_scores = True
@@ -137,62 +143,154 @@ class MRS(RankedPolicy):
         self.alpha = alpha
         self.p = p
         self.scores_used = p
-        self._u: defaultdict[int, dict[int, float]] = defaultdict(dict)
-        self._scale: defaultdict[int, float] = defaultdict(lambda: 1.0)
+        self._decay = 1.0 - alpha
+        self._u: list[list[float]] = []  # [layer][expert] u, grown as experts appear
+        self._scale: list[float] = []  # [layer]
+        self._resident: list[set[int]] = []  # [layer] resident experts
+        self._heaps: list[list[tuple[float, int]]] = []  # [layer] lazy min-heap of (u, expert)
+        self._tops: list[float] = []  # [layer] u of the heap top, inf when the layer holds none
+
+    def _add_layers(self, layer: int) -> None:
+        for _ in range(len(self._u), layer + 1):
+            self._u.append([])
+            self._scale.append(1.0)
+            self._resident.append(set())
+            self._heaps.append([])
+            self._tops.append(_INF)
 
     def score(self, key: Key) -> float:
         """S of a key, resident or not."""
         layer, expert = key
-        return self._u[layer].get(expert, 0.0) * self._scale[layer]
-
-    def insert_rank(self, key: Key) -> float:
-        return self._u[key[0]].get(key[1], 0.0)
+        if layer >= len(self._u):
+            return 0.0
+        u = self._u[layer]
+        return (u[expert] if expert < len(u) else 0.0) * self._scale[layer]
 
     def on_step(self, layer: int, scores: Mapping[int, float] | Sequence[float]) -> None:
         items = scores.items() if isinstance(scores, (dict, Mapping)) else enumerate(scores)
         if len(scores) > self.p:
             items = sorted(items, key=_SCORE, reverse=True)[: self.p]
-        scale = self._scale[layer] * (1.0 - self.alpha)
+        if layer >= len(self._u):
+            self._add_layers(layer)
+        scale = self._scale[layer] * self._decay
         if scale < _RESCALE_BELOW:
             self._rescale(layer, scale)
             scale = 1.0
         self._scale[layer] = scale
         gain = self.alpha / scale
         u = self._u[layer]
-        ranks = self._ranks
         for expert, s in items:
-            value = u.get(expert, 0.0) + gain * s
-            u[expert] = value
-            key = (layer, expert)
-            old = ranks.get(key)
-            if old is not None:  # resident
-                if value >= old:
-                    ranks[key] = value  # a rising rank needs no heap push (see RankedPolicy)
-                else:
-                    self.set_rank(key, value)
+            try:
+                u[expert] += gain * s
+            except IndexError:
+                u.extend([0.0] * (expert + 1 - len(u)))
+                u[expert] += gain * s
+            if s < 0.0 and expert in self._resident[layer]:  # a falling u needs a new entry
+                heapq.heappush(self._heaps[layer], (u[expert], expert))
+        heap = self._heaps[layer]
+        if heap and u[heap[0][1]] != heap[0][0]:
+            self._fix_top(layer)
+
+    def on_insert(self, key: Key) -> None:
+        layer, expert = key
+        if layer >= len(self._u):
+            self._add_layers(layer)
+        u = self._u[layer]
+        if expert >= len(u):
+            u.extend([0.0] * (expert + 1 - len(u)))
+        value = u[expert]
+        resident, heap = self._resident[layer], self._heaps[layer]
+        resident.add(expert)
+        heapq.heappush(heap, (value, expert))
+        if len(heap) > 2 * len(resident) + 64:
+            self._rebuild(layer)
+        self._tops[layer] = heap[0][0]
+
+    def on_evict(self, key: Key) -> None:
+        layer, expert = key
+        self._resident[layer].remove(expert)
+        if self._heaps[layer][0][1] == expert:
+            self._fix_top(layer)
+
+    def on_access_many(self, keys: Sequence[Key]) -> None:
+        pass  # uses do not move S: only router scores do
 
     def victim(self, candidates: Candidates) -> Key | None:
+        pinned = candidates.pinned
         if candidates.partition is not None:
-            return super().victim(candidates)
-        ranks, pinned, scale = self._ranks, candidates.pinned, self._scale
-        best: tuple[float, Key] | None = None
-        for layer, heap in self._heaps.items():
-            entry = heap[0] if heap else None
-            if entry is None or ranks.get(entry[1]) != entry[0] or entry[1] in pinned:
-                entry = self.best(layer, candidates)  # the top is stale or pinned: clean up
-                if entry is None:
-                    continue
-            scored = (entry[0] * scale[layer], entry[1])
-            if best is None or scored < best:
-                best = scored
-        return None if best is None else best[1]
+            layer = candidates.partition
+            best = self._best(layer, pinned) if layer < len(self._u) else None
+            return None if best is None else (layer, best)
+        heaps, scale = self._heaps, self._scale
+        scaled = list(map(mul, self._tops, scale))  # each layer's lowest real S (pins aside)
+        exact: dict[int, int] = {}  # layers whose entry in `scaled` skips their pinned keys
+        while True:
+            lowest = min(scaled, default=_INF)
+            if lowest == _INF:
+                return None
+            layer = scaled.index(lowest)  # ties: the lower layer, as (S, key) order has it
+            if layer in exact:
+                return layer, exact[layer]
+            expert = heaps[layer][0][1]
+            if (layer, expert) not in pinned:
+                return layer, expert
+            best = self._best(layer, pinned)
+            if best is None:
+                scaled[layer] = _INF
+            else:
+                exact[layer] = best
+                scaled[layer] = self._u[layer][best] * scale[layer]
+
+    def _best(self, layer: int, pinned: Container[Key]) -> int | None:
+        """The evictable expert of lowest u in a layer (heap top is valid), or None."""
+        heap = self._heaps[layer]
+        if not heap:
+            return None
+        expert = heap[0][1]
+        if (layer, expert) not in pinned:
+            return expert
+        u, resident = self._u[layer], self._resident[layer]
+        skipped = []
+        try:
+            while heap:
+                stored, expert = heap[0]
+                if expert not in resident or u[expert] < stored:
+                    heapq.heappop(heap)  # evicted, or a lower entry of the expert exists
+                elif u[expert] > stored:
+                    heapq.heapreplace(heap, (u[expert], expert))  # u rose since: move it down
+                elif (layer, expert) in pinned:
+                    skipped.append(heapq.heappop(heap))
+                else:
+                    return expert
+            return None
+        finally:
+            for entry in skipped:
+                heapq.heappush(heap, entry)
+
+    def _fix_top(self, layer: int) -> None:
+        """Drop or refresh stale entries until the heap top is a resident expert at its u."""
+        heap, u, resident = self._heaps[layer], self._u[layer], self._resident[layer]
+        while heap:
+            stored, expert = heap[0]
+            if expert not in resident or u[expert] < stored:
+                heapq.heappop(heap)
+            elif u[expert] > stored:
+                heapq.heapreplace(heap, (u[expert], expert))
+            else:
+                break
+        self._tops[layer] = heap[0][0] if heap else _INF
+
+    def _rebuild(self, layer: int) -> None:
+        u = self._u[layer]
+        heap = [(u[expert], expert) for expert in self._resident[layer]]
+        heapq.heapify(heap)
+        self._heaps[layer] = heap
+        self._tops[layer] = heap[0][0] if heap else _INF
 
     def _rescale(self, layer: int, factor: float) -> None:
         """Fold `factor` into the layer's stored u (before it underflows) and rebuild its heap."""
-        u = self._u[layer]
-        for expert in u:
-            u[expert] *= factor
-        self._rebuild(layer, {key: u[key[1]] for key in self.resident_in(layer)})
+        self._u[layer] = [value * factor for value in self._u[layer]]
+        self._rebuild(layer)
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {

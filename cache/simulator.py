@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import cached_property
+from itertools import repeat
 from operator import itemgetter
 
 import numpy as np
@@ -314,16 +315,8 @@ def simulate(
 
 def _replay_demand(steps: Iterable[list[list[Key]]], replay: Replay, cache: ExpertCache) -> None:
     """No prefetching: every stall is a miss."""
-    access_many, on_step = cache.access_many, cache.on_step
-    if replay.scores is None or not cache.policy.uses_scores:
-        for step in steps:
-            for keys in step:
-                access_many(keys)
-    else:
-        for step, step_scores in zip(steps, replay.scores):
-            for layer, (keys, scores) in enumerate(zip(step, step_scores)):
-                on_step(layer, scores)
-                access_many(keys)
+    use_scores = replay.scores is not None and cache.policy.uses_scores
+    cache.access_steps(steps, replay.scores if use_scores else None)
 
 
 def _replay_prefetch(
@@ -337,22 +330,19 @@ def _replay_prefetch(
     """Demand accesses plus prefetches `ahead` layers early over a link of `bandwidth`; returns
     the number of late prefetches."""
     access_many, unpin_many, prefetch_many = cache.access_many, cache.unpin_many, cache.prefetch_many
-    use_scores = replay.scores is not None and cache.policy.uses_scores
+    on_step = cache.on_step
     n_layers = replay.n_layers
+    use_scores = replay.scores is not None and cache.policy.uses_scores
     late = 0
 
-    def issue(keys: list[Key]) -> None:
-        inserted = prefetch_many(keys)
-        if bandwidth is not None:
-            for key in inserted:
-                pending[key] = None
-
-    for t, (step, predicted) in enumerate(zip(steps, replay.predicted)):
+    for step, predicted, step_scores in zip(steps, replay.predicted, replay.scores if use_scores else repeat(None)):
         for layer in range(ahead):
-            issue(predicted[layer])
+            inserted = prefetch_many(predicted[layer])
+            if bandwidth is not None:
+                pending.update(dict.fromkeys(inserted))
         for layer, keys in enumerate(step):
-            if use_scores:
-                cache.on_step(layer, replay.scores[t][layer])
+            if step_scores is not None:
+                on_step(layer, step_scores[layer])
             if pending:
                 for key in keys:
                     if key in pending:
@@ -360,7 +350,9 @@ def _replay_prefetch(
                         late += 1
             access_many(keys, pin=True)
             if layer + ahead < n_layers:
-                issue(predicted[layer + ahead])
+                inserted = prefetch_many(predicted[layer + ahead])
+                if bandwidth is not None and inserted:
+                    pending.update(dict.fromkeys(inserted))
             if bandwidth is not None:
                 for _ in range(min(bandwidth, len(pending))):
                     pending.popitem(last=False)

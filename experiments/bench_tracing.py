@@ -12,7 +12,6 @@ are reported, of wall time and of this process's CPU time (steadier on a shared 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -43,14 +42,13 @@ def plain_pass(model, windows: list[list[int]], pad_id: int, batch_size: int, sh
 
 
 def traced_pass(model, layers, manifest: TraceManifest, windows: list[list[int]], pad_id: int, batch_size: int,
-                shard_sequences: int) -> int:
-    """One full trace into a fresh folder; returns the rows written."""
-    with tempfile.TemporaryDirectory() as tmp:
-        writer = TraceWriter(Path(tmp) / "trace", manifest)
-        trace_windows(model, layers, windows, writer, pad_id=pad_id, top_t=manifest.top_t,
-                      batch_size=batch_size, shard_sequences=shard_sequences)
-        writer.finish()
-        return writer.manifest.n_tokens
+                shard_sequences: int, out: Path) -> int:
+    """One full trace into the new folder `out`; returns the rows written."""
+    writer = TraceWriter(out, manifest)
+    trace_windows(model, layers, windows, writer, pad_id=pad_id, top_t=manifest.top_t,
+                  batch_size=batch_size, shard_sequences=shard_sequences)
+    writer.finish()
+    return writer.manifest.n_tokens
 
 
 def timed(fn, *args) -> tuple[float, float]:
@@ -70,16 +68,17 @@ def run(model_dir: str, dataset: str, split: str, tokens: int, seq_len: int, bat
     n_tokens = sum(len(w) for w in windows)
     manifest = TraceManifest(fingerprint, dataset, split, min(top_t, fingerprint.n_experts))
     args = (windows, tokenizer.pad_token_id, batch_size, shard_sequences)
-    rows = traced_pass(model, layers, manifest, *args)  # warm-up, and a check that every token became a row
-    if rows != n_tokens:
-        raise RuntimeError(f"the trace holds {rows} rows for {n_tokens} tokens")
-    plain_pass(model, *args)
     times: dict[str, list[tuple[float, float]]] = {"plain": [], "traced": []}
-    for rep in range(repeats):
-        times["plain"].append(timed(plain_pass, model, *args))
-        times["traced"].append(timed(traced_pass, model, layers, manifest, *args))
-        log.info("repeat %d: plain %.3f s (cpu %.3f s), traced %.3f s (cpu %.3f s)", rep,
-                 *times["plain"][-1], *times["traced"][-1])
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = traced_pass(model, layers, manifest, *args, Path(tmp) / "warm-up")
+        if rows != n_tokens:
+            raise RuntimeError(f"the trace holds {rows} rows for {n_tokens} tokens")
+        plain_pass(model, *args)
+        for rep in range(repeats):
+            times["plain"].append(timed(plain_pass, model, *args))
+            times["traced"].append(timed(traced_pass, model, layers, manifest, *args, Path(tmp) / f"run-{rep}"))
+            log.info("repeat %d: plain %.3f s (cpu %.3f s), traced %.3f s (cpu %.3f s)", rep,
+                     *times["plain"][-1], *times["traced"][-1])
     wall = {k: statistics.median(t[0] for t in v) for k, v in times.items()}
     cpu = {k: statistics.median(t[1] for t in v) for k, v in times.items()}
     return {
@@ -110,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tokens", type=int, default=16_384)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--shard-sequences", type=int, default=64)
+    parser.add_argument("--shard-sequences", type=int, default=256, help="as `prescient trace`")
     parser.add_argument("--top-t", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")

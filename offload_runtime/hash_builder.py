@@ -1,10 +1,14 @@
 """SiDA's hash-building thread: runs the predictor beside the inference thread.
 
-The inference thread submits each forward's new input ids (the whole prompt at prefill,
-the sampled token at each decode step) and goes on; this thread turns them into hash
-tables — per MoE layer, predicted expert scores — and hands them over through a bounded
-queue. The inference thread only polls: when a table is not ready by the time a layer
-needs it, the layer proceeds with demand loads (the runtime counts the table late).
+The inference thread submits each forward's new input ids (the whole prompt at prefill, the
+sampled tokens at each decode step) and goes on; this thread feeds them to the predictor, token
+by token (causal, incremental), and publishes one hash table per forward: per MoE layer, the
+predicted expert scores summed over the forward's tokens. The inference thread only polls: a
+table not ready when a layer needs it is late, and that layer proceeds with demand loads.
+
+Requests queue without bound, so the inference thread never waits on the predictor; a predictor
+slower than the model falls behind and its tables arrive late. A failure of the predictor stops
+the thread and is raised, as `HashBuilderError`, by every later `submit` or `poll`.
 """
 
 from __future__ import annotations
@@ -13,82 +17,103 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from prescient.errors import PrescientError
+
 log = logging.getLogger(__name__)
+
+
+class HashBuilderError(PrescientError, RuntimeError):
+    """The hash-building thread failed (the predictor raised) or was closed; the cause is chained."""
 
 
 @dataclass
 class HashTable:
     step: int  # forward number it belongs to
-    scores: torch.Tensor  # [L, E]: predicted scores summed over the forward's tokens
+    scores: torch.Tensor  # [L, E]: predicted scores summed over the forward's (unpadded) tokens
+    tokens: int  # how many tokens were summed
 
 
 class HashBuilder:
     """Owns the predictor's decode state; only its thread touches the predictor."""
 
-    def __init__(self, predictor, queue_size: int = 4):
+    def __init__(self, predictor: Any, keep: int = 4, join_timeout: float = 10.0) -> None:
         self.predictor = predictor
-        self._requests: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.keep = keep  # tables kept for polling: the newest `keep` forwards
+        self.join_timeout = join_timeout
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._tables: dict[int, HashTable] = {}
-        self._ready = threading.Condition()
+        self._lock = threading.Lock()
         self._error: BaseException | None = None
-        self._state = None
+        self._closed = False
+        self._state: Any = None  # the predictor's decode state (None is a valid state)
+        self._started = False
         self._thread = threading.Thread(target=self._run, name="hash-builder", daemon=True)
         self._thread.start()
 
-    def submit(self, step: int, input_ids: torch.Tensor, new_sequence: bool) -> None:
-        """Queue the ids of forward `step` ([B, T]); raises if the thread has failed."""
-        request = (step, input_ids.detach().to("cpu"), new_sequence)
-        while True:
-            self._raise_pending()
-            try:
-                self._requests.put(request, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+    def submit(self, step: int, input_ids: torch.Tensor, new_sequence: bool,
+               attention_mask: torch.Tensor | None = None) -> None:
+        """Queue forward `step`'s new ids ([B, T]); `attention_mask` ([B, T], 0 = padding) keeps
+        padding out of the table (a padded row's state still steps over it: the predictor steps all
+        rows at once). `new_sequence` starts a fresh predictor state."""
+        self._raise_pending()
+        if self._closed:
+            raise HashBuilderError("the hash-building thread is closed")
+        mask = None if attention_mask is None else attention_mask.detach().to("cpu")
+        self._requests.put((step, input_ids.detach().to("cpu"), new_sequence, mask))
 
     def poll(self, step: int) -> HashTable | None:
         """The table of forward `step` if it is ready now, else None; never waits."""
         self._raise_pending()
-        with self._ready:
+        with self._lock:
             return self._tables.get(step)
 
     def close(self) -> None:
+        """Drop queued requests and stop the thread (a running prediction finishes). Idempotent;
+        never raises: a failure not yet raised by `submit`/`poll` was logged by the thread."""
+        self._closed = True
+        self._requests.put(None)
+        self._thread.join(self.join_timeout)
         if self._thread.is_alive():
-            self._requests.put(None)
-            self._thread.join(timeout=10)
-        self._raise_pending()
+            log.warning("hash-building thread still predicting after %.0f s; leaving it (daemon thread)",
+                        self.join_timeout)
 
     def _raise_pending(self) -> None:
         if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError("the hash-building thread failed") from error
+            raise HashBuilderError(f"the hash-building thread failed: {self._error!r}") from self._error
 
     @torch.inference_mode()
-    def _predict(self, input_ids: torch.Tensor, new_sequence: bool) -> torch.Tensor:
-        if new_sequence or self._state is None:
-            self._state = self.predictor.start(input_ids.shape[0])
+    def _predict(self, input_ids: torch.Tensor, new_sequence: bool,
+                 mask: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        if new_sequence or not self._started:
+            self._state, self._started = self.predictor.start(input_ids.shape[0]), True
+        if mask is not None:
+            mask = mask[:, -input_ids.shape[1]:].float()
         scores = None
         for position in range(input_ids.shape[1]):  # causal, incremental: each token seen once
-            step_scores = self.predictor.step(self._state, input_ids[:, position])  # [B, L, E]
-            scores = step_scores.sum(0) if scores is None else scores + step_scores.sum(0)
-        return scores
+            step_scores = self.predictor.step(self._state, input_ids[:, position]).float()  # [B, L, E]
+            if mask is not None:
+                step_scores = step_scores * mask[:, position, None, None]
+            summed = step_scores.sum(0)
+            scores = summed if scores is None else scores + summed
+        tokens = int(mask.sum()) if mask is not None else input_ids.numel()
+        return scores, tokens
 
     def _run(self) -> None:
         while True:
             request = self._requests.get()
-            if request is None:
+            if request is None or self._closed:
                 return
-            step, input_ids, new_sequence = request
+            step, input_ids, new_sequence, mask = request
             try:
-                scores = self._predict(input_ids, new_sequence)
-            except BaseException as exc:  # surfaced in the inference thread by submit()/table()
-                log.error("hash-building thread failed: %s", exc)
+                scores, tokens = self._predict(input_ids, new_sequence, mask)
+            except BaseException as exc:  # raised in the inference thread by submit() / poll()
+                log.error("hash-building thread failed at forward %d: %r", step, exc)
                 self._error = exc
                 return
-            with self._ready:
-                self._tables = {s: t for s, t in self._tables.items() if s > step - 4}
-                self._tables[step] = HashTable(step, scores)
-                self._ready.notify_all()
+            with self._lock:
+                self._tables = {s: t for s, t in self._tables.items() if s > step - self.keep}
+                self._tables[step] = HashTable(step, scores, tokens)

@@ -11,26 +11,40 @@ from offload_runtime.runtime import OffloadRuntime
 from offload_runtime.slots import SlotPool
 from offload_runtime.store import ExpertStore
 from predictor.artifact import load_predictor
+from predictor.base import ExpertPredictor
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_model
 
 log = logging.getLogger(__name__)
 
 
-def load_offloaded(model_dir: str | Path, predictor: str | Path | None = None, policy: str = "lru",
-                   budget: float | int | str = 0.5, store: str = "disk", drop_page_cache: bool = False,
-                   device: str | torch.device = "cpu", prefetch_per_layer: int | None = None):
+def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredictor | None = None,
+                   policy: str = "lru", budget: float | int | str = 0.5, store: str = "disk",
+                   drop_page_cache: bool = False, device: str | torch.device = "cpu",
+                   prefetch_per_layer: int | None = None):
     """A transformers model whose routed experts live in `store` ("disk" or "host") and are
     loaded into `budget` worth of slots on `device` (a fraction of all experts, bytes, or a
-    string like "512MiB"). `predictor` is a predictor artifact path for SiDA-style prefetching.
-    `generate(...)` works as usual; `model.offload_runtime` holds the runtime (stats, close)."""
+    string like "512MiB"). `predictor` (an artifact path, or a predictor) drives SiDA-style
+    prefetching; one built for another model is a `FingerprintMismatchError`. It prefetches
+    `prefetch_per_layer` experts per layer and predicted token (default: the model's top-k).
+
+    `generate(...)` works as usual. `model.offload_runtime` holds the runtime: `stats()`, and
+    `close()`, which stops its threads; or run the model inside `with model.offload_runtime:`.
+    """
     model, layers = load_model(model_dir, dtype=torch.float32)
     fingerprint = fingerprint_model(model, layers)
-    hash_fn = load_predictor(predictor, fingerprint=fingerprint) if predictor is not None else None
+    if isinstance(predictor, ExpertPredictor):
+        fingerprint.require_same(predictor.meta.fingerprint, f"predictor {predictor.kind!r}")
+    elif predictor is not None:
+        predictor = load_predictor(predictor, fingerprint=fingerprint)
     expert_store = ExpertStore(model_dir, model, layers, mode=store, drop_page_cache=drop_page_cache)
-    pool = SlotPool.for_budget(expert_store.specs, layers[0].num_experts, layers[0].top_k, budget, device)
-    model.offload_runtime = OffloadRuntime(model, layers, expert_store, pool, policy=policy, predictor=hash_fn,
-                                           prefetch_per_layer=prefetch_per_layer)
+    try:
+        pool = SlotPool.for_budget(expert_store.specs, layers[0].num_experts, layers[0].top_k, budget, device)
+        model.offload_runtime = OffloadRuntime(model, layers, expert_store, pool, policy=policy,
+                                               predictor=predictor, prefetch_per_layer=prefetch_per_layer)
+    except BaseException:
+        expert_store.close()
+        raise
     # What stays resident (attention, routers, norms, shared experts) is copied out of the
     # memory-mapped checkpoint, so the mapping goes and dropping the page cache really drops it.
     for tensor in [*model.parameters(), *model.buffers()]:

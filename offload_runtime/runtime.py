@@ -1,38 +1,53 @@
 """OffloadRuntime: a transformers MoE model whose routed experts live in a slow tier.
 
-Per MoE layer forward (inference thread):
-  1. poll the hash-building thread's table for this forward; turn a new one into prefetches
-  2. the layer's selected experts are accessed in the `ExpertCache` (pinned while in use);
-     misses get a slot and a demand load, and every selected expert is waited for
-  3. the model's own experts math runs on the slot weights (see `offloaded_experts`)
-The cache decides residency; the slot map only mirrors it (an eviction frees the slot and
-cancels a queued load). The transfer engine's workers copy store → slot.
+Per forward of the model, a pre-hook hands its new input ids to the hash-building thread.
+Per MoE layer (inference thread), in `use(layer, experts)`:
+  1. the layer's selected experts are accessed in the `ExpertCache` and pinned; misses get a
+     slot and a demand load (the transfer engine serves demand loads first)
+  2. with a predictor: the forward's hash table, once ready, is turned into prefetches of the
+     predicted experts of the layers after this one, nearest layer first, as far as the slots
+     not in use allow (experts already resident and wanted are pinned meanwhile, so a
+     prefetch never evicts another wanted one); each layer tops this up
+  3. every selected expert is waited for; the model's own expert math runs on the slots
+     (see `offloaded_experts`); the experts are unpinned
+The cache decides residency; the slot map mirrors it: an insert takes a slot and requests its
+copy, an eviction cancels a queued copy and frees the slot. A key evicted while its copy runs
+and wanted again waits for that copy before it is requested into another slot.
+
+Threads: the cache, slot map and this object are touched only by the inference thread (hooks
+and experts modules run there); the transfer workers touch the pool and store, the
+hash-building thread only the predictor. `close()` (or `with runtime:`) stops them all.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Iterator
+from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
 from cache import ExpertCache, make_policy
-from offload_runtime.hash_builder import HashBuilder
-from offload_runtime.offloaded_experts import OffloadedExperts
+from offload_runtime.hash_builder import HashBuilder, HashTable
+from offload_runtime.offloaded_experts import offload_experts
 from offload_runtime.slots import SlotPool
 from offload_runtime.store import ExpertStore
-from offload_runtime.transfer import TransferEngine
-from prescient.arch import MoELayer
+from offload_runtime.transfer import Ticket, TransferEngine
+from predictor.base import ExpertPredictor, PredictorError
+from prescient.arch import MoELayer, is_encoder_decoder
 
 log = logging.getLogger(__name__)
 
 Key = tuple[int, int]
+_STEP_PRIORITY = 2.0**24  # a newer forward's prefetches go before an older one's
 
 
 @dataclass
 class RuntimeStats:
+    forwards: int
     accesses: int
     hits: int
     misses: int
@@ -44,6 +59,8 @@ class RuntimeStats:
     hit_rate: float
     bytes_moved: int
     loads: int
+    demand_loads: int
+    prefetch_loads: int
     stall_seconds: float  # inference thread blocked on loads
     late_tables: int  # forwards whose hash table was not ready when their first MoE layer ran
     tables_on_time: int
@@ -56,45 +73,61 @@ class RuntimeStats:
 
 class OffloadRuntime:
     def __init__(self, model: nn.Module, layers: list[MoELayer], store: ExpertStore, pool: SlotPool,
-                 policy: str = "lru", predictor=None, prefetch_per_layer: int | None = None):
+                 policy: str = "lru", predictor: ExpertPredictor | None = None,
+                 prefetch_per_layer: int | None = None) -> None:
+        if predictor is not None and is_encoder_decoder(model):
+            raise PredictorError("predictor-driven prefetch is not supported for encoder-decoder models yet "
+                                 "(the encoder pass does not go through the model's forward); load without one")
         self.model, self.layers, self.store, self.pool = model, layers, store, pool
         self.top_k = layers[0].top_k
         self.n_experts = layers[0].num_experts
-        policy_args = {"top_k": self.top_k} if policy == "mrs" else {}
-        self.policy = make_policy(policy, **policy_args)
+        name = policy.lower()
+        self.policy = make_policy(name, **({"top_k": self.top_k} if name == "mrs" else {}))
         self.cache = ExpertCache(pool.num_slots, self.policy, n_layers=len(layers), top_k=self.top_k,
                                  on_evict=self._on_evict)
-        self.engine = TransferEngine(store, pool)
-        self.builder = HashBuilder(predictor) if predictor is not None else None
         self.prefetch_per_layer = prefetch_per_layer or self.top_k
-        self._step = -1
-        self._table_applied = True
-        self._in_use: dict[int, list[Key]] = {}
         self.late_tables = 0
         self.tables_on_time = 0
+        self._step = -1
+        self._wanted: list[list[Key]] | None = None  # this forward's predicted keys, per layer
+        self._table_counted = False
+        self._prefetched_after = -1  # last layer whose prefetches were issued this forward
+        self._rank = 0  # prefetches requested this forward
+        self._tickets: dict[Key, Ticket] = {}
+        for layer in layers:  # the resident expert tensors are dropped with the old module
+            layer.block.experts = layer.experts = offload_experts(layer, pool.buffers, self)
         self._handles = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
         if getattr(self.policy, "uses_scores", False):
             self._handles += [layer.router.register_forward_hook(self._router_scores(layer)) for layer in layers]
-        for layer in layers:  # the resident expert tensors are dropped with the old module
-            layer.block.experts = layer.experts = OffloadedExperts(layer.experts, layer.index, pool.buffers, self)
+        self.engine = TransferEngine(store, pool)
+        self.builder = HashBuilder(predictor) if predictor is not None else None
+
+    @property
+    def step(self) -> int:
+        """The number of the model's current (or last) forward, from 0; -1 before the first."""
+        return self._step
 
     # -- hooks ------------------------------------------------------------------------------
 
-    def _on_forward(self, _module, args, kwargs):
-        """Each forward of the model: hand its new input ids to the hash-building thread."""
+    def _on_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Each forward of the model: a new step; hand its new input ids to the hash builder."""
         self._step += 1
-        self._table_applied = self.builder is None
-        if self.builder is not None:
-            input_ids = kwargs.get("input_ids", args[0] if args else None)
-            if input_ids is not None:
-                cache = kwargs.get("past_key_values")
-                new_sequence = cache is None or cache.get_seq_length() == 0
-                self.builder.submit(self._step, input_ids, new_sequence)
+        self._wanted, self._table_counted, self._prefetched_after, self._rank = None, False, -1, 0
+        if self.builder is None:
+            return
+        input_ids = kwargs["input_ids"] if "input_ids" in kwargs else (args[0] if args else None)
+        if input_ids is None:  # inputs_embeds: nothing to hash, this forward's table never comes
+            return
+        cache = kwargs.get("past_key_values")
+        new_sequence = cache is None or cache.get_seq_length() == 0
+        self.builder.submit(self._step, input_ids, new_sequence, kwargs.get("attention_mask"))
 
     def _router_scores(self, layer: MoELayer):
-        def hook(_module, _inputs, output):
+        """MRS: the layer's router probabilities, summed over the forward's tokens, reach the
+        policy before the layer's experts are accessed."""
+        def hook(_module: nn.Module, _inputs: tuple, output) -> None:
             logits, _ = layer.adapter.routing(layer, output)
-            probs = torch.softmax(logits.reshape(-1, logits.shape[-1]).float(), dim=-1).sum(0)
+            probs = torch.softmax(logits.reshape(-1, logits.shape[-1]), dim=-1).sum(0)
             self.cache.on_step(layer.index, probs.tolist())
         return hook
 
@@ -104,59 +137,84 @@ class OffloadRuntime:
 
     # -- the inference thread's calls -------------------------------------------------------
 
-    def _apply_table(self, layer: int) -> None:
-        table = self.builder.poll(self._step)
-        if table is None:
-            if layer == 0:
-                self.late_tables += 1
-            return
-        if layer == 0:
-            self.tables_on_time += 1
-        self._table_applied = True
-        wanted: list[tuple[float, Key]] = []
-        for later in range(layer + 1, len(self.layers)):
-            scores = table.scores[later]
-            top = torch.topk(scores, min(self.prefetch_per_layer, scores.numel()))
-            # nearer layers first: they are needed sooner
-            wanted += [(float(s) - later, (later, int(e))) for s, e in zip(top.values, top.indices)]
-        wanted.sort(reverse=True)
-        self.engine.cancel_stale(keep=[key for _, key in wanted])
-        for priority, key in wanted:
-            if self.cache.prefetch(key):
-                self.engine.request(key, self.pool.map.assign(key), priority=priority)
-
-    def acquire(self, layer: int, experts: list[int], device: torch.device) -> torch.Tensor:
-        """Make `experts` of `layer` resident and pinned; return the layer's [E] expert → slot table."""
-        if not self._table_applied:
-            self._apply_table(layer)
+    @contextmanager
+    def use(self, layer: int, experts: list[int], device: torch.device) -> Iterator[torch.Tensor]:
+        """Make `experts` of `layer` resident and pinned while the block runs; yields the
+        layer's [E] expert → slot table (-1: no slot)."""
         keys = [(layer, e) for e in experts]
         self.cache.access_many(keys, pin=True)
-        self._in_use[layer] = keys
-        for key in keys:
-            if self.pool.map.slot_of(key) is None:
-                self.engine.request(key, self.pool.map.assign(key), demand=True)
-        for key in keys:
-            self.engine.wait(key)
-        return self.pool.map.table[layer].to(device)
+        try:
+            for key in keys:
+                if self.pool.map.slot_of(key) is None:
+                    self._load(key, demand=True)
+            if self.builder is not None:
+                self._prefetch_after(layer)
+            for key in keys:
+                self.engine.wait(key)
+            yield self.pool.map.table[layer].to(device, copy=True)
+        finally:
+            self.cache.unpin_many(keys)
 
-    def release(self, layer: int) -> None:
-        self.cache.unpin_many(self._in_use.pop(layer, []))
+    def _load(self, key: Key, demand: bool = False, priority: float = 0.0) -> None:
+        """Give inserted `key` a slot and request its copy."""
+        slot = self.pool.map.assign(key)
+        old = self._tickets.get(key)
+        if old is not None and old.slot != slot and not old.future.done():
+            futures.wait([old.future])  # evicted while copying into its old slot: let that copy end
+        self._tickets[key] = self.engine.request(key, slot, priority=priority, demand=demand)
+
+    def _prefetch_after(self, layer: int) -> None:
+        if self._wanted is None:
+            table = self.builder.poll(self._step)
+            if table is not None:
+                self._wanted = self._predicted_keys(table)
+        if not self._table_counted:
+            self._table_counted = True
+            if self._wanted is None:
+                self.late_tables += 1
+            else:
+                self.tables_on_time += 1
+        if self._wanted is None or layer <= self._prefetched_after:
+            return
+        self._prefetched_after = layer
+        wanted = [key for keys in self._wanted[layer + 1:] for key in keys]
+        resident = [key for key in wanted if key in self.cache]
+        for key in resident:
+            self.cache.pin(key)
+        try:
+            held = set(resident)
+            inserted = self.cache.prefetch_many([key for key in wanted if key not in held])
+        finally:
+            self.cache.unpin_many(resident)
+        for key in inserted:
+            self._rank += 1
+            self._load(key, priority=self._step * _STEP_PRIORITY - self._rank)
+
+    def _predicted_keys(self, table: HashTable) -> list[list[Key]]:
+        """Per layer, the experts to prefetch, best first: `prefetch_per_layer` per token of the
+        forward (a prompt uses many experts per layer), those scored above zero."""
+        count = min(self.n_experts, self.prefetch_per_layer * max(table.tokens, 1))
+        top = torch.topk(table.scores, count, dim=-1)
+        return [[(layer, int(e)) for s, e in zip(values.tolist(), experts.tolist()) if s > 0]
+                for layer, (values, experts) in enumerate(zip(top.values, top.indices))]
 
     # -- reporting and shutdown -------------------------------------------------------------
 
     def stats(self) -> RuntimeStats:
         c, t = self.cache.stats, self.engine.stats
         return RuntimeStats(
-            accesses=c.accesses, hits=c.hits, misses=c.misses, prefetch_inserts=c.prefetch_inserts,
-            prefetch_hits=c.prefetch_hits, wasted_prefetches=c.wasted_prefetches, evictions=c.evictions,
+            forwards=self._step + 1, accesses=c.accesses, hits=c.hits, misses=c.misses,
+            prefetch_inserts=c.prefetch_inserts, prefetch_hits=c.prefetch_hits,
+            wasted_prefetches=c.wasted_prefetches, evictions=c.evictions,
             prefetch_accuracy=c.prefetch_hits / c.prefetch_inserts if c.prefetch_inserts else 0.0,
-            hit_rate=c.hit_rate, bytes_moved=t.bytes_moved, loads=t.loads, stall_seconds=round(t.stall_seconds, 4),
+            hit_rate=c.hit_rate, bytes_moved=t.bytes_moved, loads=t.loads, demand_loads=t.demand_loads,
+            prefetch_loads=t.prefetch_loads, stall_seconds=round(t.stall_seconds, 4),
             late_tables=self.late_tables, tables_on_time=self.tables_on_time,
             slots=self.pool.num_slots, slot_bytes=self.pool.nbytes,
         )
 
     def close(self) -> None:
-        """Stop every thread; safe to call twice."""
+        """Stop every thread and close the store; safe to call twice. The model cannot run after."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -166,3 +224,9 @@ class OffloadRuntime:
         finally:
             self.engine.close()
             self.store.close()
+
+    def __enter__(self) -> "OffloadRuntime":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

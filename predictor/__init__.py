@@ -6,7 +6,15 @@ loaded with `save_predictor` / `load_predictor`.
 """
 
 from predictor.artifact import PredictorArtifactError, load_predictor, read_predictor_meta, save_predictor
-from predictor.base import PREDICTORS, ExpertPredictor, PredictorError, PredictorMeta, predictor_class
+from predictor.base import (
+    PREDICTORS,
+    ExpertPredictor,
+    PredictorError,
+    PredictorMeta,
+    TokenwisePredictor,
+    predictor_class,
+    register_predictor,
+)
 from predictor.baselines import FrequencyPredictor, OraclePredictor, TokenTablePredictor
 from predictor.correlation import CorrelationTable
 from predictor.lookahead import GateLookahead
@@ -27,10 +35,12 @@ __all__ = [
     "SiDAPredictor",
     "SiDASizes",
     "TokenTablePredictor",
+    "TokenwisePredictor",
     "load_predictor",
     "predictor_class",
     "read_predictor_meta",
-    "recall_at",
     "read_token_embeddings",
+    "recall_at",
+    "register_predictor",
     "save_predictor",
 ]

@@ -18,7 +18,9 @@ from prescient.traces import Trace
 TIE_BREAK = 1e-3  # weight of the global frequency added to per-token scores
 
 
-def expert_counts(topk_ids: torch.Tensor, n_experts: int, token_ids: torch.Tensor | None = None, vocab: int = 1) -> torch.Tensor:
+def expert_counts(
+    topk_ids: torch.Tensor, n_experts: int, token_ids: torch.Tensor | None = None, vocab: int = 1
+) -> torch.Tensor:
     """How often each expert was selected: [L, E], or per token id [vocab, L, E] when
     `token_ids` [N] is given. topk_ids [N, L, k]."""
     n_layers = topk_ids.shape[1]

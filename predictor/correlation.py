@@ -84,7 +84,9 @@ class CorrelationTable(TokenwisePredictor):
             scores = scores + self._rows(2, layer - 1, previous).sum(dim=(0, 1))
         return scores
 
-    def hot_experts(self, layer: int, selected: torch.Tensor, k: int, previous: torch.Tensor | None = None) -> torch.Tensor:
+    def hot_experts(
+        self, layer: int, selected: torch.Tensor, k: int, previous: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The K experts of layer `layer`+1 to prefetch, best first."""
         return self.next_layer_scores(layer, selected, previous).topk(min(k, self.n_experts)).indices
 

@@ -11,9 +11,10 @@ Choices the paper leaves open, and ours:
   and the attention collapses onto the token itself. Weights are `entmax.sparsemax` of the
   raw scaled scores q·k/√H, so most weights are exactly zero.
 - Causal variant (default, for decoders): unidirectional LSTM, and token t attends to the
-  last `attn_window` tokens s ∈ (t − W, t]. `step` keeps the LSTM state and the keys/values
-  of the last W tokens, so each decoded token costs O(W), and `step` equals `predict` on the
-  same prefix. The window bounds memory and latency on long generations.
+  last `attn_window` tokens s ∈ (t − W, t]. `step` keeps the LSTM state and the LSTM outputs
+  of the last W tokens (no keys: the score q·k = (h_t W_qᵀW_k)·h_s uses W_qᵀW_k, computed once
+  in `start`), so each decoded token costs O(W), and `step` equals `predict` on the same
+  prefix. The window bounds memory and latency on long generations.
 - Bidirectional variant (for prompts / encoders): bidirectional LSTM (outputs 2H), full
   attention over the prompt. Its `step` re-encodes the last W tokens per call (O(W) LSTM
   steps); decode with the causal variant.
@@ -92,11 +93,12 @@ class CompressedEmbedding(nn.Module):
 
 @dataclass
 class SiDAState:
-    """Decoding state of the causal hash function."""
+    """Decoding state of the hash function (per row of the batch)."""
 
-    lstm: tuple[torch.Tensor, torch.Tensor] | None  # (h, c), each [layers, B, H]
-    keys: torch.Tensor  # [B, ≤W, H] projected keys of the last W tokens
-    values: torch.Tensor  # [B, ≤W, H] their LSTM outputs
+    h: list[torch.Tensor]  # per LSTM layer [B, H]
+    c: list[torch.Tensor]  # per LSTM layer [B, H]
+    values: torch.Tensor  # [B, ≤W, H] LSTM outputs of the last W tokens: the attention memory
+    query_key: torch.Tensor  # W_qᵀW_k [H, H]: score(t, s) = (h_t W_qᵀW_k) · h_s, so no key is stored
     tokens: torch.Tensor  # [B, ≤W] the last W tokens (bidirectional fallback only)
 
 
@@ -156,18 +158,11 @@ class SiDAHash(nn.Module):
             return torch.ones(length, length, dtype=torch.bool, device=pos.device)
         return (pos[None, :] < lengths.to(pos.device)[:, None])[:, None, :]
 
-    def _attend(
-        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = (self.query(queries) @ keys.transpose(-1, -2)) * self.scale
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        weights = sparsemax(scores, dim=-1)  # of the raw scaled scores: exact zeros
-        return weights @ values, weights
-
     def attention(self, states: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sparsemax self-attention over `states` [B, T, H']. Returns (context, weights [B, T, T])."""
-        return self._attend(states, self.key(states), states, mask)
+        scores = (self.query(states) @ self.key(states).transpose(-1, -2)) * self.scale
+        weights = sparsemax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # of the raw scores: exact zeros
+        return weights @ states, weights
 
     def _logits(self, states: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         out = self.head(self.dropout(context) + states)
@@ -182,36 +177,32 @@ class SiDAHash(nn.Module):
     # --- incremental decoding ----------------------------------------------------------
     def start(self, batch_size: int) -> SiDAState:
         device = self.head.weight.device
-        width = self.query.in_features
-        empty = torch.zeros(batch_size, 0, width, device=device)
-        return SiDAState(None, empty, empty, torch.zeros(batch_size, 0, dtype=torch.long, device=device))
-
-    def _lstm_step(self, state: SiDAState, x: torch.Tensor) -> torch.Tensor:
-        """One time step of the stacked LSTM with `torch.lstm_cell` on nn.LSTM's own weights
-        (the same math; oneDNN's sequence kernel costs milliseconds for a single step)."""
-        if state.lstm is None:
-            zeros = x.new_zeros(self.sizes.lstm_layers, x.shape[0], self.sizes.hidden_dim)
-            state.lstm = (zeros, zeros)
-        hs, cs = [], []
-        for i in range(self.sizes.lstm_layers):
-            weights = [getattr(self.lstm, f"{name}_l{i}") for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
-            h, c = torch.lstm_cell(x, (state.lstm[0][i], state.lstm[1][i]), *weights)
-            hs.append(h)
-            cs.append(c)
-            x = h
-        state.lstm = (torch.stack(hs), torch.stack(cs))
-        return x
+        zeros = [torch.zeros(batch_size, self.sizes.hidden_dim, device=device) for _ in range(self.sizes.lstm_layers)]
+        return SiDAState(
+            h=zeros, c=list(zeros),
+            values=torch.zeros(batch_size, 0, self.query.in_features, device=device),
+            query_key=self.query.weight.T @ self.key.weight,
+            tokens=torch.zeros(batch_size, 0, dtype=torch.long, device=device),
+        )
 
     def step(self, state: SiDAState, token_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, L, E] for one new token per row; updates `state`."""
+        """Logits [B, L, E] for one new token per row; updates `state`. The causal variant runs
+        one LSTM time step with `torch.lstm_cell` on nn.LSTM's own weights (the same math;
+        oneDNN's sequence kernel costs milliseconds for a single step) and attends over the
+        memory of the last W outputs."""
         window = self.sizes.attn_window
         if self.sizes.bidirectional:
             state.tokens = torch.cat([state.tokens, token_ids[:, None]], dim=1)[:, -window:]
             return self.forward(state.tokens)[:, -1]
-        out = self._lstm_step(state, self.token_proj(token_ids))[:, None]
-        state.keys = torch.cat([state.keys, self.key(out)], dim=1)[:, -window:]
+        x = self.token_proj(token_ids)
+        for i in range(self.sizes.lstm_layers):
+            weights = [getattr(self.lstm, f"{name}_l{i}") for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+            state.h[i], state.c[i] = torch.lstm_cell(x, (state.h[i], state.c[i]), *weights)
+            x = state.h[i]
+        out = x[:, None]
         state.values = torch.cat([state.values, out], dim=1)[:, -window:]
-        context, _ = self._attend(out, state.keys, state.values)
+        scores = ((out @ state.query_key) @ state.values.transpose(-1, -2)) * self.scale
+        context = sparsemax(scores, dim=-1) @ state.values
         return self._logits(out, context)[:, 0]
 
 
@@ -234,22 +225,6 @@ class SiDAPredictor(ExpertPredictor):
         return self.hash.start(batch_size)
 
     @torch.inference_mode()
-    def _lstm_step(self, state: SiDAState, x: torch.Tensor) -> torch.Tensor:
-        """One time step of the stacked LSTM with `torch.lstm_cell` on nn.LSTM's own weights
-        (the same math; oneDNN's sequence kernel costs milliseconds for a single step)."""
-        if state.lstm is None:
-            zeros = x.new_zeros(self.sizes.lstm_layers, x.shape[0], self.sizes.hidden_dim)
-            state.lstm = (zeros, zeros)
-        hs, cs = [], []
-        for i in range(self.sizes.lstm_layers):
-            weights = [getattr(self.lstm, f"{name}_l{i}") for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
-            h, c = torch.lstm_cell(x, (state.lstm[0][i], state.lstm[1][i]), *weights)
-            hs.append(h)
-            cs.append(c)
-            x = h
-        state.lstm = (torch.stack(hs), torch.stack(cs))
-        return x
-
     def step(self, state: SiDAState, token_ids: torch.Tensor) -> torch.Tensor:
         return self.hash.step(state, token_ids)
 

@@ -59,12 +59,22 @@ def _add_parsers(sub: argparse._SubParsersAction) -> dict[str, Command]:
     p.add_argument("--out", default="runs/demo")
 
     sub.add_parser("train", help="train a predictor with LightningCLI (see configs/predictor/)", add_help=False)
-    return {"reference-model": _reference_model, "trace": _trace, "demo": _demo}
+    commands = {"reference-model": _reference_model, "trace": _trace, "demo": _demo}
+    for module in _command_modules():
+        commands[module.add_parser(sub).prog.split()[-1]] = module.run
+    return commands
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+def _command_modules() -> list:
+    """Subcommands that live beside the code they run: each has add_parser(sub) and run(args)."""
+    from experiments import compare_caches, evaluate
+    from offload_runtime import generate_cli
+
+    return [evaluate, compare_caches, generate_cli]
+
+
+def run_command(argv: list[str]) -> None:
+    """Parse and run one `prescient` command (what `main` does, minus exit-code handling)."""
     if argv and argv[0] == "train":
         from training.predictor_cli import main as train_main
 
@@ -74,8 +84,13 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     commands = _add_parsers(sub)
     args = parser.parse_args(argv)
+    commands[args.command](args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        commands[args.command](args)
+        run_command(list(sys.argv[1:] if argv is None else argv))
     except PrescientError as exc:
         log.error("error: %s", exc)
         raise SystemExit(2) from None

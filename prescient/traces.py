@@ -15,6 +15,10 @@ Each shard holds one row per real token (padding never appears), with columns
     topt_ids    int16  [N, L, T]  the T highest-logit experts, best first
     topt_logits float32[N, L, T]  their router logits
 
+L runs over the MoE layers in forward order (an encoder-decoder's encoder layers first, then
+its decoder's; see `training.tracing` for what a decoder layer's entry of a row means), and
+T = min(top_t, E).
+
 A shard is written to a temporary file and renamed, and only then listed in the manifest,
 so a shard named in the manifest is always complete. `complete` turns true at the end.
 A writer opened on an interrupted trace removes the temporaries a killed write left behind

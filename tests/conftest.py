@@ -130,7 +130,8 @@ def corpus_rows() -> list[dict]:
     rows = [{"text": "The cache keeps the experts that the router will choose next.", "source": "prose"}]
     for text in texts:
         lines = text.splitlines()
-        rows += [{"text": "\n".join(lines[i : i + n]), "source": "code"} for i, n in zip(range(0, 120, 20), range(1, 25, 4))]
+        spans = zip(range(0, 120, 20), range(1, 25, 4))  # (first line, line count)
+        rows += [{"text": "\n".join(lines[i : i + n]), "source": "code"} for i, n in spans]
     return [r for r in rows if r["text"].strip()]
 
 

@@ -126,7 +126,10 @@ class PredictorDataModule(L.LightningDataModule):
         """What a predictor artifact records about its training data."""
         hp = self.hparams
         train = describe_trace(self.train_set.trace.manifest, hp.trace_dir)
-        val = {"val_trace_dir": hp.val_trace_dir} if hp.val_trace_dir else {"val_fraction": hp.val_fraction, "split_seed": hp.split_seed}
+        if hp.val_trace_dir:
+            val = {"val_trace_dir": hp.val_trace_dir}
+        else:
+            val = {"val_fraction": hp.val_fraction, "split_seed": hp.split_seed}
         return {**train, **val, "window": hp.window}
 
     def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:

@@ -92,12 +92,12 @@ class PredictorModule(L.LightningModule):
         finite = bool(torch.isfinite(loss))
         if self.trainer.strategy.reduce_boolean_decision(finite, all=True):
             return
-        checkpoint = self.trainer.checkpoint_callback
-        last = getattr(checkpoint, "last_model_path", "") or "none written yet"
+        callbacks = self.trainer.checkpoint_callbacks
+        saved = sorted({p for cb in callbacks for p in (cb.best_model_path, cb.last_model_path) if p})
         raise NonFiniteLossError(
             f"the training loss became {loss.item()} at step {self.global_step}; training stopped before "
-            f"the optimizer step. Last good checkpoint: {last}. Lower the learning rate (or check the trace "
-            "for bad logits) and resume with --ckpt_path."
+            f"the optimizer step. Good checkpoints: {', '.join(saved) or 'none written yet'}. Lower the learning "
+            "rate (or check the trace for bad logits) and resume with --ckpt_path."
         )
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -115,7 +115,8 @@ class PredictorModule(L.LightningModule):
         metrics = {f"val/{name}": value for name, value in terms.items()}
         metrics["val/recall_at_2k"] = recall_at(logits, topk, 2 * k, mask)
         self.log_dict(metrics, batch_size=n_tokens, sync_dist=True)
-        self.log("val/recall_at_k", recall_at(logits, topk, k, mask), batch_size=n_tokens, sync_dist=True, prog_bar=True)
+        recall = recall_at(logits, topk, k, mask)
+        self.log("val/recall_at_k", recall, batch_size=n_tokens, sync_dist=True, prog_bar=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = [p for p in self.hash.parameters() if p.requires_grad]

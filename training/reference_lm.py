@@ -67,7 +67,7 @@ class PackedCorporaData(L.LightningDataModule):
 class StepStatus(L.Callback):
     """A one-line status every `every` steps, readable in logs where no progress bar renders."""
 
-    def __init__(self, every: int = 50):
+    def __init__(self, every: int = 25):
         self.every = every
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

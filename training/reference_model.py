@@ -70,14 +70,14 @@ def train_tiny(out: Path, spec: dict) -> None:
     tokenizer = train_byte_level_bpe(texts, tcfg["vocab_size"])
     config = MixtralConfig(
         vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-        pad_token_id=tokenizer.pad_token_id, experts_implementation="eager", **mcfg,
+        pad_token_id=tokenizer.pad_token_id, **mcfg,
     )
     module = MoECausalLM(config, lr=train["lr"], warmup_steps=train["warmup_steps"], max_steps=train["max_steps"],
                          weight_decay=train["weight_decay"])
     data = PackedCorporaData(tokenizer, train["seq_len"], train["batch_size"], tcfg["train_chars"],
                              train["val_windows"], spec["seed"])
     trainer = L.Trainer(
-        max_steps=train["max_steps"], accelerator="cpu", devices=1, deterministic=True, logger=False,
+        max_steps=train["max_steps"], accelerator="cpu", devices=1, logger=False,
         enable_checkpointing=False, val_check_interval=train["max_steps"], check_val_every_n_epoch=None,
         num_sanity_val_steps=0, gradient_clip_val=1.0, default_root_dir=str(out.parent),
         enable_progress_bar=False, callbacks=[StepStatus()],

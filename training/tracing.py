@@ -80,20 +80,19 @@ def rows_of_batch(ids, mask, logits, selected, first_seq: int, top_t: int) -> di
 
     `logits` [B, S, L, E] and `selected` [B, S, L, k] come from `RouterRecorder.stacked`.
     """
-    real = mask.bool()
-    seq_ids = (torch.arange(ids.shape[0]) + first_seq).unsqueeze(1).expand_as(ids)
-    positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-    logits = logits[real]  # [N, L, E]
-    top_logits, top_ids = logits.topk(top_t, dim=-1)
-    chosen = selected[real]  # [N, L, k]: order best first by the router's logit
-    order = logits.gather(-1, chosen).argsort(dim=-1, descending=True)
+    width = ids.shape[1]
+    real = mask.flatten().nonzero().squeeze(1)  # flat positions of the real tokens, in row order
+    logits = logits.flatten(0, 1).index_select(0, real)  # [N, L, E]
+    chosen = selected.flatten(0, 1).index_select(0, real)  # [N, L, k]
+    ranked_logits, ranked_ids = logits.sort(dim=-1, descending=True)  # faster than topk for small E
+    order = logits.gather(-1, chosen).argsort(dim=-1, descending=True)  # the router's choice, best first
     return {
-        "seq_id": seq_ids[real].to(torch.int64),
-        "position": positions[real].to(torch.int32),
-        "token_id": ids[real].to(torch.int64),
+        "seq_id": real // width + first_seq,
+        "position": (real % width).to(torch.int32),
+        "token_id": ids.flatten().index_select(0, real),
         "topk_ids": chosen.gather(-1, order).to(torch.int16),
-        "topt_ids": top_ids.to(torch.int16),
-        "topt_logits": top_logits.to(torch.float32),
+        "topt_ids": ranked_ids[..., :top_t].to(torch.int16),
+        "topt_logits": ranked_logits[..., :top_t].to(torch.float32),
     }
 
 

@@ -97,11 +97,12 @@ def synthetic_logits(sequences: list[list[int]], seed: int = 0, layers: int = LA
 @pytest.fixture(scope="session")
 def make_synthetic_trace(tiny_model_dir, tiny_fingerprint) -> Callable[..., Path]:
     def make(path: Path, n_seqs: int = 48, seq_len: int = 24, seed: int = 0, top_t: int = 6,
-             record_model: bool = True) -> Path:
+             record_model: bool = True, fingerprint: ModelFingerprint | None = None) -> Path:
         gen = torch.Generator().manual_seed(seed + 1)
         sequences = [torch.randint(0, VOCAB, (seq_len,), generator=gen).tolist() for _ in range(n_seqs)]
         settings = {"model": str(tiny_model_dir)} if record_model else {}
-        return write_trace(path, sequences, synthetic_logits(sequences), tiny_fingerprint, top_t, settings)
+        fingerprint = fingerprint or tiny_fingerprint
+        return write_trace(path, sequences, synthetic_logits(sequences), fingerprint, top_t, settings)
 
     return make
 

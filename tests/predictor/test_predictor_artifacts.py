@@ -27,7 +27,8 @@ def sida_predictor(fingerprint) -> SiDAPredictor:
     sizes = SiDASizes(compress_dim=8, hidden_dim=12, attn_window=4)
     hash_fn = SiDAHash.from_embedding(torch.randn(fingerprint.vocab_size, 16), fingerprint.n_moe_layers,
                                       fingerprint.n_experts, sizes)
-    meta = PredictorMeta("sida", fingerprint, dataclasses.asdict(sizes), {"trace_dir": "somewhere"}, {"val/recall_at_k": 0.5})
+    meta = PredictorMeta("sida", fingerprint, dataclasses.asdict(sizes), {"trace_dir": "somewhere"},
+                         {"val/recall_at_k": 0.5})
     return SiDAPredictor(hash_fn, meta)
 
 

@@ -9,13 +9,11 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from predictor import SiDAPredictor, SiDASizes, load_predictor, recall_at
 from prescient.errors import TraceError
 from prescient.traces import load_trace
 from training.predictor_cli import main
-from training.predictor_data import PredictorDataModule
 from training.predictor_module import NonFiniteLossError, PredictorModule
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,17 +79,16 @@ class PoisonAt(L.Callback):
 
 
 def test_nan_loss_stops_with_a_message_and_keeps_the_last_good_checkpoint(tmp_path, synthetic_trace):
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="val/recall_at_k", mode="max", save_last=True)
-    trainer = L.Trainer(max_steps=20, val_check_interval=2, check_val_every_n_epoch=None, limit_val_batches=1,
-                        callbacks=[checkpoint, PoisonAt(5)], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False)
-    module = PredictorModule(str(synthetic_trace))
-    data = PredictorDataModule(str(synthetic_trace), window=12, batch_size=8)
+    run = tmp_path / "run"
+    poison = json.dumps({"class_path": f"{__name__}.PoisonAt", "init_args": {"step": 5}})
     with pytest.raises(NonFiniteLossError, match=r"loss became nan at step 5.*last\.ckpt"):
-        trainer.fit(module, datamodule=data)
-    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
-    assert saved["global_step"] == 4
+        main(cli_args(synthetic_trace, run, "--trainer.max_steps", "20", "--trainer.val_check_interval", "2",
+                      "--trainer.check_val_every_n_epoch", "null", "--trainer.limit_val_batches", "1",
+                      f"--trainer.callbacks+={poison}"))
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 4  # the validation before the NaN step
     assert all(torch.isfinite(t).all() for t in saved["state_dict"].values())
+    assert not (run / "predictor.json").exists(), "a failed run exports nothing"
 
 
 def test_missing_or_corrupt_trace_is_a_clear_error(tmp_path, make_synthetic_trace):

@@ -1,0 +1,363 @@
+"""`prescient evaluate`: how well each predictor guesses the router's experts on a trace.
+
+    prescient evaluate --trace DIR [--train-trace DIR] [--model DIR] \
+        --predictors sida=PATH,corr,token,freq,lookahead,oracle --json OUT.json [--plot OUT.png] \
+        [--cross code=TRAIN:EVAL:ARTIFACT,docs=TRAIN:EVAL:ARTIFACT]
+
+Predictors, by name:
+    freq, token, corr   fit on `--train-trace` (else on the evaluated trace: "same trace (optimistic)")
+    oracle              the evaluated trace's own router choices (recall 1: the upper bound)
+    lookahead           gate-lookahead; runs the live `--model` over every traced sequence
+    NAME=PATH           any predictor artifact (SiDA, or a saved table); checked against the
+                        trace's model fingerprint
+
+Each predictor sees what it would see when serving, and the JSON says what that was:
+tables see the token alone; a causal SiDA hash and gate-lookahead see the sequence up to the
+token (`predict` over a whole traced window equals decoding it token by token for a causal
+predictor); a bidirectional SiDA hash sees the whole window, future tokens included
+(`"causal": false`). `corr` (Klotski) guesses layer 0 from its per-token table and layer
+l+1 from the experts the router *truly* selected at layer l (`next_layer_scores`, run after
+each gate at serving time): `"uses_true_previous_layer": true`.
+
+Metrics per predictor, overall and per MoE layer:
+    recall_at_k, recall_at_2k   share of the router's top-k found in the predicted top-k / top-2k
+    batch.B                     B consecutive traced sequences decoded together: at each step
+                                and layer, predicted set = union of the active rows' predicted
+                                top-k, true set = union of their true top-k; precision and
+                                recall are averaged over steps and layers. At B = 1 both sets
+                                hold k experts, so precision = recall = recall_at_k.
+
+`cross_dataset` evaluates each dataset's artifact (and the token table fit on that dataset's
+train trace) on every dataset's eval trace: a matrix of recall@k per (train, eval) dataset.
+
+JSON (`evaluate_predictors`; `run` adds "cross_dataset" when --cross is given):
+
+    trace, train_trace      {dir, dataset, split, n_tokens, n_sequences, fingerprint}; train_trace null if absent
+    model, top_k, batch_sizes
+    predictors.NAME         kind, fit_on, [artifact | model], sees, causal, uses_true_previous_layer, [note],
+                            recall_at_k, recall_at_2k, per_layer.{recall_at_k, recall_at_2k} (lists over layers),
+                            batch."B".{precision, recall, mean_predicted_experts, mean_true_experts,
+                                       per_layer.{precision, recall}}
+    timing                  {predictors_s: {NAME: seconds}, total_s}
+    cross_dataset           {datasets, train_datasets, artifacts, predictor|token: {recall_at_k|recall_at_2k:
+                             {TRAIN_DATASET: {EVAL_DATASET: value}}}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from predictor.artifact import load_predictor
+from predictor.base import ExpertPredictor, PredictorError, TokenwisePredictor
+from predictor.baselines import FrequencyPredictor, OraclePredictor, TokenTablePredictor
+from predictor.correlation import CorrelationTable
+from predictor.lookahead import GateLookahead
+from predictor.metrics import recall_at
+from prescient.atomic import write_json_atomic
+from prescient.errors import PrescientError
+from prescient.fingerprint import fingerprint_model
+from prescient.loading import load_model
+from prescient.traces import Trace, load_trace
+
+log = logging.getLogger(__name__)
+
+BATCH_SIZES = (1, 8, 32)
+SEQUENCE_BATCH = 16  # equal-length windows run through a sequence predictor at once
+FITTED: dict[str, Callable[[Trace], ExpertPredictor]] = {
+    "freq": FrequencyPredictor.from_trace,
+    "token": TokenTablePredictor.from_trace,
+    "corr": CorrelationTable.from_trace,
+}
+BUILTIN = (*FITTED, "oracle", "lookahead")
+Spec = str | Path | ExpertPredictor | None  # None: a built-in name; a path: an artifact
+
+
+class EvaluationError(PrescientError):
+    """An evaluation was asked for with missing or malformed inputs."""
+
+
+# --- scores [N, L, E] aligned with the trace's rows ---------------------------------------
+def _equal_length_batches(trace: Trace) -> list[torch.Tensor]:
+    """Row indices [b, T] of up to SEQUENCE_BATCH traced sequences of the same length."""
+    by_length: dict[int, list[torch.Tensor]] = {}
+    for rows in trace.sequences():
+        by_length.setdefault(len(rows), []).append(rows)
+    return [torch.stack(group[i : i + SEQUENCE_BATCH])
+            for group in by_length.values() for i in range(0, len(group), SEQUENCE_BATCH)]
+
+
+def sequence_scores(pred: ExpertPredictor, trace: Trace, desc: str) -> torch.Tensor:
+    """`pred.predict` over each traced sequence (a window from its first token)."""
+    fp = trace.fingerprint
+    out = torch.empty(len(trace), fp.n_moe_layers, fp.n_experts)
+    batches = _equal_length_batches(trace)
+    with torch.inference_mode():
+        for rows in tqdm(batches, desc=desc, unit="batch", leave=False):
+            out[rows] = pred.predict(trace["token_id"][rows]).float()
+    return out
+
+
+def correlation_scores(table: CorrelationTable, trace: Trace) -> torch.Tensor:
+    """Layer 0 from the table's per-token guess (as `predict`); layer l+1 from the experts the
+    router truly selected at layer l (and l−1 with path length 2), token by token."""
+    true = trace["topk_ids"].long()
+    layers = [table.predict(trace["token_id"][None])[0, :, 0]]
+    for layer in range(table.n_layers - 1):
+        if table.path_length == 2 and layer >= 1:
+            per_token = torch.vmap(lambda s, p, l=layer: table.next_layer_scores(l, s[None], p[None]))
+            layers.append(per_token(true[:, layer], true[:, layer - 1]))
+        else:
+            layers.append(torch.vmap(lambda s, l=layer: table.next_layer_scores(l, s[None]))(true[:, layer]))
+    return torch.stack(layers, dim=1)
+
+
+def oracle_scores(oracle: OraclePredictor, trace: Trace) -> torch.Tensor:
+    """The router's own choices, looked up by trace coordinates."""
+    return torch.cat([oracle.rows(int(trace["seq_id"][rows[0]]), torch.arange(len(rows)))
+                      for rows in trace.sequences()])
+
+
+def score_predictor(pred: ExpertPredictor, trace: Trace, name: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Scores of a built predictor, and what it saw to make them."""
+    if isinstance(pred, OraclePredictor):
+        return oracle_scores(pred, trace), {"sees": "the router's true choices", "causal": False,
+                                            "uses_true_previous_layer": False}
+    if isinstance(pred, CorrelationTable):
+        return correlation_scores(pred, trace), {
+            "sees": "layer 0: the token; layer l+1: the router's true experts at layer l",
+            "causal": True, "uses_true_previous_layer": True}
+    if isinstance(pred, TokenwisePredictor):
+        return pred.predict(trace["token_id"][None])[0].float(), {
+            "sees": "the token alone", "causal": True, "uses_true_previous_layer": False}
+    bidirectional = bool(pred.meta.hparams.get("bidirectional", False))
+    info = {"sees": "the whole window, future tokens included" if bidirectional
+            else "the window up to and including the token",
+            "causal": not bidirectional, "uses_true_previous_layer": False}
+    if isinstance(pred, GateLookahead):
+        info["note"] = ("layer 0 is layer 0's own router on its own input (exact); "
+                        "layers 1.. are the next router on the previous MoE layer's input")
+    return sequence_scores(pred, trace, f"predict {name}"), info
+
+
+def build_predictor(name: str, spec: Spec, trace: Trace, fit: Trace, fit_on: str,
+                    model_dir: str | Path | None) -> tuple[ExpertPredictor, dict[str, Any]]:
+    """The predictor `name`/`spec` stands for, and where it came from."""
+    fp = trace.fingerprint
+    if isinstance(spec, ExpertPredictor):
+        fp.require_same(spec.meta.fingerprint, f"predictor {name!r}")
+        return spec, {"fit_on": spec.meta.training or None}
+    if spec is not None:
+        pred = load_predictor(spec, fingerprint=fp)  # FingerprintMismatchError names both models
+        return pred, {"artifact": str(spec), "fit_on": pred.meta.training or None}
+    if name in FITTED:
+        return FITTED[name](fit), {"fit_on": fit_on}
+    if name == "oracle":
+        return OraclePredictor(trace), {"fit_on": "the evaluated trace (the router's own choices)"}
+    model, _ = load_model(model_dir, dtype=torch.float32)  # lookahead; names checked by check_specs
+    pred = GateLookahead(model)
+    pred.meta.fingerprint.require_same(fp, "the evaluated trace")
+    return pred, {"model": str(model_dir), "fit_on": None}
+
+
+def check_specs(predictors: dict[str, Spec], model_dir: str | Path | None) -> None:
+    """Fail before any work on an unknown name or a lookahead without a model."""
+    for name, spec in predictors.items():
+        if spec is None and name not in BUILTIN:
+            raise PredictorError(f"unknown predictor {name!r}; known names: {', '.join(BUILTIN)}, "
+                                 "or NAME=PATH for a predictor artifact")
+    if "lookahead" in predictors and predictors["lookahead"] is None and model_dir is None:
+        raise EvaluationError("the lookahead predictor runs the live model: pass --model DIR")
+
+
+# --- metrics -------------------------------------------------------------------------------
+def _recalls(scores: torch.Tensor, true: torch.Tensor, n: int) -> tuple[float, list[float]]:
+    per_layer = [float(recall_at(scores[:, i : i + 1], true[:, i : i + 1], n)) for i in range(true.shape[1])]
+    return float(recall_at(scores, true, n)), per_layer
+
+
+def _one_hot(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    return torch.zeros(*ids.shape[:-1], n_experts, dtype=torch.bool).scatter_(-1, ids.long(), True)
+
+
+def batch_set_metrics(scores: torch.Tensor, true: torch.Tensor, sequences: list[torch.Tensor],
+                      batch_size: int) -> dict[str, Any]:
+    """Precision and recall of the union of predicted top-k against the union of true top-k,
+    per decode step and layer of `batch_size` consecutive sequences decoded together."""
+    n, n_layers, n_experts = scores.shape
+    k = true.shape[-1]
+    seq_index, step = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.long)
+    for i, rows in enumerate(sequences):
+        seq_index[rows], step[rows] = i, torch.arange(len(rows))
+    key = (seq_index // batch_size) * (int(step.max()) + 1) + step  # one key per (batch, step)
+    _, group = torch.unique(key, return_inverse=True)
+    n_groups = int(group.max()) + 1
+
+    def union(sets: torch.Tensor) -> torch.Tensor:  # [N, L, E] bool -> [groups, L, E]: OR per group
+        return torch.zeros(n_groups, n_layers, n_experts, dtype=torch.bool).index_put_((group,), sets, accumulate=True)
+
+    predicted = union(_one_hot(scores.topk(k, dim=-1).indices, n_experts))
+    actual = union(_one_hot(true, n_experts))
+    hits = (predicted & actual).sum(-1).float()  # [groups, L]
+    n_pred, n_true = predicted.sum(-1).float(), actual.sum(-1).float()
+    precision, recall = hits / n_pred, hits / n_true
+    return {
+        "precision": float(precision.mean()), "recall": float(recall.mean()),
+        "mean_predicted_experts": float(n_pred.mean()), "mean_true_experts": float(n_true.mean()),
+        "per_layer": {"precision": precision.mean(0).tolist(), "recall": recall.mean(0).tolist()},
+    }
+
+
+def predictor_metrics(scores: torch.Tensor, trace: Trace, batch_sizes: tuple[int, ...]) -> dict[str, Any]:
+    true = trace["topk_ids"].long()
+    k = true.shape[-1]
+    at_k, at_k_layers = _recalls(scores, true, k)
+    at_2k, at_2k_layers = _recalls(scores, true, 2 * k)
+    sequences = trace.sequences()
+    return {
+        "recall_at_k": at_k, "recall_at_2k": at_2k,
+        "per_layer": {"recall_at_k": at_k_layers, "recall_at_2k": at_2k_layers},
+        "batch": {str(b): batch_set_metrics(scores, true, sequences, b) for b in batch_sizes},
+    }
+
+
+# --- entry points --------------------------------------------------------------------------
+def describe(trace: Trace, trace_dir: str | Path) -> dict[str, Any]:
+    return {"dir": str(trace_dir), "dataset": trace.manifest.dataset, "split": trace.manifest.split,
+            "n_tokens": len(trace), "n_sequences": len(trace.sequences()),
+            "fingerprint": trace.fingerprint.to_dict()}
+
+
+def evaluate_predictors(
+    trace_dir: str | Path,
+    predictors: dict[str, Spec],
+    model_dir: str | Path | None = None,
+    train_trace: str | Path | None = None,
+    batch_sizes: tuple[int, ...] = BATCH_SIZES,
+) -> dict[str, Any]:
+    """Evaluate every predictor on the trace at `trace_dir`; the result is the JSON of the
+    module doc. `predictors` maps a name to None (a built-in: freq, token, corr, oracle,
+    lookahead), an artifact path, or a built predictor."""
+    start = time.perf_counter()
+    check_specs(predictors, model_dir)
+    trace = load_trace(trace_dir)
+    if train_trace is not None:
+        fit = load_trace(train_trace)
+        trace.fingerprint.require_same(fit.fingerprint, f"train trace {train_trace}")
+        fit_on = str(train_trace)
+    else:
+        fit, fit_on = trace, "same trace (optimistic)"
+    result: dict[str, Any] = {
+        "trace": describe(trace, trace_dir), "train_trace": describe(fit, train_trace) if train_trace else None,
+        "model": str(model_dir) if model_dir else None, "top_k": trace.fingerprint.top_k,
+        "batch_sizes": list(batch_sizes), "predictors": {}, "timing": {"predictors_s": {}},
+    }
+    for name, spec in tqdm(predictors.items(), desc="predictors", unit="pred"):
+        began = time.perf_counter()
+        pred, source = build_predictor(name, spec, trace, fit, fit_on, model_dir)
+        scores, info = score_predictor(pred, trace, name)
+        result["predictors"][name] = {"kind": pred.kind, **source, **info,
+                                      **predictor_metrics(scores, trace, batch_sizes)}
+        result["timing"]["predictors_s"][name] = round(time.perf_counter() - began, 3)
+        log.info("%-10s recall@k %.3f  recall@2k %.3f", name, result["predictors"][name]["recall_at_k"],
+                 result["predictors"][name]["recall_at_2k"])
+    result["timing"]["total_s"] = round(time.perf_counter() - start, 3)
+    return result
+
+
+def cross_dataset(
+    model_dir: str | Path | None,
+    traces: dict[str, tuple[str | Path, str | Path]],
+    predictor_paths: dict[str, str | Path],
+) -> dict[str, Any]:
+    """recall@k and recall@2k of each dataset's predictor artifact (rows: the dataset it was
+    trained on) on each dataset's eval trace (columns), beside the token table fit on the
+    row's train trace. `traces`: dataset -> (train trace, eval trace). With `model_dir`,
+    every trace must come from that model."""
+    if model_dir is not None:
+        model, layers = load_model(model_dir, dtype=torch.float32)
+        model_fp = fingerprint_model(model, layers)
+        for train, evaluated in traces.values():
+            for path in (train, evaluated):
+                model_fp.require_same(load_trace(path).fingerprint, f"trace {path}")
+    matrix: dict[str, Any] = {"datasets": list(traces), "train_datasets": list(predictor_paths),
+                              "artifacts": {d: str(p) for d, p in predictor_paths.items()}}
+    for column in ("predictor", "token"):
+        matrix[column] = {"recall_at_k": {}, "recall_at_2k": {}}
+    for train_ds, artifact in predictor_paths.items():
+        if train_ds not in traces:
+            raise EvaluationError(f"artifact of dataset {train_ds!r} has no traces; datasets: {', '.join(traces)}")
+        for eval_ds, (_, eval_trace) in traces.items():
+            res = evaluate_predictors(eval_trace, {"predictor": artifact, "token": None},
+                                      train_trace=traces[train_ds][0], batch_sizes=())
+            for column in ("predictor", "token"):
+                for metric in ("recall_at_k", "recall_at_2k"):
+                    matrix[column][metric].setdefault(train_ds, {})[eval_ds] = res["predictors"][column][metric]
+    return matrix
+
+
+# --- command line --------------------------------------------------------------------------
+def parse_predictors(text: str) -> dict[str, str | None]:
+    """`sida=PATH,corr,token` -> {"sida": "PATH", "corr": None, "token": None}."""
+    specs: dict[str, str | None] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, path = item.partition("=")
+        specs[name] = path or None
+    return specs
+
+
+def parse_cross(text: str) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
+    """`code=TRAIN:EVAL:ARTIFACT,docs=...` -> (traces, predictor paths) for `cross_dataset`."""
+    traces, artifacts = {}, {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, paths = item.partition("=")
+        parts = paths.split(":")
+        if not name or len(parts) != 3 or not all(parts):
+            raise EvaluationError(f"--cross entry {item!r} is not DATASET=TRAIN_TRACE:EVAL_TRACE:ARTIFACT")
+        traces[name], artifacts[name] = (parts[0], parts[1]), parts[2]
+    return traces, artifacts
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("evaluate", help="compare expert predictors on a router trace (JSON + PNG)")
+    p.add_argument("--trace", help="trace to evaluate on (held-out split)")
+    p.add_argument("--train-trace", help="trace the freq/token/corr baselines are fit on (default: --trace)")
+    p.add_argument("--model", help="model directory; needed by lookahead and checked by --cross")
+    p.add_argument("--predictors", default="freq,token,corr,oracle",
+                   help=f"comma list of {', '.join(BUILTIN)} or NAME=ARTIFACT (e.g. sida=runs/sida)")
+    p.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)), help="for batch precision/recall")
+    p.add_argument("--cross", help="DATASET=TRAIN_TRACE:EVAL_TRACE:ARTIFACT,... : cross-dataset recall matrix")
+    p.add_argument("--json", required=True, help="results file")
+    p.add_argument("--plot", help="PNG of the results")
+    return p
+
+
+def run(args: argparse.Namespace) -> None:
+    if not args.trace and not args.cross:
+        raise EvaluationError("nothing to evaluate: pass --trace DIR, --cross ..., or both")
+    result: dict[str, Any] = {}
+    if args.trace:
+        batch_sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b)
+        result = evaluate_predictors(args.trace, parse_predictors(args.predictors), args.model,
+                                     args.train_trace, batch_sizes)
+    if args.cross:
+        result["cross_dataset"] = cross_dataset(args.model, *parse_cross(args.cross))
+    write_results(result, args.json, args.plot)
+
+
+def write_results(result: dict[str, Any], json_path: str | Path, plot_path: str | Path | None = None) -> None:
+    """The JSON, and the PNG when `plot_path` is given; both written atomically."""
+    write_json_atomic(json_path, result)
+    log.info("results written to %s", json_path)
+    if plot_path:
+        from experiments.evaluate_plot import plot_evaluation  # matplotlib only when plotting
+
+        plot_evaluation(result, plot_path)
+        log.info("plot written to %s", plot_path)

@@ -1,0 +1,151 @@
+"""The hash-building thread on its own (real thread, small hand-written predictors), and its
+late tables inside the runtime."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from offload_runtime.hash_builder import HashBuilder, HashBuilderError, HashTable
+from offload_runtime.loader import load_offloaded
+from predictor import FrequencyPredictor, PredictorMeta
+from prescient.fingerprint import fingerprint_model
+from prescient.loading import load_model, load_tokenizer
+
+L, E = 3, 4
+
+
+class CountingPredictor:
+    """Causal and stateful: for each row, layer l's score of expert e is 1 where e is the
+    number of tokens the row has seen (mod E), and the token id is added at expert 0."""
+
+    def __init__(self, delay: float = 0.0, fail_at: int | None = None, gate: threading.Event | None = None):
+        self.delay, self.fail_at, self.gate, self.steps = delay, fail_at, gate, 0
+        self.entered = threading.Event()  # set when a step begins
+
+    def start(self, batch_size: int) -> torch.Tensor:
+        return torch.zeros(batch_size, dtype=torch.long)
+
+    def step(self, state: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        self.entered.set()
+        if self.gate is not None:
+            self.gate.wait()
+        if self.fail_at is not None and self.steps > self.fail_at:
+            raise ValueError("hash function diverged")
+        time.sleep(self.delay)
+        scores = torch.zeros(len(state), L, E)
+        scores[torch.arange(len(state)), :, state % E] = 1.0
+        scores[:, :, 0] += token_ids[:, None].float()
+        state += 1
+        return scores
+
+
+def builder_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "hash-builder"]
+
+
+def wait_table(builder: HashBuilder, step: int, timeout: float = 10.0) -> HashTable:
+    deadline = time.monotonic() + timeout
+    while (table := builder.poll(step)) is None:
+        assert time.monotonic() < deadline, f"no table for step {step} within {timeout} s"
+        time.sleep(0.001)
+    return table
+
+
+def test_one_table_per_forward_with_causal_state_and_padding():
+    builder = HashBuilder(CountingPredictor())
+    try:
+        prompt = torch.tensor([[0, 0, 5], [0, 0, 0]])
+        mask = torch.tensor([[0, 1, 1], [1, 1, 1]])  # row 0 is left-padded: its first token is left out
+        builder.submit(0, prompt, new_sequence=True, attention_mask=mask)
+        table = wait_table(builder, 0)
+        assert table.step == 0 and table.tokens == 5 and table.scores.shape == (L, E)
+        # row 0 counted at positions 1, 2 (seen 1, 2 tokens); row 1 at 0, 1, 2; token 5 adds at expert 0
+        assert table.scores[0].tolist() == [1.0 + 5.0, 2.0, 2.0, 0.0]
+        for step in (1, 2):  # decode: one token per row, the state goes on
+            builder.submit(step, torch.tensor([[0], [0]]), new_sequence=False)
+            assert wait_table(builder, step).scores[1].tolist() == [0.0, 0.0, 0.0, 2.0] if step == 1 else \
+                [2.0, 0.0, 0.0, 0.0]
+        builder.submit(3, torch.tensor([[0], [0]]), new_sequence=True)  # a new sequence restarts the state
+        assert wait_table(builder, 3).scores[2].tolist() == [2.0, 0.0, 0.0, 0.0]
+        assert builder.poll(4) is None
+    finally:
+        builder.close()
+
+
+def test_slow_predictor_tables_come_late_and_in_order():
+    gate = threading.Event()
+    builder = HashBuilder(CountingPredictor(gate=gate), keep=8)
+    try:
+        for step in range(4):  # submitting never waits on the predictor, here stuck at step 0
+            builder.submit(step, torch.tensor([[1]]), new_sequence=step == 0)
+        assert builder.poll(0) is None  # not ready: the runtime would count the table late
+        gate.set()
+        assert [wait_table(builder, step).scores[0, 0].item() for step in range(4)] == [2.0, 1.0, 1.0, 1.0]
+    finally:
+        builder.close()
+
+
+def test_predictor_error_is_raised_by_every_later_call():
+    builder = HashBuilder(CountingPredictor(fail_at=2))
+    try:
+        builder.submit(0, torch.tensor([[1, 2]]), new_sequence=True)
+        wait_table(builder, 0)
+        builder.submit(1, torch.tensor([[3]]), new_sequence=False)
+        deadline = time.monotonic() + 10
+        with pytest.raises(HashBuilderError, match="diverged") as raised:
+            while time.monotonic() < deadline:
+                builder.poll(1)
+                time.sleep(0.001)
+        assert isinstance(raised.value.__cause__, ValueError)
+        with pytest.raises(HashBuilderError, match="diverged"):
+            builder.submit(2, torch.tensor([[4]]), new_sequence=False)
+    finally:
+        builder.close()  # does not raise again
+    assert builder_threads() == []
+
+
+def test_close_is_idempotent_and_does_not_hang_on_a_stuck_predictor(caplog):
+    gate = threading.Event()
+    predictor = CountingPredictor(gate=gate)
+    builder = HashBuilder(predictor, join_timeout=0.2)
+    builder.submit(0, torch.tensor([[1]]), new_sequence=True)
+    assert predictor.entered.wait(5)  # the thread is stuck in the predictor
+    for _ in range(3):
+        builder.submit(1, torch.tensor([[1]]), new_sequence=False)  # queued behind the stuck step
+    start = time.monotonic()
+    builder.close()
+    assert time.monotonic() - start < 2 and "still predicting" in caplog.text
+    gate.set()  # the stuck step ends; the queued ones are dropped
+    for thread in builder_threads():
+        thread.join(5)
+    assert builder_threads() == [] and predictor.steps == 1
+    builder.close()
+    with pytest.raises(HashBuilderError, match="closed"):
+        builder.submit(2, torch.tensor([[1]]), new_sequence=False)
+
+
+class SlowFrequencyPredictor(FrequencyPredictor):
+    def step(self, state: None, token_ids: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.03)
+        return super().step(state, token_ids)
+
+
+def test_runtime_counts_late_tables_and_output_is_unchanged(tiny_moe_dir):
+    path = tiny_moe_dir("olmoe")
+    plain, layers = load_model(path, dtype=torch.float32)
+    fingerprint = fingerprint_model(plain, layers)
+    predictor = SlowFrequencyPredictor(torch.ones(fingerprint.n_moe_layers, fingerprint.n_experts),
+                                       PredictorMeta("frequency", fingerprint))
+    inputs = dict(load_tokenizer(path)("def cache(key, value):", return_tensors="pt"))
+    model = load_offloaded(path, predictor=predictor, budget=0.5)
+    with model.offload_runtime as runtime, torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        assert torch.equal(out, plain.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False))
+    stats = runtime.stats()
+    assert stats.forwards == 3 and stats.late_tables >= 1  # the prompt's table takes ~0.3 s
+    assert stats.late_tables + stats.tables_on_time == 3
