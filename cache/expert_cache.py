@@ -313,19 +313,17 @@ class ExpertCache:
                     f"cannot insert {key}: all {self.capacity} slots of {where} are pinned or in use "
                     "by the same call; raise the capacity or unpin experts sooner"
                 )
-            self._evict(victim)  # the partition's fill stays: one out, one in
+            # evict the victim; the partition's fill stays: one out, one in
+            self._resident.remove(victim)
+            policy.on_evict(victim)
+            stats = self._stats
+            stats.evictions += 1
+            unused = self._unused_prefetches
+            if unused and victim in unused:
+                unused.remove(victim)
+                stats.wasted_prefetches += 1
+            if self.on_evict is not None:
+                self.on_evict(victim)
         self._resident.add(key)
         policy.on_insert(key)
         return True
-
-    def _evict(self, key: Key) -> None:
-        self._resident.remove(key)
-        self.policy.on_evict(key)
-        stats = self._stats
-        stats.evictions += 1
-        unused = self._unused_prefetches
-        if unused and key in unused:
-            unused.remove(key)
-            stats.wasted_prefetches += 1
-        if self.on_evict is not None:
-            self.on_evict(key)

@@ -11,8 +11,12 @@ from collections import defaultdict
 from collections.abc import Container, Mapping, Sequence
 from operator import itemgetter, mul
 
+import numpy as np
+
 from cache.errors import PolicyError, UnknownPolicyError
 from cache.policy import Candidates, EvictionPolicy, Key, OrderedPolicy, RankedPolicy
+
+_TICK_BITS = 48  # LFU: room for 2.8e14 ticks
 
 
 class FIFO(OrderedPolicy):
@@ -37,20 +41,28 @@ class LRU(OrderedPolicy):
 class LFU(RankedPolicy):
     """Least frequently used since insertion; ties go to the least recently used.
 
-    Rank = (uses, tick of last use or insertion). Counts are forgotten on eviction.
+    Rank = (uses, tick of last use or insertion), packed into one int `uses << 48 | tick` (the
+    same order, compared faster). Counts are forgotten on eviction.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._tick = 0
 
-    def insert_rank(self, key: Key) -> tuple[int, int]:
+    def insert_rank(self, key: Key) -> int:
         self._tick += 1
-        return 0, self._tick
+        return self._tick
 
     def on_access(self, key: Key, score: float | None = None) -> None:
         self._tick += 1
-        self.set_rank(key, (self.rank(key)[0] + 1, self._tick))
+        self._ranks[key] = (self._ranks[key] >> _TICK_BITS) + 1 << _TICK_BITS | self._tick
+
+    def on_access_many(self, keys: Sequence[Key]) -> None:
+        ranks, tick = self._ranks, self._tick
+        for key in keys:  # a use only raises a rank: no heap push (see RankedPolicy)
+            tick += 1
+            ranks[key] = (ranks[key] >> _TICK_BITS) + 1 << _TICK_BITS | tick
+        self._tick = tick
 
 
 class StaticHot(RankedPolicy):
@@ -70,6 +82,9 @@ class StaticHot(RankedPolicy):
     def insert_rank(self, key: Key) -> float:
         return self._freq.get(key, 0.0)
 
+    def on_access_many(self, keys: Sequence[Key]) -> None:
+        pass  # ranks are fixed
+
 
 class Belady(RankedPolicy):
     """The offline optimum (MIN): evict the key whose next use is farthest, never-used first.
@@ -80,15 +95,20 @@ class Belady(RankedPolicy):
 
     def __init__(self, future: Sequence[Key]) -> None:
         super().__init__()
-        self._future = [(int(l), int(e)) for l, e in future]
-        n = len(self._future)
-        self._positions: dict[Key, list[int]] = defaultdict(list)
-        for i, key in enumerate(self._future):
-            self._positions[key].append(i)
-        self._next = [n] * n
-        for positions in self._positions.values():
-            for here, later in zip(positions, positions[1:]):
-                self._next[here] = later
+        ids = np.asarray(future, dtype=np.int64).reshape(-1, 2)
+        n = len(ids)
+        self._future: list[Key] = list(zip(ids[:, 0].tolist(), ids[:, 1].tolist()))
+        # group positions by key (stable sort: ascending positions within a key)
+        flat = (ids[:, 0] - ids[:, 0].min(initial=0)) * (int(ids[:, 1].max(initial=0)) + 1) + ids[:, 1]
+        order = np.argsort(flat, kind="stable")
+        same = flat[order[1:]] == flat[order[:-1]]
+        following = np.full(n, n, dtype=np.int64)
+        following[order[:-1][same]] = order[1:][same]
+        self._next: list[int] = following.tolist()
+        starts = np.flatnonzero(np.r_[True, ~same]) if n else np.array([], dtype=np.int64)
+        self._positions: dict[Key, list[int]] = {
+            self._future[int(group[0])]: group.tolist() for group in np.split(order, starts[1:])
+        } if n else {}
         self._cursor = 0
 
     def insert_rank(self, key: Key) -> int:
@@ -97,15 +117,27 @@ class Belady(RankedPolicy):
         return -(positions[i] if i < len(positions) else len(self._future))
 
     def on_access(self, key: Key, score: float | None = None) -> None:
-        i = self._cursor
-        if i >= len(self._future) or self._future[i] != key:
-            expected = self._future[i] if i < len(self._future) else "the end of the sequence"
-            raise PolicyError(
-                f"access #{i} is {key} but Belady's future sequence has {expected}; "
-                "build it from the same replay (Replay.future()) that drives the cache"
-            )
-        self._cursor = i + 1
-        self.set_rank(key, -self._next[i])
+        self.on_access_many((key,))
+
+    def on_access_many(self, keys: Sequence[Key]) -> None:
+        i, future, following = self._cursor, self._future, self._next
+        ranks, heaps, live, by_layer, push = self._ranks, self._heaps, self._live, self.by_layer, heapq.heappush
+        for key in keys:
+            if i >= len(future) or future[i] != key:
+                self._cursor = i
+                expected = future[i] if i < len(future) else "the end of the sequence"
+                raise PolicyError(
+                    f"access #{i} is {key} but Belady's future sequence has {expected}; "
+                    "build it from the same replay (Replay.future()) that drives the cache"
+                )
+            rank = ranks[key] = -following[i]  # the next use is later: the rank falls, push
+            part = key[0] if by_layer else None
+            heap = heaps[part]
+            push(heap, (rank, key))
+            if len(heap) > 2 * live[part] + 64:
+                self._compact(part)
+            i += 1
+        self._cursor = i
 
 
 _RESCALE_BELOW = 1e-120
@@ -209,8 +241,13 @@ class MRS(EvictionPolicy):
     def on_evict(self, key: Key) -> None:
         layer, expert = key
         self._resident[layer].remove(expert)
-        if self._heaps[layer][0][1] == expert:
-            self._fix_top(layer)
+        heap = self._heaps[layer]
+        if heap[0][1] == expert:  # the usual case: the victim was the top
+            heapq.heappop(heap)
+            if heap and (heap[0][1] not in self._resident[layer] or self._u[layer][heap[0][1]] != heap[0][0]):
+                self._fix_top(layer)
+            else:
+                self._tops[layer] = heap[0][0] if heap else _INF
 
     def on_access_many(self, keys: Sequence[Key]) -> None:
         pass  # uses do not move S: only router scores do

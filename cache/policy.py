@@ -148,34 +148,43 @@ class RankedPolicy(EvictionPolicy):
         old = self._ranks.get(key, _GONE)
         self._ranks[key] = rank
         if old is _GONE or rank < old:
-            part = key[0] if self.by_layer else None
-            heap = self._heaps[part]
-            heapq.heappush(heap, (rank, key))
-            if len(heap) > 2 * self._live[part] + 64:
-                self._rebuild(part, {key: self._ranks[key] for key in self.resident_in(part)})
+            self._push(key, rank)
+
+    def _push(self, key: Key, rank: Any) -> None:
+        """A heap entry for `key` at `rank`; compacts the heap when stale entries dominate."""
+        part = key[0] if self.by_layer else None
+        heap = self._heaps[part]
+        heapq.heappush(heap, (rank, key))
+        if len(heap) > 2 * self._live[part] + 64:
+            self._compact(part)
+
+    def _compact(self, part: Partition) -> None:
+        """Drop a partition's stale heap entries: one entry per resident key, at its rank."""
+        by_layer = self.by_layer
+        heap = [(rank, key) for key, rank in self._ranks.items() if not by_layer or key[0] == part]
+        heapq.heapify(heap)
+        self._heaps[part] = heap
 
     def on_insert(self, key: Key) -> None:
-        self._live[key[0] if self.by_layer else None] += 1
-        self.set_rank(key, self.insert_rank(key))
+        part = key[0] if self.by_layer else None
+        self._live[part] += 1
+        rank = self._ranks[key] = self.insert_rank(key)
+        self._push(key, rank)
 
     def on_evict(self, key: Key) -> None:
         del self._ranks[key]
         self._live[key[0] if self.by_layer else None] -= 1
 
     def victim(self, candidates: Candidates) -> Key | None:
-        best = self.best(candidates.partition, candidates)
-        return None if best is None else best[1]
-
-    def best(self, part: Partition, candidates: Candidates) -> tuple[Any, Key] | None:
-        """(rank, key) of the lowest-ranked evictable key of a partition, or None."""
-        heap = self._heaps.get(part)
+        """The evictable key of lowest rank in the partition (ties: the lower key), or None."""
+        heap = self._heaps.get(candidates.partition)
         if not heap:
             return None
         ranks, pinned = self._ranks, candidates.pinned
         skipped = []
         try:
             while heap:
-                stored, key = entry = heap[0]
+                stored, key = heap[0]
                 current = ranks.get(key, _GONE)
                 if current is _GONE or stored > current:
                     heapq.heappop(heap)  # evicted, or a lower entry of the key exists
@@ -184,20 +193,8 @@ class RankedPolicy(EvictionPolicy):
                 elif key in pinned:
                     skipped.append(heapq.heappop(heap))
                 else:
-                    return entry
+                    return key
             return None
         finally:
             for entry in skipped:
                 heapq.heappush(heap, entry)
-
-    def resident_in(self, part: Partition) -> list[Key]:
-        """Resident keys of a partition (O(heap size); for rare maintenance, not the hot path)."""
-        ranks = self._ranks
-        return list({key for _, key in self._heaps.get(part, ()) if key in ranks})
-
-    def _rebuild(self, part: Partition, ranks: dict[Key, Any]) -> None:
-        """Replace a partition's heap by one entry per key of `ranks`, which become the ranks."""
-        self._ranks.update(ranks)
-        heap = [(rank, key) for key, rank in ranks.items()]
-        heapq.heapify(heap)
-        self._heaps[part] = heap

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
 import torch
 from entmax import sparsemax
 from safetensors import safe_open

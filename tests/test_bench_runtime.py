@@ -1,0 +1,119 @@
+"""`prescient bench` on a tiny random Mixtral: the grid helpers, a 2-run benchmark with both
+baselines, the oracle and the hash thread's cost with a (random) SiDA artifact, in this
+process, and the command line with every configuration in its own forked process. Real
+checkpoints, threads and files."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments import bench_runtime as bench
+from experiments.bench_runtime import BenchError, RunSpec
+from predictor import PredictorMeta, SiDAHash, SiDAPredictor, SiDASizes, read_token_embeddings, save_predictor
+from prescient.fingerprint import fingerprint_model
+from prescient.loading import load_model
+
+RECORD_FIELDS = {"label", "tokens_per_s", "peak_rss_mb", "exact", "decode_tokens", "decode_seconds",
+                 "prefill_seconds", "load_seconds", "rss_after_load_mb", "load_peak_rss_mb", "peak_rss_scope"}
+RUN_FIELDS = RECORD_FIELDS | {"budget", "predictor", "policy", "hit_rate", "stall_seconds", "bytes_moved",
+                              "late_tables", "stats"}
+
+
+def corpus_texts(text_corpus) -> list[str]:
+    return [json.loads(line)["text"] for line in text_corpus.read_text().splitlines()]
+
+
+def random_sida(model_dir: Path, out: Path) -> Path:
+    """An untrained causal SiDA hash function for the model, saved as an artifact."""
+    model, layers = load_model(model_dir, dtype=torch.float32)
+    fingerprint = fingerprint_model(model, layers)
+    sizes = SiDASizes(compress_dim=8, hidden_dim=16, attn_window=8)
+    torch.manual_seed(0)
+    hash_fn = SiDAHash.from_embedding(read_token_embeddings(model_dir), len(layers), fingerprint.n_experts, sizes)
+    meta = PredictorMeta("sida", fingerprint, dataclasses.asdict(sizes))
+    return save_predictor(SiDAPredictor(hash_fn, meta), out / "sida")
+
+
+def test_grids_and_their_checks():
+    grid = bench.default_grid([0.25, 0.5], ["none", "freq", "sida"], ["lru", "lfu", "fifo", "mrs"])
+    assert [r.label for r in grid[:7]] == ["none+lru@0.25", "freq+mrs@0.25", "freq+lru@0.25", "sida+mrs@0.25",
+                                           "sida+lru@0.25", "sida+lfu@0.25", "sida+fifo@0.25"]
+    assert len(grid) == 14 and {r.budget for r in grid[7:]} == {0.5}
+    assert len(bench.full_grid([0.5, 1.0], ["none", "freq"], ["lru", "mrs"])) == 8
+    assert bench.parse_runs("none:lru@0.5, sida:mrs@0.25") == [RunSpec("none", "lru", 0.5), RunSpec("sida", "mrs", 0.25)]
+    for bad in ("none@0.5", "none:lru", "none:lru@half"):
+        with pytest.raises(BenchError, match="PREDICTOR:POLICY@BUDGET"):
+            bench.parse_runs(bad)
+    with pytest.raises(BenchError, match="--train-trace"):
+        bench.check_grid([RunSpec("freq", "lru", 0.5)], {"freq": None}, None)
+    with pytest.raises(BenchError, match="unknown policy"):
+        bench.check_grid([RunSpec("none", "clock", 0.5)], {"none": None}, None)
+    with pytest.raises(BenchError, match="does not name"):
+        bench.check_grid([RunSpec("oracle", "lru", 0.5)], {"none": None}, None)
+    with pytest.raises(BenchError, match="unknown predictor"):
+        bench.check_grid([], {"magic": None}, None)
+
+
+def test_two_runs_baselines_oracle_and_hash_cost(tiny_moe_dir, text_corpus, tmp_path):
+    model = tiny_moe_dir("mixtral")
+    out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    predictors = {"none": None, "oracle": None, "sida": str(random_sida(model, tmp_path)), "freq": None}
+    result = bench.bench_runtime(
+        model, corpus_texts(text_corpus), predictors=predictors, runs=bench.parse_runs("none:lru@0.5,oracle:mrs@0.25"),
+        new_tokens=6, hash_cost_predictor="sida", isolate=False, json_path=out, plot_path=plot)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result)) and result["complete"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {"settings", "machine", "model", "method", "prompts", "ratios"} <= set(result)
+    assert {"cpu_count", "torch_threads", "platform"} <= set(result["machine"])
+    assert set(result["settings"]["predictors"]) == {"none", "oracle", "sida"}  # freq: no run uses it
+    m = result["model"]
+    assert m["total_expert_bytes"] == m["expert_bytes"] * m["n_experts"] * m["n_moe_layers"] > 0
+
+    runs = result["runs"]
+    assert [r["label"] for r in runs] == ["none+lru@0.5", "oracle+mrs@0.25"]
+    for record in runs:
+        assert RUN_FIELDS <= set(record) and "error" not in record, record
+        assert record["exact"] and record["tokens_per_s"] > 0 and record["peak_rss_mb"] > 0
+        assert record["decode_tokens"] == 5 * result["settings"]["timed_prompts"]
+        assert record["stats"]["forwards"] == record["decode_tokens"]  # decode windows only, prefill excluded
+    oracle = runs[1]["stats"]
+    assert oracle["tables_on_time"] + oracle["late_tables"] == oracle["forwards"]  # every table known to the oracle
+    assert runs[1]["stats"]["slots"] == 4 and runs[0]["stats"]["slots"] == 8  # 25% and 50% of 2 x 8 experts
+    for name in bench.BASELINES:
+        record = result["baselines"][name]
+        assert RECORD_FIELDS <= set(record) and record["exact"] and record["tokens_per_s"] > 0, record
+    assert result["baselines"]["accelerate_disk"]["offloaded_modules"] == 2
+
+    cost = result["hash_thread_cost"]
+    for key in ("with_thread_tables_ignored", "without_thread"):
+        record = cost[key]
+        assert record["exact"] and record["stats"]["loads"] == 0 and record["bytes_moved"] == 0, record
+        assert record["stats"]["prefetch_inserts"] == 0 and record["hit_rate"] == 1.0
+    assert cost["with_thread_tables_ignored"]["stats"]["tables_on_time"] > 0  # the thread ran
+    assert cost["tokens_per_s_ratio"] > 0
+    ratio = result["ratios"]["none+lru@0.5"]
+    assert ratio["vs_none_lru"] == 1.0 and ratio["vs_all_resident"] > 0 and ratio["vs_accelerate_disk"] > 0
+
+
+def test_command_line_runs_each_configuration_in_a_fresh_process(tiny_moe_dir, text_corpus, tmp_path):
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers(dest="command"))
+    out = tmp_path / "bench.json"
+    args = parser.parse_args([
+        "bench", "--model", str(tiny_moe_dir("mixtral")), "--json", str(out), "--runs", "none:lru@1.0,none:fifo@0.5",
+        "--baselines", "all_resident", "--dataset", f"json:{text_corpus}", "--split", "train", "--prompts", "1",
+        "--new-tokens", "3", "--threads", "1"])
+    result = bench.run(args)
+    assert json.loads(out.read_text())["complete"] and result["settings"]["isolated_processes"]
+    records = [result["baselines"]["all_resident"], *result["runs"]]
+    assert all(r["exact"] and r["peak_rss_scope"] == "after load (VmHWM reset)" for r in records), records
+    pids = {r["pid"] for r in records}
+    assert len(pids) == 3 and os.getpid() not in pids
+    assert "accelerate_disk" not in result["baselines"] and result["hash_thread_cost"] is None
