@@ -66,18 +66,22 @@ class ExpertCache:
         self._lock = threading.RLock()
         self._stats = CacheStats()
         self._resident: set[Key] = set()
-        self._fill: dict[Partition, int] = {}
+        self._fill: dict[Partition, int] = {}  # keys in each partition that is not full yet
+        self._full: dict[Partition, Candidates] = {}  # full partitions: their evictable keys
         self._pins: dict[Key, int] = {}
-        self._candidates: dict[Partition, Candidates] = {}
         self._unused_prefetches: set[Key] = set()
 
     # -- queries ---------------------------------------------------------------------------
 
     @property
     def stats(self) -> CacheStats:
-        """A snapshot of the counters."""
+        """A snapshot of the counters. Hits and evictions are derived, not counted on the hot
+        path: every access that is not a miss hits, and every insertion fills a free slot or
+        evicts one (nothing else removes a key)."""
         with self._lock:
-            return replace(self._stats)
+            s = self._stats
+            inserts = s.misses + s.prefetch_inserts
+            return replace(s, hits=s.accesses - s.misses, evictions=inserts - len(self._resident))
 
     def contains(self, key: Key) -> bool:
         with self._lock:
@@ -108,7 +112,6 @@ class ExpertCache:
             stats = self._stats
             hit = key in self._resident
             if hit:
-                stats.hits += 1
                 if key in self._unused_prefetches:
                     self._unused_prefetches.discard(key)
                     stats.prefetch_hits += 1
@@ -132,9 +135,7 @@ class ExpertCache:
             if self._unused_prefetches:
                 self._count_prefetch_hits(keys)
             self.policy.on_access_many(keys)
-            stats = self._stats
-            stats.accesses += len(keys)
-            stats.hits += len(keys)
+            self._stats.accesses += len(keys)
             if pin:
                 self._hold(keys)
             return 0
@@ -176,7 +177,6 @@ class ExpertCache:
                                 misses += with_misses(keys, False)
             finally:
                 self._stats.accesses += hit_keys
-                self._stats.hits += hit_keys
             return misses
 
     # -- prefetch path ---------------------------------------------------------------------
@@ -224,9 +224,10 @@ class ExpertCache:
     def unpin_many(self, keys: Sequence[Key]) -> None:
         with self._lock:
             pins = self._pins
-            if not all(key in pins for key in keys):
-                missing = [key for key in keys if key not in pins]
-                raise CacheError(f"cannot unpin {missing}: not pinned")
+            for key in keys:
+                if key not in pins:
+                    missing = [key for key in keys if key not in pins]
+                    raise CacheError(f"cannot unpin {missing}: not pinned")
             self._release(keys)
 
     # -- policy hook -------------------------------------------------------------------------
@@ -239,11 +240,11 @@ class ExpertCache:
     # -- internals (lock held) ---------------------------------------------------------------
 
     def _access_with_misses(self, keys: Sequence[Key], pin: bool) -> int:
+        """Insert the missing keys (all of `keys` pinned meanwhile), then report the uses."""
         pins = self._pins
         for key in keys:  # a miss must not evict another key of the call
             pins[key] = pins.get(key, 0) + 1
-        resident, unused = self._resident, self._unused_prefetches
-        insert, on_access = self._insert, self.policy.on_access
+        resident, unused, insert = self._resident, self._unused_prefetches, self._insert
         done = misses = prefetch_hits = 0
         try:
             for key in keys:
@@ -253,17 +254,17 @@ class ExpertCache:
                 elif unused and key in unused:
                     unused.discard(key)
                     prefetch_hits += 1
-                on_access(key, None)
                 done += 1
         except CacheFullError:
             self._release(keys)
             raise
         finally:
+            self.policy.on_access_many(keys[:done] if done < len(keys) else keys)
             stats = self._stats
             stats.accesses += done
             stats.misses += misses
-            stats.hits += done - misses
-            stats.prefetch_hits += prefetch_hits
+            if prefetch_hits:
+                stats.prefetch_hits += prefetch_hits
         if not pin:
             self._release(keys)
         return misses
@@ -296,15 +297,13 @@ class ExpertCache:
         if self.n_layers is not None and not 0 <= key[0] < self.n_layers:
             raise CacheError(f"key {key} names layer {key[0]} but the cache has {self.n_layers} layers")
         part = key[0] if self.per_layer else None
-        fill = self._fill.get(part, 0)
-        policy = self.policy
-        if fill < self.capacity:
-            self._fill[part] = fill + 1
-        else:
-            candidates = self._candidates.get(part)
-            if candidates is None:
-                candidates = self._candidates[part] = Candidates(part, self._pins)
-            victim = policy.victim(candidates)
+        candidates = self._full.get(part)
+        if candidates is None:  # a free slot
+            fill = self._fill[part] = self._fill.get(part, 0) + 1
+            if fill == self.capacity:
+                self._full[part] = Candidates(part, self._pins)
+        else:  # one out, one in
+            victim = self.policy.victim(candidates)
             if victim is None:
                 if not demand:
                     return False
@@ -313,17 +312,13 @@ class ExpertCache:
                     f"cannot insert {key}: all {self.capacity} slots of {where} are pinned or in use "
                     "by the same call; raise the capacity or unpin experts sooner"
                 )
-            # evict the victim; the partition's fill stays: one out, one in
             self._resident.remove(victim)
-            policy.on_evict(victim)
-            stats = self._stats
-            stats.evictions += 1
-            unused = self._unused_prefetches
-            if unused and victim in unused:
-                unused.remove(victim)
-                stats.wasted_prefetches += 1
+            self.policy.on_evict(victim)
+            if self._unused_prefetches and victim in self._unused_prefetches:
+                self._unused_prefetches.remove(victim)
+                self._stats.wasted_prefetches += 1
             if self.on_evict is not None:
                 self.on_evict(victim)
         self._resident.add(key)
-        policy.on_insert(key)
+        self.policy.on_insert(key)
         return True

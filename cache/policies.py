@@ -8,6 +8,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left
 from collections import defaultdict
+from itertools import chain
 from collections.abc import Container, Mapping, Sequence
 from operator import itemgetter, mul
 
@@ -33,9 +34,14 @@ class LRU(OrderedPolicy):
         self._orders[key[0] if self.by_layer else None].move_to_end(key)
 
     def on_access_many(self, keys: Sequence[Key]) -> None:
-        orders, by_layer = self._orders, self.by_layer
-        for key in keys:
-            orders[key[0] if by_layer else None].move_to_end(key)
+        if self.by_layer:
+            orders = self._orders
+            for key in keys:
+                orders[key[0]].move_to_end(key)
+        else:
+            move_to_end = self._orders[None].move_to_end
+            for key in keys:
+                move_to_end(key)
 
 
 class LFU(RankedPolicy):
@@ -95,20 +101,19 @@ class Belady(RankedPolicy):
 
     def __init__(self, future: Sequence[Key]) -> None:
         super().__init__()
-        ids = np.asarray(future, dtype=np.int64).reshape(-1, 2)
-        n = len(ids)
-        self._future: list[Key] = list(zip(ids[:, 0].tolist(), ids[:, 1].tolist()))
-        # group positions by key (stable sort: ascending positions within a key)
-        flat = (ids[:, 0] - ids[:, 0].min(initial=0)) * (int(ids[:, 1].max(initial=0)) + 1) + ids[:, 1]
-        order = np.argsort(flat, kind="stable")
+        self._future = list(future)
+        n = len(self._future)
+        ids = np.fromiter(chain.from_iterable(self._future), dtype=np.int64, count=2 * n).reshape(n, 2)
+        flat = ids[:, 0] * (int(ids[:, 1].max(initial=0)) + 1) + ids[:, 1]  # one id per key
+        order = np.argsort(flat, kind="stable")  # positions grouped by key, ascending
         same = flat[order[1:]] == flat[order[:-1]]
         following = np.full(n, n, dtype=np.int64)
         following[order[:-1][same]] = order[1:][same]
         self._next: list[int] = following.tolist()
-        starts = np.flatnonzero(np.r_[True, ~same]) if n else np.array([], dtype=np.int64)
+        groups = np.split(order, np.flatnonzero(~same) + 1) if n else []
         self._positions: dict[Key, list[int]] = {
-            self._future[int(group[0])]: group.tolist() for group in np.split(order, starts[1:])
-        } if n else {}
+            (int(ids[group[0], 0]), int(ids[group[0], 1])): group.tolist() for group in groups
+        }
         self._cursor = 0
 
     def insert_rank(self, key: Key) -> int:
@@ -123,7 +128,7 @@ class Belady(RankedPolicy):
         i, future, following = self._cursor, self._future, self._next
         ranks, heaps, live, by_layer, push = self._ranks, self._heaps, self._live, self.by_layer, heapq.heappush
         for key in keys:
-            if i >= len(future) or future[i] != key:
+            if i >= len(future) or future[i] != key and tuple(map(int, future[i])) != key:
                 self._cursor = i
                 expected = future[i] if i < len(future) else "the end of the sequence"
                 raise PolicyError(

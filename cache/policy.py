@@ -80,7 +80,8 @@ class EvictionPolicy:
         """A resident key was used (after `on_insert` when the access was a miss)."""
 
     def on_access_many(self, keys: Sequence[Key]) -> None:
-        """Resident keys used in this order (a batch of hits); the same as `on_access` each."""
+        """Resident keys used in this order (one layer-step's experts); the same as `on_access`
+        each. The cache inserts a call's missing keys (pinned) before it reports the uses."""
         on_access = self.on_access
         for key in keys:
             on_access(key, None)

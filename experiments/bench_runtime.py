@@ -22,6 +22,7 @@ Wired into `prescient.cli` with `add_parser(sub)` and `run(args)`.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import logging
 import multiprocessing
@@ -31,7 +32,6 @@ import resource
 import shutil
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -58,9 +58,11 @@ METHOD = {
     "isolation": "each run in a fresh process forked from a forkserver that imported torch and transformers once "
                  "(settings.isolated_processes false: every run in one process, for quick checks)",
     "peak_rss_mb": "peak resident set of the run's process from after the model is loaded through warm-up and "
-                   "timed generation (Linux VmHWM, reset through /proc/self/clear_refs after loading; where that "
-                   "is impossible, ru_maxrss over the process lifetime: see peak_rss_scope); load_peak_rss_mb is the "
-                   "peak before the reset (load_offloaded loads the whole checkpoint once, then drops the experts)",
+                   "timed generation (Linux VmHWM, reset through /proc/self/clear_refs after loading, garbage "
+                   "collection and malloc_trim; where that is impossible, ru_maxrss over the process lifetime: "
+                   "see peak_rss_scope); it counts the file pages the process maps (a from_pretrained model keeps its "
+                   "safetensors mapped) and only slots that were filled; load_peak_rss_mb is the peak before the "
+                   "reset (load_offloaded loads the whole checkpoint once, then drops the experts)",
     "offloaded": "load_offloaded(store, drop_page_cache): experts read from the checkpoint with pread, the page "
                  "cache dropped after each read",
     "all_resident": "the plain transformers model with every weight in memory; its ids are the reference",
@@ -240,6 +242,16 @@ def _status_mb(name: str) -> float | None:
     return None
 
 
+def _release_freed_memory() -> None:
+    """Free what loading dropped (the checkpoint's expert tensors; in-process, the last run's model)
+    and hand freed heap memory back to the OS (glibc `malloc_trim`), so that RSS shows live memory."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _reset_peak() -> bool:
     """Reset the process's peak RSS (VmHWM) to its current RSS; False where the kernel lacks it."""
     try:
@@ -355,7 +367,8 @@ def _decode_stats(pairs: list[list]) -> dict[str, Any]:
     total: dict[str, Any] = {k: sum(getattr(b, k) - getattr(a, k) for a, b in pairs) for k in _DELTAS}
     total["stall_seconds"] = round(total["stall_seconds"], 4)
     total["hit_rate"] = total["hits"] / total["accesses"] if total["accesses"] else None
-    total["prefetch_accuracy"] = total["prefetch_hits"] / total["prefetch_inserts"] if total["prefetch_inserts"] else None
+    inserts = total["prefetch_inserts"]
+    total["prefetch_accuracy"] = total["prefetch_hits"] / inserts if inserts else None
     total["slots"], total["slot_bytes"] = pairs[0][1].slots, pairs[0][1].slot_bytes
     return total
 
@@ -370,7 +383,9 @@ def measure(job: Job) -> dict[str, Any]:
         torch.set_num_threads(threads)
 
 
-def _measure(job: Job) -> dict[str, Any]:
+def _load(job: Job, stack: ExitStack) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """The job's model, its offload runtime (None for the baselines; closed by `stack`), and what
+    the job reports about it."""
     from offload_runtime.loader import load_offloaded
     from predictor.artifact import load_predictor
     from predictor.baselines import OraclePredictor
@@ -379,87 +394,107 @@ def _measure(job: Job) -> dict[str, Any]:
     from prescient.loading import load_model
     from prescient.traces import load_trace
 
-    began, extra, runtime, recorded = time.perf_counter(), {}, None, None
+    if job.kind == "all_resident":
+        model, layers = load_model(job.model_dir, dtype=torch.float32)
+        return model, None, {"fingerprint": fingerprint_model(model, layers).to_dict()}
+    if job.kind == "accelerate_disk":
+        model = _load_accelerate(job, stack)
+        return model, None, {"offloaded_modules": len(find_moe_layers(model))}
+    predictor = None
+    if job.predictor is not None:
+        predictor = (OraclePredictor(load_trace(job.predictor_path)) if job.predictor == "oracle"
+                     else load_predictor(job.predictor_path))
+        predictor = _IgnoredTables(predictor) if job.ignore_tables else predictor
+    model = load_offloaded(job.model_dir, predictor=predictor, policy=job.policy, budget=job.budget,
+                           store=job.store, drop_page_cache=job.drop_page_cache)
+    runtime = stack.enter_context(model.offload_runtime)
+    layers, store = runtime.layers, runtime.store
+    return model, runtime, {"model_info": {
+        "expert_bytes": store.expert_nbytes, "total_expert_bytes": store.total_nbytes, "n_moe_layers": len(layers),
+        "n_experts": layers[0].num_experts, "top_k": layers[0].top_k}}
+
+
+def _measure(job: Job) -> dict[str, Any]:
+    began = time.perf_counter()
     with ExitStack() as stack:
-        if job.kind == "offloaded":
-            predictor = None
-            if job.predictor is not None:
-                predictor = (OraclePredictor(load_trace(job.predictor_path)) if job.predictor == "oracle"
-                             else load_predictor(job.predictor_path))
-                predictor = _IgnoredTables(predictor) if job.ignore_tables else predictor
-            model = load_offloaded(job.model_dir, predictor=predictor, policy=job.policy, budget=job.budget,
-                                   store=job.store, drop_page_cache=job.drop_page_cache)
-            runtime = stack.enter_context(model.offload_runtime)
-            layers = runtime.layers
-            extra["model_info"] = {"expert_bytes": runtime.store.expert_nbytes,
-                                   "total_expert_bytes": runtime.store.total_nbytes, "n_moe_layers": len(layers),
-                                   "n_experts": layers[0].num_experts, "top_k": layers[0].top_k}
-        elif job.kind == "all_resident":
-            model, layers = load_model(job.model_dir, dtype=torch.float32)
-            extra["fingerprint"] = fingerprint_model(model, layers).to_dict()
-            recorded = _record_routes(model, job, Path(job.trace_out)) if job.trace_out is not None else None
-        elif job.kind == "accelerate_disk":
-            model = _load_accelerate(job, stack)
-            extra["offloaded_modules"] = len(find_moe_layers(model))
-        else:
-            raise BenchError(f"unknown job kind {job.kind!r}")
+        model, runtime, extra = _load(job, stack)
         load_seconds = time.perf_counter() - began
-        gc.collect()  # what loading dropped (the checkpoint's expert tensors), and in-process, the last run
+        recorded = _record_routes(model, job, Path(job.trace_out)) if job.trace_out is not None else None
+        _release_freed_memory()
         load_peak, after_load = _status_mb("VmHWM"), _status_mb("VmRSS")
         reset = _reset_peak()
         for ids in job.warmup:
             _generate(model, ids, job.warmup_tokens, job.pad_token_id)
-        token_ids, decode_s, decode_tokens, prefill_s, snapshots = [], 0.0, 0, 0.0, []
+        token_ids, decode_s, prefill_s, snapshots = [], 0.0, 0.0, []
         for ids in job.prompts:
             clock = _DecodeClock(runtime)
-            out = _generate(model, ids, job.new_tokens, job.pad_token_id, clock)
-            token_ids.append(out)
+            token_ids.append(_generate(model, ids, job.new_tokens, job.pad_token_id, clock))
             prefill_s += clock.times[1] - clock.times[0]
-            decode_s += clock.times[len(out)] - clock.times[1]
-            decode_tokens += len(out) - 1
+            decode_s += clock.times[len(token_ids[-1])] - clock.times[1]
             snapshots.append(clock.stats)
         peak = _status_mb("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if recorded is not None and recorded != token_ids:
         raise BenchError("the all-resident model generated other tokens with router hooks on than without: "
                          "generation is not deterministic here, so the oracle trace would not match")
+    decode_tokens = sum(len(ids) - 1 for ids in token_ids)
     return {
         "token_ids": token_ids, "tokens_per_s": decode_tokens / decode_s if decode_s > 0 else None,
         "peak_rss_mb": round(peak, 1), "decode_tokens": decode_tokens, "decode_seconds": round(decode_s, 4),
         "prefill_seconds": round(prefill_s, 4), "load_seconds": round(load_seconds, 3),
         "rss_after_load_mb": after_load and round(after_load, 1), "load_peak_rss_mb": load_peak and round(load_peak, 1),
         "peak_rss_scope": "after load (VmHWM reset)" if reset else "process lifetime (ru_maxrss)",
-        "stats": _decode_stats(snapshots) if runtime is not None else None, "pid": os.getpid(), **extra,
+        "stats": _decode_stats(snapshots) if runtime is not None else None, "pid": os.getpid(),
+        "load_average": [round(x, 2) for x in os.getloadavg()], **extra,
     }
 
 
 # --- the benchmark ---------------------------------------------------------------------------
-def _quiet() -> None:
-    """A run's process: no weight-loading progress bars between the benchmark's own."""
+def _serve(job: Job, connection) -> None:
+    """A run's own process: measure and send back the result, or the error as text (not every
+    exception unpickles). No weight-loading progress bars between the benchmark's own."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    try:
+        connection.send(("ok", measure(job)))
+    except Exception as exc:
+        connection.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
 class Executor:
-    """Runs jobs one at a time: each in a fresh process forked from a forkserver that has
-    imported torch and transformers once (`isolate`), or else in this process."""
+    """Runs jobs one at a time: each in a fresh process forked from a forkserver that has imported
+    torch and transformers once (`isolate`), or else in this process. A run's process that dies
+    (e.g. killed for memory) fails that run only."""
 
     def __init__(self, isolate: bool, preload: tuple[str, ...] = ()) -> None:
-        self._pool: ProcessPoolExecutor | None = None
+        self._context = None
         if isolate:
-            context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload([*PRELOAD, *preload])  # a module that fails to import is skipped
-            self._pool = ProcessPoolExecutor(1, mp_context=context, initializer=_quiet, max_tasks_per_child=1)
+            self._context = multiprocessing.get_context("forkserver")
+            self._context.set_forkserver_preload([*PRELOAD, *preload])  # a module that fails to import is skipped
 
     def __call__(self, job: Job) -> dict[str, Any]:
-        return measure(job) if self._pool is None else self._pool.submit(measure, job).result()
-
-    def __enter__(self) -> "Executor":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
+        if self._context is None:
+            return measure(job)
+        receiver, sender = self._context.Pipe(duplex=False)
+        process = self._context.Process(target=_serve, args=(job, sender), name=f"bench-{job.kind}")
+        process.start()
+        sender.close()
+        try:
+            status, value = receiver.recv()
+        except EOFError:
+            status, value = "died", None
+        except BaseException:  # interrupted: the run's process goes too
+            process.terminate()
+            raise
+        finally:
+            process.join()
+            receiver.close()
+        if status == "died":
+            raise BenchError(f"the run's process died with exit code {process.exitcode} "
+                             "(negative: killed by that signal; -9 is often the out-of-memory killer)")
+        if status == "error":
+            raise BenchError(value)
+        return value
 
 
 def _head(spec: RunSpec | None, kind: str) -> dict[str, Any]:
@@ -469,28 +504,33 @@ def _head(spec: RunSpec | None, kind: str) -> dict[str, Any]:
     return head
 
 
-def _run(execute: Executor, job: Job, spec: RunSpec | None, reference: list[list[int]]) -> dict[str, Any]:
-    """One job's JSON record: the spec, the headline numbers, exactness, then all it measured.
-    A failed job (e.g. out of memory) is recorded with its error, and the benchmark goes on."""
-    try:
-        result = execute(job)
-    except Exception as exc:
-        log.error("run %s failed: %r", _head(spec, job.kind)["label"], exc)
-        return {**_head(spec, job.kind), "tokens_per_s": None, "peak_rss_mb": None, "exact": False,
-                "error": f"{type(exc).__name__}: {exc}"}
+def _record(spec: RunSpec | None, kind: str, result: dict[str, Any], reference: list[list[int]]) -> dict[str, Any]:
+    """A job's JSON record: the spec, the headline numbers, exactness, then all it measured."""
     ids = result.pop("token_ids")
     stats = result.get("stats") or {}
-    return {**_head(spec, job.kind), "tokens_per_s": result.pop("tokens_per_s"),
+    return {**_head(spec, kind), "tokens_per_s": result.pop("tokens_per_s"),
             "peak_rss_mb": result.pop("peak_rss_mb"), "hit_rate": stats.get("hit_rate"),
             "stall_seconds": stats.get("stall_seconds"), "bytes_moved": stats.get("bytes_moved"),
             "late_tables": stats.get("late_tables"),
             "exact": len(ids) > 0 and all(run == ref[: len(run)] for run, ref in zip(ids, reference)), **result}
 
 
+def _run(execute: Executor, job: Job, spec: RunSpec | None, reference: list[list[int]]) -> dict[str, Any]:
+    """Execute one job and return its record; a failed job (e.g. out of memory) is recorded with
+    its error, and the benchmark goes on."""
+    try:
+        return _record(spec, job.kind, execute(job), reference)
+    except Exception as exc:
+        log.error("run %s failed: %r", _head(spec, job.kind)["label"], exc)
+        return {**_head(spec, job.kind), "tokens_per_s": None, "peak_rss_mb": None, "exact": False,
+                "error": f"{type(exc).__name__}: {exc}"}
+
+
 def ratios(runs: list[dict[str, Any]], baselines: dict[str, dict[str, Any]], budget: float) -> dict[str, Any]:
     """Each run at `budget`: its tokens/s over none+lru's at that budget, and over each baseline's
     (null where a side is missing)."""
-    none_lru = next((r for r in runs if (r.get("predictor"), r.get("policy"), r.get("budget")) == ("none", "lru", budget)), {})
+    key = ("none", "lru", budget)
+    none_lru = next((r for r in runs if (r.get("predictor"), r.get("policy"), r.get("budget")) == key), {})
     sides = {"vs_none_lru": none_lru.get("tokens_per_s"),
              **{f"vs_{name}": baselines.get(name, {}).get("tokens_per_s") for name in BASELINES}}
     return {r["label"]: {"tokens_per_s": r["tokens_per_s"],
@@ -539,11 +579,8 @@ def bench_runtime(
     (freq, token, corr: fit on `train_trace`; oracle; none)."""
     from transformers import AutoConfig
 
-    from experiments.evaluate import FITTED
-    from predictor.artifact import read_predictor_meta, save_predictor
     from prescient.fingerprint import ModelFingerprint
     from prescient.loading import load_tokenizer
-    from prescient.traces import load_trace
 
     if hash_cost_predictor is not None and hash_cost_predictor not in predictors:
         raise BenchError(f"hash-cost predictor {hash_cost_predictor!r} is not among the predictors")
@@ -582,26 +619,17 @@ def bench_runtime(
     try:
         model_type = AutoConfig.from_pretrained(model_dir).model_type
         preload = (f"transformers.models.{model_type}.modeling_{model_type}",)
-        with Executor(isolate, preload) as execute, tqdm(total=total, desc="bench", unit="run") as bar:
+        execute = Executor(isolate, preload)
+        with tqdm(total=total, desc="bench", unit="run") as bar:
             bar.set_postfix_str("all_resident")
             ref = execute(replace(base, kind="all_resident",
                                   trace_out=str(oracle_trace) if "oracle" in predictors else None))
             reference = ref["token_ids"]
             fingerprint = ModelFingerprint.from_dict(ref.pop("fingerprint"))
             if "all_resident" in baselines:
-                result["baselines"]["all_resident"] = _run(lambda _job: dict(ref), replace(base, kind="all_resident"),
-                                                           None, reference)
+                result["baselines"]["all_resident"] = _record(None, "all_resident", dict(ref), reference)
             bar.update()
-            paths = {"oracle": str(oracle_trace)}  # predictor name -> artifact (the oracle: its trace)
-            fit = load_trace(train_trace) if any(p is None and n in FITTED for n, p in predictors.items()) else None
-            if fit is not None:
-                fingerprint.require_same(fit.fingerprint, f"train trace {train_trace}")
-            for name, path in predictors.items():
-                if path is not None:
-                    fingerprint.require_same(read_predictor_meta(path).fingerprint, f"predictor {path}")
-                    paths[name] = str(path)
-                elif name in FITTED:
-                    paths[name] = str(save_predictor(FITTED[name](fit, trace_dir=str(train_trace)), work / name))
+            paths = {"oracle": str(oracle_trace), **_artifacts(predictors, fingerprint, train_trace, work)}
             if "accelerate_disk" in baselines:
                 bar.set_postfix_str("accelerate_disk")
                 job = replace(base, kind="accelerate_disk", prompts=ids[1:2], warmup=[], new_tokens=baseline_tokens)
@@ -633,6 +661,27 @@ def bench_runtime(
     if bad:
         log.warning("failed or not exact: %s", ", ".join(bad))
     return result
+
+
+def _artifacts(predictors: dict[str, str | None], fingerprint, train_trace: str | Path | None,
+               work: Path) -> dict[str, str]:
+    """Predictor name -> artifact: the given ones, checked against the model, and freq / token /
+    corr fit on the train trace and saved in `work`."""
+    from experiments.evaluate import FITTED
+    from predictor.artifact import read_predictor_meta, save_predictor
+    from prescient.traces import load_trace
+
+    paths = {}
+    fit = load_trace(train_trace) if any(p is None and n in FITTED for n, p in predictors.items()) else None
+    if fit is not None:
+        fingerprint.require_same(fit.fingerprint, f"train trace {train_trace}")
+    for name, path in predictors.items():
+        if path is not None:
+            fingerprint.require_same(read_predictor_meta(path).fingerprint, f"predictor {path}")
+            paths[name] = str(path)
+        elif name in FITTED:
+            paths[name] = str(save_predictor(FITTED[name](fit, trace_dir=str(train_trace)), work / name))
+    return paths
 
 
 def _hash_thread_cost(execute: Executor, base: Job, name: str, path: str | None, reference: list[list[int]],
@@ -726,7 +775,8 @@ def summary(result: dict[str, Any]) -> str:
         speed = f"{r['tokens_per_s']:.2f}" if r.get("tokens_per_s") else "-"
         hit = f"{r['hit_rate']:.1%}" if r.get("hit_rate") is not None else "-"
         peak = f"{r['peak_rss_mb']:.0f}" if r.get("peak_rss_mb") else "-"
-        lines.append(f"{r['label']:<24} {speed:>9} {hit:>9} {peak:>9}  {r['exact']}" + (f"  {r['error']}" if "error" in r else ""))
+        error = f"  {r['error']}" if "error" in r else ""
+        lines.append(f"{r['label']:<24} {speed:>9} {hit:>9} {peak:>9}  {r['exact']}{error}")
     cost = result.get("hash_thread_cost")
     if cost and cost.get("tokens_per_s_ratio"):
         lines.append(f"hash thread ({cost['predictor']}, tables ignored) / no thread at budget 1.0: "

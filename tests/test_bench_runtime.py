@@ -19,6 +19,7 @@ from experiments.bench_runtime import BenchError, RunSpec
 from predictor import PredictorMeta, SiDAHash, SiDAPredictor, SiDASizes, read_token_embeddings, save_predictor
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_model
+from training.tracing import trace_model
 
 RECORD_FIELDS = {"label", "tokens_per_s", "peak_rss_mb", "exact", "decode_tokens", "decode_seconds",
                  "prefill_seconds", "load_seconds", "rss_after_load_mb", "load_peak_rss_mb", "peak_rss_scope"}
@@ -47,7 +48,8 @@ def test_grids_and_their_checks():
                                            "sida+lru@0.25", "sida+lfu@0.25", "sida+fifo@0.25"]
     assert len(grid) == 14 and {r.budget for r in grid[7:]} == {0.5}
     assert len(bench.full_grid([0.5, 1.0], ["none", "freq"], ["lru", "mrs"])) == 8
-    assert bench.parse_runs("none:lru@0.5, sida:mrs@0.25") == [RunSpec("none", "lru", 0.5), RunSpec("sida", "mrs", 0.25)]
+    runs = bench.parse_runs("none:lru@0.5, sida:mrs@0.25")
+    assert runs == [RunSpec("none", "lru", 0.5), RunSpec("sida", "mrs", 0.25)]
     for bad in ("none@0.5", "none:lru", "none:lru@half"):
         with pytest.raises(BenchError, match="PREDICTOR:POLICY@BUDGET"):
             bench.parse_runs(bad)
@@ -96,24 +98,36 @@ def test_two_runs_baselines_oracle_and_hash_cost(tiny_moe_dir, text_corpus, tmp_
         record = cost[key]
         assert record["exact"] and record["stats"]["loads"] == 0 and record["bytes_moved"] == 0, record
         assert record["stats"]["prefetch_inserts"] == 0 and record["hit_rate"] == 1.0
-    assert cost["with_thread_tables_ignored"]["stats"]["tables_on_time"] > 0  # the thread ran
+    threaded, plain = cost["with_thread_tables_ignored"]["stats"], cost["without_thread"]["stats"]
+    assert threaded["tables_on_time"] + threaded["late_tables"] == threaded["forwards"]  # the thread ran
+    assert plain["tables_on_time"] + plain["late_tables"] == 0
     assert cost["tokens_per_s_ratio"] > 0
     ratio = result["ratios"]["none+lru@0.5"]
     assert ratio["vs_none_lru"] == 1.0 and ratio["vs_all_resident"] > 0 and ratio["vs_accelerate_disk"] > 0
 
 
 def test_command_line_runs_each_configuration_in_a_fresh_process(tiny_moe_dir, text_corpus, tmp_path):
+    """Three processes besides this one; corr is fit on a train trace; a run that fails (its
+    artifact lost its tensors) is recorded with the error and the others go on."""
+    model = tiny_moe_dir("mixtral")
+    broken = random_sida(model, tmp_path)
+    broken.with_suffix(".safetensors").unlink()
+    trace = trace_model(model, f"json:{text_corpus}", tmp_path / "trace", split="train", max_tokens=500)
     parser = argparse.ArgumentParser()
     bench.add_parser(parser.add_subparsers(dest="command"))
     out = tmp_path / "bench.json"
     args = parser.parse_args([
-        "bench", "--model", str(tiny_moe_dir("mixtral")), "--json", str(out), "--runs", "none:lru@1.0,none:fifo@0.5",
+        "bench", "--model", str(model), "--json", str(out), "--predictors", f"none,corr,broken={broken}",
+        "--train-trace", str(trace), "--runs", "none:lru@1.0,broken:lru@0.5,corr:fifo@0.5",
         "--baselines", "all_resident", "--dataset", f"json:{text_corpus}", "--split", "train", "--prompts", "1",
         "--new-tokens", "3", "--threads", "1"])
     result = bench.run(args)
     assert json.loads(out.read_text())["complete"] and result["settings"]["isolated_processes"]
-    records = [result["baselines"]["all_resident"], *result["runs"]]
-    assert all(r["exact"] and r["peak_rss_scope"] == "after load (VmHWM reset)" for r in records), records
-    pids = {r["pid"] for r in records}
+    good = [result["baselines"]["all_resident"], result["runs"][0], result["runs"][2]]
+    assert all(r["exact"] and r["peak_rss_scope"] == "after load (VmHWM reset)" for r in good), good
+    pids = {r["pid"] for r in good}
     assert len(pids) == 3 and os.getpid() not in pids
+    assert result["runs"][2]["stats"]["tables_on_time"] + result["runs"][2]["stats"]["late_tables"] == 2
+    failed = result["runs"][1]
+    assert failed["label"] == "broken+lru@0.5" and not failed["exact"] and "missing" in failed["error"]
     assert "accelerate_disk" not in result["baselines"] and result["hash_thread_cost"] is None

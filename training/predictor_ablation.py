@@ -37,6 +37,8 @@ VARIANTS: dict[str, dict] = {
     "topk_ce": {**PAPER, "topk_ce_weight": 1.0},  # + softmax CE on each of the top-k
     "kl+topk_ce": {**PAPER, "distance": "kl", "topk_ce_weight": 1.0},
     "topk_ce_only": {**PAPER, "ce_weight": 0.0, "tkd_weight": 0.0, "topk_ce_weight": 1.0},  # − CE − TKD
+    "bce0.1": {**PAPER, "topk_bce_weight": 0.1},
+    "topk_ce0.1": {**PAPER, "topk_ce_weight": 0.1},
 }
 
 

@@ -157,8 +157,8 @@ def trace_model(model_dir: str | Path, dataset: str, out: str | Path, split: str
     texts = load_corpus(dataset, split, text_field)["text"]
     manifest = TraceManifest(
         fingerprint=fingerprint, dataset=dataset, split=split, top_t=min(top_t, fingerprint.n_experts),
-        settings={"max_tokens": max_tokens, "seq_len": seq_len, "shard_sequences": shard_sequences,
-                  "text_field": text_field},
+        settings={"model": str(model_dir), "max_tokens": max_tokens, "seq_len": seq_len,
+                  "shard_sequences": shard_sequences, "text_field": text_field},
     )
     previous = _resume_point(out, manifest)
     if previous is not None and previous.complete:

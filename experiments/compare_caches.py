@@ -1,0 +1,380 @@
+"""`prescient compare-caches`: cache policies replayed on a router trace, with and without
+predictor prefetching; hit and stall rates against capacity (JSON + PNG).
+
+    prescient compare-caches --trace DIR [--predictor PATH|corr|token|freq|oracle] [--train-trace DIR] \
+        [--policies lru,lfu,fifo,mrs,static,belady] [--capacity 0.125,0.25,0.5,0.75] [--batch-size 1,8] \
+        [--horizon 1|all] [--transfer-per-step N] [--prefetch-k N] --json OUT.json [--plot OUT.png]
+
+Every run replays the trace through the cache package's simulator (`cache.simulator`): decode
+order, `batch_size` consecutive sequences stepping together, one global budget of `capacity`
+slots over all L·E experts (a fraction of L·E, or an integer count). Each (batch size, policy,
+capacity) runs on demand alone and, when a predictor is given, again with prefetching: each
+row's top `prefetch_k` (default k) predicted experts per layer, the union over the batch,
+loaded `horizon` layers ahead (all layers at the token's start with `all`) over a link moving
+`transfer_per_step` experts per layer compute (default: instant).
+
+Predicted scores come from running the predictor as it would run while decoding: tables see the
+token alone; a causal SiDA hash sees the sequence up to the token (`predict` over a traced window
+equals stepping through it); a bidirectional one is stepped token by token (`start`/`step`), so it
+never sees a future token; `oracle` is the trace's own router choices (the prefetch bound); `corr`
+(Klotski) guesses layer 0 from its per-token table and, at horizon 1, layer l+1 from the experts
+the router truly chose at layer l (known when that prefetch is issued), else from its own guesses.
+freq, token, corr and static-hot's frequencies are fit on `--train-trace`, or on the replayed trace
+itself ("same trace (optimistic)").
+
+JSON: `trace`, `train_trace`, `predictor` (name, kind, sees, causal, ...), `predictor_fit_on`,
+`static_fit_on`, `settings`, `min_capacity` (slots, per batch size), `runs` (one record per
+simulation: policy, capacity, capacity_fraction, batch_size, prefetch, hit_rate, stall_rate and
+every `SimResult` field), `timing`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from cache import POLICIES, Replay, expert_frequencies, make_policy, simulate
+from cache.errors import CapacityError as CacheCapacityError
+from experiments.evaluate import FITTED, correlation_scores, oracle_scores, sequence_scores
+from predictor.artifact import artifact_paths, load_predictor
+from predictor.base import ExpertPredictor, TokenwisePredictor
+from predictor.baselines import OraclePredictor
+from predictor.correlation import CorrelationTable
+from prescient.atomic import write_atomic, write_json_atomic
+from prescient.errors import CapacityError, PrescientError
+from prescient.traces import Trace, load_trace
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POLICIES = ("lru", "lfu", "fifo", "mrs", "static", "belady")
+DEFAULT_CAPACITIES = (0.125, 0.25, 0.5, 0.75)
+DEFAULT_BATCH_SIZES = (1, 8)
+NAMED_PREDICTORS = (*FITTED, "oracle")
+SAME_TRACE = "same trace (optimistic)"
+
+
+class CompareCachesError(PrescientError):
+    """A cache comparison was asked for with a bad policy, capacity, batch size or predictor."""
+
+
+# --- inputs ------------------------------------------------------------------------------------
+def check_policies(policies: tuple[str, ...]) -> tuple[str, ...]:
+    names = tuple(p.strip().lower() for p in policies if p.strip())
+    unknown = [p for p in names if p not in POLICIES]
+    if unknown or not names:
+        raise CompareCachesError(f"unknown cache policy {', '.join(map(repr, unknown)) or '(none given)'}; "
+                                 f"known policies: {', '.join(POLICIES)}")
+    return names
+
+
+def capacity_slots(capacity: float | int, total: int) -> int:
+    """Slots for a capacity given as a fraction of all `total` experts (float) or a count (int)."""
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, float)):
+        raise CompareCachesError(f"capacity {capacity!r} is neither a fraction nor a slot count")
+    if isinstance(capacity, float):
+        if not 0.0 < capacity <= 1.0:
+            raise CompareCachesError(f"capacity fraction {capacity} must be in (0, 1] (of all {total} experts)")
+        return max(1, round(capacity * total))
+    if not 1 <= capacity <= total:
+        raise CompareCachesError(f"capacity {capacity} slots must be in 1..{total} (all experts)")
+    return capacity
+
+
+def build_predictor(spec: str | Path | ExpertPredictor, trace: Trace, fit: Trace,
+                    fit_on: str) -> tuple[str, ExpertPredictor, dict[str, Any]]:
+    """(name, predictor, where it came from) for a named baseline, an artifact path or an object."""
+    fp = trace.fingerprint
+    if isinstance(spec, ExpertPredictor):
+        fp.require_same(spec.meta.fingerprint, "the predictor")
+        return spec.kind, spec, {"fit_on": spec.meta.training or None}
+    name = str(spec)
+    if name in FITTED:
+        return name, FITTED[name](fit), {"fit_on": fit_on}
+    if name == "oracle":
+        return name, OraclePredictor(trace), {"fit_on": "the replayed trace (the router's own choices)"}
+    if not artifact_paths(name)[1].exists():
+        raise CompareCachesError(f"predictor {name!r} is neither a predictor artifact nor one of "
+                                 f"{', '.join(NAMED_PREDICTORS)}")
+    pred = load_predictor(name, fingerprint=fp)  # FingerprintMismatchError names both models
+    return Path(name).stem, pred, {"artifact": name, "fit_on": pred.meta.training or None}
+
+
+def stepwise_scores(pred: ExpertPredictor, trace: Trace) -> torch.Tensor:
+    """Decode every traced sequence token by token (`start`/`step`): each token is seen once."""
+    fp = trace.fingerprint
+    out = torch.empty(len(trace), fp.n_moe_layers, fp.n_experts)
+    with torch.inference_mode():
+        for rows in tqdm(trace.sequences(), desc="predict (step by step)", unit="seq", leave=False):
+            state = pred.start(1)
+            for row in rows.tolist():
+                out[row] = pred.step(state, trace["token_id"][row : row + 1])[0].float()
+    return out
+
+
+def predicted_scores(pred: ExpertPredictor, trace: Trace, horizon: int | None) -> tuple[np.ndarray, dict[str, Any]]:
+    """Scores [N, L, E] for every trace row, as the predictor would produce them while decoding."""
+    if isinstance(pred, OraclePredictor):
+        scores, info = oracle_scores(pred, trace), {"sees": "the router's true choices", "causal": False}
+    elif isinstance(pred, CorrelationTable) and horizon == 1:
+        scores = correlation_scores(pred, trace)
+        info = {"sees": "layer 0: the token; layer l+1: the router's true experts at layer l", "causal": True}
+    elif isinstance(pred, TokenwisePredictor):
+        with torch.inference_mode():
+            scores = pred.predict(trace["token_id"][None])[0]
+        info = {"sees": "the token alone", "causal": True}
+    elif pred.meta.hparams.get("bidirectional", False):
+        scores = stepwise_scores(pred, trace)
+        info = {"sees": "the sequence up to the token (stepped: a bidirectional hash never sees ahead)",
+                "causal": True}
+    else:
+        scores = sequence_scores(pred, trace, "predict")
+        info = {"sees": "the sequence up to the token", "causal": True}
+    return scores.float().numpy(), info
+
+
+def describe(trace: Trace, trace_dir: str | Path) -> dict[str, Any]:
+    return {"dir": str(trace_dir), "dataset": trace.manifest.dataset, "split": trace.manifest.split,
+            "n_tokens": len(trace), "n_sequences": len(trace.sequences()),
+            "fingerprint": trace.fingerprint.to_dict()}
+
+
+# --- the comparison ----------------------------------------------------------------------------
+def compare_caches(
+    trace_dir: str | Path,
+    policies: tuple[str, ...] = DEFAULT_POLICIES,
+    capacities: tuple[float | int, ...] = DEFAULT_CAPACITIES,
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
+    predictor: str | Path | ExpertPredictor | None = None,
+    train_trace: str | Path | None = None,
+    horizon: int | None = 1,
+    transfer_per_step: int | None = None,
+    prefetch_k: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Replay the trace at `trace_dir` through every (batch size, policy, capacity), on demand
+    and, with `predictor` (a name of NAMED_PREDICTORS, an artifact path or a built predictor),
+    with prefetching. Returns the JSON of the module doc."""
+    start = time.perf_counter()
+    policies = check_policies(tuple(policies))
+    if not batch_sizes or any(b < 1 for b in batch_sizes):
+        raise CompareCachesError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
+    if horizon is not None and horizon < 1:
+        raise CompareCachesError(f"horizon must be >= 1 layer (or None: all layers), got {horizon}")
+    if transfer_per_step is not None and transfer_per_step < 0:
+        raise CompareCachesError(f"transfer_per_step must be >= 0 experts (or None: instant), got {transfer_per_step}")
+    trace = load_trace(trace_dir)
+    fp = trace.fingerprint
+    total = fp.n_moe_layers * fp.n_experts
+    slots = [capacity_slots(c, total) for c in capacities]
+    if prefetch_k is not None and not 1 <= prefetch_k <= fp.n_experts:
+        raise CompareCachesError(f"prefetch_k must be in 1..{fp.n_experts} (the experts of a layer), got {prefetch_k}")
+    if train_trace is not None:
+        fit = load_trace(train_trace)
+        fp.require_same(fit.fingerprint, f"train trace {train_trace}")
+        fit_on = str(train_trace)
+    else:
+        fit, fit_on = trace, SAME_TRACE
+
+    result: dict[str, Any] = {
+        "trace": describe(trace, trace_dir),
+        "train_trace": describe(fit, train_trace) if train_trace is not None else None,
+        "predictor": None, "predictor_fit_on": None,
+        "static_fit_on": fit_on if "static" in policies else None,
+    }
+    scores = None
+    if predictor is not None:
+        name, pred, source = build_predictor(predictor, trace, fit, fit_on)
+        began = time.perf_counter()
+        scores, info = predicted_scores(pred, trace, horizon)
+        result["predictor"] = {"name": name, "kind": pred.kind, **source, **info,
+                               "seconds": round(time.perf_counter() - began, 3)}
+        result["predictor_fit_on"] = source["fit_on"]
+    result["settings"] = {
+        "policies": list(policies), "capacities": list(capacities), "capacity_slots": slots,
+        "total_experts": total, "budget": "global", "batch_sizes": list(batch_sizes),
+        "horizon": horizon, "transfer_per_step": transfer_per_step,
+        "prefetch_k": prefetch_k if prefetch_k is not None else fp.top_k,
+        "mrs": {"alpha": 0.5, "p": 2 * fp.top_k},
+    }
+
+    columns = {k: trace[k].numpy() for k in ("topk_ids", "seq_id", "topt_ids", "topt_logits")}
+    router = {"topt_ids": columns["topt_ids"], "topt_logits": columns["topt_logits"], "score_top": 2 * fp.top_k} \
+        if "mrs" in policies else {}
+    replays: dict[tuple[int, bool], Replay] = {}
+    for b in batch_sizes:
+        replays[b, False] = Replay.build(columns["topk_ids"], columns["seq_id"], b, n_experts=fp.n_experts, **router)
+        if scores is not None:
+            replays[b, True] = Replay.build(columns["topk_ids"], columns["seq_id"], b, predicted_scores=scores,
+                                            prefetch_k=prefetch_k, n_experts=fp.n_experts, **router)
+    result["min_capacity"] = {str(b): replays[b, False].max_layer_keys for b in batch_sizes}
+    for b in batch_sizes:
+        need = replays[b, False].max_layer_keys
+        for given, n in zip(capacities, slots):
+            if n < need:
+                raise CapacityError(
+                    f"capacity {given} ({n} of {total} expert slots) cannot hold one layer-step's experts at "
+                    f"batch size {b}: the minimum is {need} slots (a fraction of {need / total:.4g}); "
+                    "raise --capacity or lower --batch-size")
+
+    frequencies = expert_frequencies(fit["topk_ids"].numpy(), fp.n_experts) if "static" in policies else None
+    runs = [(b, prefetch, policy, given, n) for b in batch_sizes for prefetch in ((False, True) if scores is not None
+            else (False,)) for policy in policies for given, n in zip(capacities, slots)]
+    result["runs"] = []
+    for b, prefetch, policy, given, n in tqdm(runs, desc="compare caches", unit="run", disable=not progress):
+        replay = replays[b, prefetch]
+        kwargs = {"mrs": {"top_k": fp.top_k}, "belady": {"future": replay.future()},
+                  "static": {"frequencies": frequencies}}.get(policy, {})
+        try:
+            sim = simulate(replay, n, make_policy(policy, **kwargs), horizon=horizon if prefetch else None,
+                           transfer_per_step=transfer_per_step if prefetch else None)
+        except CacheCapacityError as exc:  # reach the user through the CLI's error handling
+            raise CapacityError(str(exc)) from exc
+        record = {"policy": policy, "capacity": n, "capacity_fraction": n / total, "capacity_given": given,
+                  "batch_size": b, "prefetch": prefetch, "hit_rate": sim.hit_rate, "stall_rate": sim.stall_rate}
+        result["runs"].append({**record, **{k: v for k, v in sim.to_dict().items() if k not in record},
+                               "policy_class": sim.policy, "trace_fingerprint": fp.weights_hash})
+    result["timing"] = {"total_s": round(time.perf_counter() - start, 3),
+                        "simulate_s": round(sum(r["seconds"] for r in result["runs"]), 3),
+                        "accesses": sum(r["accesses"] for r in result["runs"])}
+    return result
+
+
+# --- output ------------------------------------------------------------------------------------
+def format_table(result: dict[str, Any]) -> str:
+    """One line per (batch size, policy, capacity): demand hit rate, and with prefetch the hit
+    and stall rates."""
+    runs = {(r["batch_size"], r["policy"], r["capacity"], r["prefetch"]): r for r in result["runs"]}
+    with_prefetch = result["predictor"] is not None
+    head = f"{'B':>3} {'policy':<8} {'slots':>6} {'frac':>6} {'hit':>7} {'stall':>7}"
+    if with_prefetch:
+        head += f" | {'hit+pf':>7} {'stall+pf':>8}"
+    lines = [head, "-" * len(head)]
+    for (b, policy, n, prefetch), r in runs.items():
+        if prefetch:
+            continue
+        line = f"{b:>3} {policy:<8} {n:>6} {r['capacity_fraction']:>6.3f} {r['hit_rate']:>7.3f} {r['stall_rate']:>7.3f}"
+        if with_prefetch:
+            p = runs[b, policy, n, True]
+            line += f" | {p['hit_rate']:>7.3f} {p['stall_rate']:>8.3f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def plot_compare_caches(result: dict[str, Any], path: str | Path) -> Path:
+    """Hit rate against capacity per policy, one panel per batch size: demand (solid), with
+    prefetch (dash-dot), Belady's demand optimum as the bound (black, dashed); with a predictor,
+    a second row shows the stall rate with prefetch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = result["settings"]
+    batch_sizes, policies = settings["batch_sizes"], settings["policies"]
+    prefetch = result["predictor"] is not None
+    rows = 2 if prefetch else 1
+    fig, axes = plt.subplots(rows, len(batch_sizes), figsize=(5.5 * len(batch_sizes), 4.2 * rows),
+                             squeeze=False, sharey="row")
+    colors = {p: f"C{i}" for i, p in enumerate(policies)}
+
+    def curve(b: int, policy: str, pf: bool, metric: str) -> tuple[list[float], list[float]]:
+        runs = sorted((r for r in result["runs"] if (r["batch_size"], r["policy"], r["prefetch"]) == (b, policy, pf)),
+                      key=lambda r: r["capacity"])
+        return [r["capacity_fraction"] for r in runs], [r[metric] for r in runs]
+
+    predictor = result["predictor"]["name"] if prefetch else None
+    for col, b in enumerate(batch_sizes):
+        ax = axes[0][col]
+        for policy in policies:
+            if policy == "belady":
+                ax.plot(*curve(b, policy, False, "hit_rate"), "k--", lw=2, label="belady (bound)")
+                continue
+            ax.plot(*curve(b, policy, False, "hit_rate"), "o-", color=colors[policy], label=policy)
+            if prefetch:
+                ax.plot(*curve(b, policy, True, "hit_rate"), "s-.", color=colors[policy], alpha=0.8,
+                        label=f"{policy} + {predictor}")
+        ax.set_title(f"hit rate, batch size {b}")
+        ax.set_xlabel("capacity (fraction of all experts)")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        if prefetch:
+            ax2 = axes[1][col]
+            for policy in policies:
+                if policy != "belady":
+                    ax2.plot(*curve(b, policy, True, "stall_rate"), "s-.", color=colors[policy],
+                             label=f"{policy} + {predictor}")
+            if "belady" in policies:
+                ax2.plot(*curve(b, "belady", False, "stall_rate"), "k--", lw=2, label="belady demand misses")
+            ax2.set_title(f"stall rate with prefetch, batch size {b}")
+            ax2.set_xlabel("capacity (fraction of all experts)")
+            ax2.set_ylim(0, 1.02)
+            ax2.grid(alpha=0.3)
+    axes[0][0].set_ylabel("hit rate")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    if prefetch:
+        axes[1][0].set_ylabel("stall rate")
+        axes[1][-1].legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"cache policies on {result['trace']['dataset']} ({result['trace']['n_tokens']} tokens)")
+    fig.tight_layout()
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    plt.close(fig)
+    return Path(path)
+
+
+# --- command line ------------------------------------------------------------------------------
+def parse_capacity(text: str) -> float | int:
+    """"0.25" or "1" -> a fraction of all experts; "48" -> a slot count."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"capacity {text!r} is neither a fraction nor a slot count") from None
+    return value if "." in text or value <= 1 else int(value)
+
+
+def _list(text: str, parse) -> tuple:
+    return tuple(parse(part.strip()) for part in text.split(",") if part.strip())
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("compare-caches", help="replay a trace through cache policies, with and without "
+                                                     "predictor prefetch (JSON + PNG)")
+    p.add_argument("--trace", required=True, help="router trace to replay (held-out split)")
+    p.add_argument("--predictor", help=f"prefetch with a predictor artifact PATH or one of {', '.join(NAMED_PREDICTORS)}")
+    p.add_argument("--train-trace", help="trace the named predictors and static-hot are fit on (default: --trace)")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help=f"comma list of {', '.join(POLICIES)}")
+    p.add_argument("--capacity", default=",".join(map(str, DEFAULT_CAPACITIES)),
+                   help="comma list: fractions of all L*E experts (0.25), or slot counts (48)")
+    p.add_argument("--batch-size", default=",".join(map(str, DEFAULT_BATCH_SIZES)), help="comma list of batch sizes")
+    p.add_argument("--horizon", default="1", help="prefetch this many layers ahead, or 'all' (at the token's start)")
+    p.add_argument("--transfer-per-step", type=int, default=None,
+                   help="experts the link moves per layer compute (default: transfers are instant)")
+    p.add_argument("--prefetch-k", type=int, default=None, help="predicted experts prefetched per row and layer (default k)")
+    p.add_argument("--json", required=True, help="results file")
+    p.add_argument("--plot", help="PNG of hit and stall rates against capacity")
+    return p
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Compare, print the table, write the JSON (and the PNG); returns the result."""
+    try:
+        capacities = _list(args.capacity, parse_capacity)
+        batch_sizes = _list(args.batch_size, int)
+        horizon = None if args.horizon.strip().lower() == "all" else int(args.horizon)
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        raise CompareCachesError(f"bad --capacity, --batch-size or --horizon: {exc}") from None
+    result = compare_caches(args.trace, _list(args.policies, str), capacities, batch_sizes, args.predictor,
+                            args.train_trace, horizon, args.transfer_per_step, args.prefetch_k)
+    print(format_table(result))
+    write_json_atomic(args.json, result)
+    log.info("results written to %s", args.json)
+    if args.plot:
+        plot_compare_caches(result, args.plot)
+        log.info("plot written to %s", args.plot)
+    return result

@@ -1,0 +1,172 @@
+"""`prescient compare-caches`: records and their relations (Belady bounds demand policies, oracle
+prefetching stalls less than demand misses), JSON and PNG through the CLI, a causal replay of a
+bidirectional predictor, and the errors for bad input, on traces written with `TraceWriter`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import pytest
+import torch
+
+from experiments.compare_caches import CompareCachesError, compare_caches, predicted_scores
+from predictor import PredictorMeta, SiDAHash, SiDAPredictor, SiDASizes, TokenTablePredictor
+from predictor.artifact import load_predictor, save_predictor
+from prescient.cli import main as cli_main
+from prescient.errors import CapacityError, FingerprintMismatchError
+from prescient.fingerprint import ModelFingerprint
+from prescient.traces import TraceManifest, TraceWriter, load_trace
+
+VOCAB, LAYERS, EXPERTS, K, TOP_T = 40, 3, 8, 2, 6
+FP = ModelFingerprint("synthetic", LAYERS, EXPERTS, K, VOCAB, "0" * 16)
+OTHER_FP = dataclasses.replace(FP, weights_hash="f" * 16)
+RECORD_FIELDS = {"policy", "capacity", "capacity_fraction", "batch_size", "prefetch", "hit_rate", "stall_rate",
+                 "accesses", "hits", "misses", "stalls", "late_prefetches", "prefetch_inserts", "prefetch_hits",
+                 "wasted_prefetches", "evictions", "horizon", "transfer_per_step", "seconds", "trace_fingerprint"}
+
+
+def write_trace(path, seed=0, fingerprint=FP, tokens=None):
+    """Sequences of 16-20 random tokens; each layer's router logits depend mostly on the token,
+    so token tables predict them well but not perfectly. `tokens` replaces the sequences."""
+    gen = torch.Generator().manual_seed(seed)
+    by_token = torch.randn(LAYERS, VOCAB, EXPERTS, generator=torch.Generator().manual_seed(99)) * 2
+    sequences = tokens or [torch.randint(0, VOCAB, (16 + i % 5,), generator=gen) for i in range(14)]
+    ids = torch.cat(sequences)
+    logits = by_token[:, ids].transpose(0, 1) + torch.randn(len(ids), LAYERS, EXPERTS, generator=gen)
+    top = logits.topk(TOP_T, dim=-1)
+    writer = TraceWriter(path, TraceManifest(fingerprint, f"synthetic-{seed}", "validation", TOP_T))
+    writer.add_shard({
+        "seq_id": torch.cat([torch.full((len(s),), i) for i, s in enumerate(sequences)]).long(),
+        "position": torch.cat([torch.arange(len(s)) for s in sequences]).int(),
+        "token_id": ids.long(),
+        "topk_ids": top.indices[..., :K].to(torch.int16),
+        "topt_ids": top.indices.to(torch.int16),
+        "topt_logits": top.values.float(),
+    }, sequences=len(sequences))
+    writer.finish()
+    return path
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    root = tmp_path_factory.mktemp("traces")
+    return write_trace(root / "eval", seed=0), write_trace(root / "train", seed=1)
+
+
+@pytest.fixture(scope="module")
+def result(traces):
+    return compare_caches(traces[0], capacities=(0.5, 0.75, 12), batch_sizes=(1, 3), predictor="oracle",
+                          train_trace=traces[1], progress=False)
+
+
+def runs_by(result):
+    return {(r["batch_size"], r["policy"], r["capacity"], r["prefetch"]): r for r in result["runs"]}
+
+
+def test_one_record_per_run_with_every_field(result):
+    assert len(result["runs"]) == 2 * 2 * 6 * 3  # batch sizes x (demand, prefetch) x policies x capacities
+    for r in result["runs"]:
+        assert RECORD_FIELDS <= set(r)
+        assert r["hits"] + r["misses"] == r["accesses"] > 0
+        assert r["hit_rate"] == pytest.approx(r["hits"] / r["accesses"])
+        assert r["stall_rate"] == pytest.approx(r["stalls"] / r["accesses"])
+        assert r["capacity"] == round(r["capacity_fraction"] * LAYERS * EXPERTS)
+        assert r["prefetch_inserts"] == 0 if not r["prefetch"] else r["prefetch_inserts"] > 0
+    assert result["settings"]["capacity_slots"] == [12, 18, 12]  # a fraction of L*E = 24, or a count
+    assert result["trace"]["fingerprint"] == FP.to_dict()
+    assert result["predictor"]["name"] == "oracle" and result["static_fit_on"] == str(result["train_trace"]["dir"])
+
+
+def test_belady_bounds_every_demand_policy(result):
+    runs = runs_by(result)
+    for (b, policy, n, prefetch), r in runs.items():
+        if not prefetch:
+            assert runs[b, "belady", n, False]["hit_rate"] >= r["hit_rate"], (b, policy, n)
+
+
+def test_oracle_prefetch_stalls_less_than_demand_misses(result):
+    runs = runs_by(result)
+    for (b, policy, n, prefetch), r in runs.items():
+        if prefetch:
+            demand = runs[b, policy, n, False]
+            assert r["accesses"] == demand["accesses"]
+            assert r["stall_rate"] <= 1 - demand["hit_rate"], (b, policy, n)
+            if policy == "belady":  # room for two layer-steps, instant transfers: nothing waits
+                assert r["stalls"] == 0 and r["prefetch_hits"] == r["prefetch_inserts"]
+
+
+def test_named_predictor_fit_on_the_replayed_trace_says_so(traces):
+    res = compare_caches(traces[0], ("lru", "static"), (0.5,), (1,), predictor="token", progress=False)
+    assert res["predictor_fit_on"] == "same trace (optimistic)" == res["static_fit_on"]
+    assert res["predictor"]["kind"] == "token-table" and res["train_trace"] is None
+
+
+def test_cli_prints_the_table_and_writes_json_and_png(tmp_path, traces, capsys):
+    out, png = tmp_path / "caches.json", tmp_path / "caches.png"
+    cli_main(["compare-caches", "--trace", str(traces[0]), "--train-trace", str(traces[1]), "--predictor", "corr",
+              "--policies", "lru,mrs,belady", "--capacity", "0.5,1", "--batch-size", "1,2", "--horizon", "all",
+              "--transfer-per-step", "1", "--json", str(out), "--plot", str(png)])
+    table = capsys.readouterr().out
+    assert "belady" in table and "stall+pf" in table
+    res = json.loads(out.read_text())
+    assert res["settings"]["horizon"] is None and res["settings"]["transfer_per_step"] == 1
+    assert {r["capacity"] for r in res["runs"]} == {12, 24}
+    assert {(r["prefetch"], r["horizon"]) for r in res["runs"]} == {(False, None), (True, None)}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporaries
+
+
+def test_a_bidirectional_predictor_is_stepped_and_never_sees_ahead(tmp_path):
+    sizes = SiDASizes(compress_dim=8, hidden_dim=12, attn_window=4, bidirectional=True)
+    torch.manual_seed(0)
+    hash_fn = SiDAHash.from_embedding(torch.randn(VOCAB, 16), LAYERS, EXPERTS, sizes)
+    pred = load_predictor(save_predictor(SiDAPredictor(hash_fn, PredictorMeta("sida", FP, dataclasses.asdict(sizes))),
+                                         tmp_path / "sida"), fingerprint=FP)
+    prefix = torch.tensor([3, 1, 4, 1, 5])
+    one = load_trace(write_trace(tmp_path / "a", tokens=[torch.cat([prefix, torch.tensor([9, 2, 6])])]))
+    two = load_trace(write_trace(tmp_path / "b", tokens=[torch.cat([prefix, torch.tensor([8, 8, 0])])]))
+    scores_one, info = predicted_scores(pred, one, horizon=1)
+    scores_two, _ = predicted_scores(pred, two, horizon=1)
+    assert info["causal"] is True
+    torch.testing.assert_close(torch.from_numpy(scores_one[:5]), torch.from_numpy(scores_two[:5]))
+    whole = pred.predict(one["token_id"][None])[0]  # bidirectional: the prefix sees the future here
+    assert not torch.allclose(whole[:5], torch.from_numpy(scores_one[:5]))
+
+
+def test_capacity_below_one_layer_step_names_the_minimum(traces):
+    with pytest.raises(CapacityError, match=r"batch size 3: the minimum is \d+ slots"):
+        compare_caches(traces[0], ("lru",), (2,), (1, 3), progress=False)
+
+
+def test_capacity_slot_count_below_top_k_reaches_the_user(traces, tmp_path, caplog):
+    with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as exit_info:
+        cli_main(["compare-caches", "--trace", str(traces[0]), "--capacity", "0.04", "--batch-size", "1",
+                  "--json", str(tmp_path / "x.json")])
+    assert exit_info.value.code == 2
+    assert "the minimum is 2 slots" in caplog.text
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_artifact_of_another_model_names_both_fingerprints(tmp_path, traces):
+    other = load_trace(write_trace(tmp_path / "other", fingerprint=OTHER_FP))
+    artifact = save_predictor(TokenTablePredictor.from_trace(other), tmp_path / "other-table")
+    with pytest.raises(FingerprintMismatchError) as err:
+        compare_caches(traces[0], ("lru",), (0.5,), (1,), predictor=artifact, progress=False)
+    assert "0" * 16 in str(err.value) and "f" * 16 in str(err.value)
+
+
+def test_unknown_policy_lists_the_known_ones(traces):
+    with pytest.raises(CompareCachesError) as err:
+        compare_caches(traces[0], ("lru", "arc"), (0.5,), (1,), progress=False)
+    assert "'arc'" in str(err.value)
+    for name in ("lru", "lfu", "fifo", "mrs", "belady", "static"):
+        assert name in str(err.value)
+
+
+def test_unknown_predictor_name_and_bad_capacity(traces):
+    with pytest.raises(CompareCachesError, match="oracle"):
+        compare_caches(traces[0], ("lru",), (0.5,), (1,), predictor="sida-that-is-not-there", progress=False)
+    with pytest.raises(CompareCachesError, match=r"\(0, 1\]"):
+        compare_caches(traces[0], ("lru",), (1.5,), (1,), progress=False)
