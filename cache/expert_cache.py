@@ -137,7 +137,9 @@ class ExpertCache:
             self.policy.on_access_many(keys)
             self._stats.accesses += len(keys)
             if pin:
-                self._hold(keys)
+                pins = self._pins
+                for key in keys:
+                    pins[key] = pins.get(key, 0) + 1
             return 0
 
     def access_steps(
@@ -192,6 +194,10 @@ class ExpertCache:
         With `pin=True` the inserted keys stay pinned (while the loader fills their slots)."""
         with self._lock:
             resident, insert, pins = self._resident, self._insert, self._pins
+            if not isinstance(keys, (list, tuple)):
+                keys = list(keys)  # iterated twice below
+            if resident.issuperset(keys):
+                return []
             inserted: list[Key] = []
             try:
                 for key in keys:
@@ -259,12 +265,12 @@ class ExpertCache:
             self._release(keys)
             raise
         finally:
-            self.policy.on_access_many(keys[:done] if done < len(keys) else keys)
             stats = self._stats
             stats.accesses += done
             stats.misses += misses
             if prefetch_hits:
                 stats.prefetch_hits += prefetch_hits
+            self.policy.on_access_many(keys[:done] if done < len(keys) else keys)
         if not pin:
             self._release(keys)
         return misses
@@ -276,11 +282,6 @@ class ExpertCache:
             used = unused.intersection(keys)
             unused -= used
             self._stats.prefetch_hits += len(used)
-
-    def _hold(self, keys: Iterable[Key]) -> None:
-        pins = self._pins
-        for key in keys:
-            pins[key] = pins.get(key, 0) + 1
 
     def _release(self, keys: Iterable[Key]) -> None:
         pins = self._pins

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
-from collections import defaultdict
-from itertools import chain
 from collections.abc import Container, Mapping, Sequence
+from itertools import chain
 from operator import itemgetter, mul
 
 import numpy as np
@@ -207,9 +206,11 @@ class MRS(EvictionPolicy):
         items = scores.items() if isinstance(scores, (dict, Mapping)) else enumerate(scores)
         if len(scores) > self.p:
             items = sorted(items, key=_SCORE, reverse=True)[: self.p]
-        if layer >= len(self._u):
+        try:
+            scale = self._scale[layer] * self._decay
+        except IndexError:
             self._add_layers(layer)
-        scale = self._scale[layer] * self._decay
+            scale = self._decay
         if scale < _RESCALE_BELOW:
             self._rescale(layer, scale)
             scale = 1.0
@@ -233,9 +234,11 @@ class MRS(EvictionPolicy):
         if layer >= len(self._u):
             self._add_layers(layer)
         u = self._u[layer]
-        if expert >= len(u):
+        try:
+            value = u[expert]
+        except IndexError:
             u.extend([0.0] * (expert + 1 - len(u)))
-        value = u[expert]
+            value = 0.0
         resident, heap = self._resident[layer], self._heaps[layer]
         resident.add(expert)
         heapq.heappush(heap, (value, expert))

@@ -9,10 +9,15 @@ owns only its ordering rule:
   FIFO leaves the order alone, LRU moves a key to the end when it is used.
 - `RankedPolicy` keeps a rank per key and a lazy min-heap per partition (stale entries are fixed
   or dropped when they surface); the victim is the evictable key of lowest rank, ties broken by
-  key. LFU, MRS, Belady and static-hot are ranks.
+  key. LFU, Belady and static-hot are ranks. MRS keeps its own per-layer heaps (its scores are
+  scaled per layer; see `cache.policies.MRS`).
 
 Victims cost O(1) (ordered) or O(log n) amortised (ranked), plus one step per pinned key skipped;
-MRS under a global budget compares the best key of each layer, O(L log n).
+MRS under a global budget compares the lowest key of each layer, O(L) in one C-level pass.
+
+The simulator replays millions of accesses through these objects, so the hot methods
+(`on_access_many`, `victim`, `on_insert`, `on_evict`) bind locals and avoid per-access objects;
+`on_access_many` is what the cache calls once per layer-step, after inserting its missing keys.
 """
 
 from __future__ import annotations
@@ -125,9 +130,10 @@ class RankedPolicy(EvictionPolicy):
     """A rank per resident key, a lazy min-heap per partition; the victim has the lowest rank.
 
     Subclasses give the rank of a newly inserted key (`insert_rank`) and call `set_rank`
-    whenever the rank of a resident key changes. Invariant: every resident key has a heap entry
-    whose rank is at most its current rank. So a rising rank (a use, a score bump) costs one dict
-    write; only a falling rank pushes. When an entry reaches the top: an evicted key's entry, or
+    whenever the rank of a resident key changes (a hot path may instead write `_ranks[key]`
+    for a rank it knows rises, and `_push` one it knows falls). Invariant: every resident key
+    has a heap entry whose rank is at most its current rank. So a rising rank (a use, a score
+    bump) costs one dict write; only a falling rank pushes. When an entry reaches the top: an evicted key's entry, or
     one above the current rank, is dropped; one below it is re-pushed at the current rank; one
     equal to it is the minimum.
     """

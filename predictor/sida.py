@@ -63,8 +63,8 @@ def read_token_embeddings(model_dir: str | Path) -> torch.Tensor:
 
 @dataclass
 class SiDASizes:
-    compress_dim: int = 128  # d_c, the compressed embedding
-    hidden_dim: int = 256  # H, per LSTM direction
+    compress_dim: int = 64  # d_c, the compressed embedding
+    hidden_dim: int = 128  # H, per LSTM direction
     lstm_layers: int = 2
     attn_window: int = 128  # W, tokens a causal query attends to (itself included)
     bidirectional: bool = False
