@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 class PredictorCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.trace_dir", "model.trace_dir")
-        parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume training from")
+        parser.add_argument("--ckpt_path", type=str | None, default=None,
+                            help="checkpoint to resume from, e.g. <run dir>/checkpoints/last.ckpt")
         parser.add_argument(
             "--export", type=str | None, default=None,
             help="predictor artifact path NAME (writes NAME.safetensors + NAME.json); default: <run dir>/predictor",
@@ -49,7 +50,8 @@ def default_export_path(trainer: Trainer) -> Path:
 def export_best(cli: PredictorCLI, path: str | Path | None) -> Path:
     """Validate the best checkpoint (the last weights if none) and save it as an artifact."""
     trainer, model, data = cli.trainer, cli.model, cli.datamodule
-    best = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
+    monitored = [cb for cb in trainer.checkpoint_callbacks if cb.monitor]  # the "latest" one has no monitor
+    best = monitored[0].best_model_path if monitored and monitored[0].best_model_path else None
     results = trainer.validate(model, datamodule=data, ckpt_path=best, verbose=False)
     target = Path(path) if path else default_export_path(trainer)
     if trainer.is_global_zero:
