@@ -193,24 +193,31 @@ class ExpertCache:
         call is not evicted by a later one of the same call: what does not fit is skipped.
         With `pin=True` the inserted keys stay pinned (while the loader fills their slots)."""
         with self._lock:
-            resident, insert, pins = self._resident, self._insert, self._pins
-            if not isinstance(keys, (list, tuple)):
-                keys = list(keys)  # iterated twice below
-            if resident.issuperset(keys):
-                return []
-            inserted: list[Key] = []
-            try:
+            return self._prefetch_many(keys if isinstance(keys, (list, tuple)) else list(keys), pin)
+
+    def access_and_prefetch(self, keys: Sequence[Key], prefetch_keys: Sequence[Key]) -> tuple[int, list[Key]]:
+        """One layer-step with the loader running ahead: `access_many(keys, pin=True)`, then
+        `prefetch_many(prefetch_keys)` while `keys` are pinned, then `unpin_many(keys)`; the
+        same as those three calls, under one lock. Returns (misses, keys prefetched)."""
+        with self._lock:
+            resident = self._resident
+            if resident.issuperset(keys):  # all hits, as in access_many
+                if self._unused_prefetches:
+                    self._count_prefetch_hits(keys)
+                self.policy.on_access_many(keys)
+                self._stats.accesses += len(keys)
+                if resident.issuperset(prefetch_keys):
+                    return 0, []  # nothing to load: no need to pin `keys` meanwhile
+                misses = 0
+                pins = self._pins
                 for key in keys:
-                    if key not in resident and insert(key, demand=False):
-                        inserted.append(key)
-                        pins[key] = pins.get(key, 0) + 1
+                    pins[key] = pins.get(key, 0) + 1
+            else:
+                misses = self._access_with_misses(keys, True)
+            try:
+                return misses, self._prefetch_many(prefetch_keys, False)
             finally:
-                if not pin and inserted:
-                    self._release(inserted)
-            if inserted:
-                self._stats.prefetch_inserts += len(inserted)
-                self._unused_prefetches.update(inserted)
-            return inserted
+                self._release(keys)
 
     # -- pins --------------------------------------------------------------------------------
 
@@ -274,6 +281,24 @@ class ExpertCache:
         if not pin:
             self._release(keys)
         return misses
+
+    def _prefetch_many(self, keys: Sequence[Key], pin: bool) -> list[Key]:
+        resident, insert, pins = self._resident, self._insert, self._pins
+        if resident.issuperset(keys):
+            return []
+        inserted: list[Key] = []
+        try:
+            for key in keys:
+                if key not in resident and insert(key, demand=False):
+                    inserted.append(key)
+                    pins[key] = pins.get(key, 0) + 1
+        finally:
+            if not pin and inserted:
+                self._release(inserted)
+        if inserted:
+            self._stats.prefetch_inserts += len(inserted)
+            self._unused_prefetches.update(inserted)
+        return inserted
 
     def _count_prefetch_hits(self, keys: Sequence[Key]) -> None:
         """Resident `keys` are being used: those prefetched and not used before count once."""

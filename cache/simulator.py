@@ -329,8 +329,7 @@ def _replay_prefetch(
 ) -> int:
     """Demand accesses plus prefetches `ahead` layers early over a link of `bandwidth`; returns
     the number of late prefetches."""
-    access_many, unpin_many, prefetch_many = cache.access_many, cache.unpin_many, cache.prefetch_many
-    on_step = cache.on_step
+    access_and_prefetch, prefetch_many, on_step = cache.access_and_prefetch, cache.prefetch_many, cache.on_step
     n_layers = replay.n_layers
     use_scores = replay.scores is not None and cache.policy.uses_scores
     late = 0
@@ -338,7 +337,7 @@ def _replay_prefetch(
     for step, predicted, step_scores in zip(steps, replay.predicted, replay.scores if use_scores else repeat(None)):
         for layer in range(ahead):
             inserted = prefetch_many(predicted[layer])
-            if bandwidth is not None:
+            if bandwidth is not None and inserted:
                 pending.update(dict.fromkeys(inserted))
         for layer, keys in enumerate(step):
             if step_scores is not None:
@@ -348,15 +347,13 @@ def _replay_prefetch(
                     if key in pending:
                         del pending[key]  # still on the link: finished on demand, a stall
                         late += 1
-            access_many(keys, pin=True)
-            if layer + ahead < n_layers:
-                inserted = prefetch_many(predicted[layer + ahead])
-                if bandwidth is not None and inserted:
-                    pending.update(dict.fromkeys(inserted))
+            # access (pinned), issue the prefetch `ahead` layers on, release
+            _, inserted = access_and_prefetch(keys, predicted[layer + ahead] if layer + ahead < n_layers else ())
             if bandwidth is not None:
-                for _ in range(min(bandwidth, len(pending))):
+                if inserted:
+                    pending.update(dict.fromkeys(inserted))
+                for _ in range(min(bandwidth, len(pending))):  # the link moves while the layer computes
                     pending.popitem(last=False)
-            unpin_many(keys)
     return late
 
 
