@@ -139,12 +139,6 @@ def predicted_scores(pred: ExpertPredictor, trace: Trace, horizon: int | None) -
     return scores.float().numpy(), info
 
 
-def describe(trace: Trace, trace_dir: str | Path) -> dict[str, Any]:
-    return {"dir": str(trace_dir), "dataset": trace.manifest.dataset, "split": trace.manifest.split,
-            "n_tokens": len(trace), "n_sequences": len(trace.sequences()),
-            "fingerprint": trace.fingerprint.to_dict()}
-
-
 # --- the comparison ----------------------------------------------------------------------------
 def compare_caches(
     trace_dir: str | Path,
@@ -183,8 +177,8 @@ def compare_caches(
         fit, fit_on = trace, SAME_TRACE
 
     result: dict[str, Any] = {
-        "trace": describe(trace, trace_dir),
-        "train_trace": describe(fit, train_trace) if train_trace is not None else None,
+        "trace": trace.describe(trace_dir),
+        "train_trace": fit.describe(train_trace) if train_trace is not None else None,
         "predictor": None, "predictor_fit_on": None,
         "static_fit_on": fit_on if "static" in policies else None,
     }

@@ -229,12 +229,6 @@ def predictor_metrics(scores: torch.Tensor, trace: Trace, batch_sizes: tuple[int
 
 
 # --- entry points --------------------------------------------------------------------------
-def describe(trace: Trace, trace_dir: str | Path) -> dict[str, Any]:
-    return {"dir": str(trace_dir), "dataset": trace.manifest.dataset, "split": trace.manifest.split,
-            "n_tokens": len(trace), "n_sequences": len(trace.sequences()),
-            "fingerprint": trace.fingerprint.to_dict()}
-
-
 def evaluate_predictors(
     trace_dir: str | Path,
     predictors: dict[str, Spec],
@@ -255,7 +249,7 @@ def evaluate_predictors(
     else:
         fit, fit_on = trace, "same trace (optimistic)"
     result: dict[str, Any] = {
-        "trace": describe(trace, trace_dir), "train_trace": describe(fit, train_trace) if train_trace else None,
+        "trace": trace.describe(trace_dir), "train_trace": fit.describe(train_trace) if train_trace else None,
         "model": str(model_dir) if model_dir else None, "top_k": trace.fingerprint.top_k,
         "batch_sizes": list(batch_sizes), "predictors": {}, "timing": {"predictors_s": {}},
     }

@@ -143,6 +143,12 @@ class Trace:
     def __getitem__(self, column: str) -> torch.Tensor:
         return self.columns[column]
 
+    def describe(self, trace_dir: str | Path) -> dict:
+        """What a result JSON records about the trace it came from."""
+        return {"dir": str(trace_dir), "dataset": self.manifest.dataset, "split": self.manifest.split,
+                "n_tokens": len(self), "n_sequences": len(self.sequences()),
+                "fingerprint": self.fingerprint.to_dict()}
+
     def sequences(self) -> list[torch.Tensor]:
         """Row indices of each sequence, in tracing order (rows of a sequence are contiguous)."""
         seq = self.columns["seq_id"]
