@@ -22,10 +22,14 @@ the router truly chose at layer l (known when that prefetch is issued), else fro
 freq, token, corr and static-hot's frequencies are fit on `--train-trace`, or on the replayed trace
 itself ("same trace (optimistic)").
 
+A capacity below one layer-step's experts at the smallest batch size asked for is an error that
+names the minimum; at a larger batch size (whose union of experts is larger) that capacity is
+skipped, with a warning and an entry in `skipped`.
+
 JSON: `trace`, `train_trace`, `predictor` (name, kind, sees, causal, ...), `predictor_fit_on`,
-`static_fit_on`, `settings`, `min_capacity` (slots, per batch size), `runs` (one record per
-simulation: policy, capacity, capacity_fraction, batch_size, prefetch, hit_rate, stall_rate and
-every `SimResult` field), `timing`.
+`static_fit_on`, `settings`, `min_capacity` (slots, per batch size), `skipped`, `runs` (one
+record per simulation: policy, capacity, capacity_fraction, batch_size, prefetch, hit_rate,
+stall_rate and every `SimResult` field), `timing`.
 """
 
 from __future__ import annotations
@@ -207,19 +211,24 @@ def compare_caches(
         if scores is not None:
             replays[b, True] = Replay.build(columns["topk_ids"], columns["seq_id"], b, predicted_scores=scores,
                                             prefetch_k=prefetch_k, n_experts=fp.n_experts, **router)
-    result["min_capacity"] = {str(b): replays[b, False].max_layer_keys for b in batch_sizes}
-    for b in batch_sizes:
-        need = replays[b, False].max_layer_keys
-        for given, n in zip(capacities, slots):
-            if n < need:
-                raise CapacityError(
-                    f"capacity {given} ({n} of {total} expert slots) cannot hold one layer-step's experts at "
-                    f"batch size {b}: the minimum is {need} slots (a fraction of {need / total:.4g}); "
-                    "raise --capacity or lower --batch-size")
+    need = {b: replays[b, False].max_layer_keys for b in batch_sizes}
+    result["min_capacity"] = {str(b): n for b, n in need.items()}
+    smallest = min(batch_sizes)
+    for given, n in zip(capacities, slots):
+        if n < need[smallest]:
+            raise CapacityError(
+                f"capacity {given} ({n} of {total} expert slots) cannot hold one layer-step's experts at "
+                f"batch size {smallest}: the minimum is {need[smallest]} slots (a fraction of "
+                f"{need[smallest] / total:.4g}); raise --capacity or lower --batch-size")
+    result["skipped"] = [{"batch_size": b, "capacity": n, "capacity_given": given, "min_capacity": need[b]}
+                         for b in batch_sizes for given, n in zip(capacities, slots) if n < need[b]]
+    for skip in result["skipped"]:
+        log.warning("skipping capacity %s (%d slots) at batch size %d: a layer-step there needs up to %d slots",
+                    skip["capacity_given"], skip["capacity"], skip["batch_size"], skip["min_capacity"])
 
     frequencies = expert_frequencies(fit["topk_ids"].numpy(), fp.n_experts) if "static" in policies else None
     runs = [(b, prefetch, policy, given, n) for b in batch_sizes for prefetch in ((False, True) if scores is not None
-            else (False,)) for policy in policies for given, n in zip(capacities, slots)]
+            else (False,)) for policy in policies for given, n in zip(capacities, slots) if n >= need[b]]
     result["runs"] = []
     for b, prefetch, policy, given, n in tqdm(runs, desc="compare caches", unit="run", disable=not progress):
         replay = replays[b, prefetch]
@@ -288,7 +297,7 @@ def plot_compare_caches(result: dict[str, Any], path: str | Path) -> Path:
         ax = axes[0][col]
         for policy in policies:
             if policy == "belady":
-                ax.plot(*curve(b, policy, False, "hit_rate"), "k--", lw=2, label="belady (bound)")
+                ax.plot(*curve(b, policy, False, "hit_rate"), "k--", lw=2, label="belady (demand bound)")
                 continue
             ax.plot(*curve(b, policy, False, "hit_rate"), "o-", color=colors[policy], label=policy)
             if prefetch:
@@ -340,7 +349,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser("compare-caches", help="replay a trace through cache policies, with and without "
                                                      "predictor prefetch (JSON + PNG)")
     p.add_argument("--trace", required=True, help="router trace to replay (held-out split)")
-    p.add_argument("--predictor", help=f"prefetch with a predictor artifact PATH or one of {', '.join(NAMED_PREDICTORS)}")
+    p.add_argument("--predictor",
+                   help=f"prefetch with a predictor artifact PATH or one of {', '.join(NAMED_PREDICTORS)}")
     p.add_argument("--train-trace", help="trace the named predictors and static-hot are fit on (default: --trace)")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help=f"comma list of {', '.join(POLICIES)}")
     p.add_argument("--capacity", default=",".join(map(str, DEFAULT_CAPACITIES)),
@@ -349,7 +359,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--horizon", default="1", help="prefetch this many layers ahead, or 'all' (at the token's start)")
     p.add_argument("--transfer-per-step", type=int, default=None,
                    help="experts the link moves per layer compute (default: transfers are instant)")
-    p.add_argument("--prefetch-k", type=int, default=None, help="predicted experts prefetched per row and layer (default k)")
+    p.add_argument("--prefetch-k", type=int, default=None,
+                   help="predicted experts prefetched per row and layer (default: the model's top-k)")
     p.add_argument("--json", required=True, help="results file")
     p.add_argument("--plot", help="PNG of hit and stall rates against capacity")
     return p

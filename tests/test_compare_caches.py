@@ -101,6 +101,13 @@ def test_named_predictor_fit_on_the_replayed_trace_says_so(traces):
     res = compare_caches(traces[0], ("lru", "static"), (0.5,), (1,), predictor="token", progress=False)
     assert res["predictor_fit_on"] == "same trace (optimistic)" == res["static_fit_on"]
     assert res["predictor"]["kind"] == "token-table" and res["train_trace"] is None
+    assert res["predictor"]["sees"] == "the token alone"
+
+
+def test_correlation_table_one_layer_ahead_uses_the_true_previous_layer(traces):
+    res = compare_caches(traces[0], ("lru",), (0.5,), (1,), predictor="corr", train_trace=traces[1], progress=False)
+    assert res["predictor"]["kind"] == "klotski-correlation" and "true experts at layer l" in res["predictor"]["sees"]
+    assert res["predictor_fit_on"] == str(traces[1])
 
 
 def test_cli_prints_the_table_and_writes_json_and_png(tmp_path, traces, capsys):
@@ -137,7 +144,15 @@ def test_a_bidirectional_predictor_is_stepped_and_never_sees_ahead(tmp_path):
 
 def test_capacity_below_one_layer_step_names_the_minimum(traces):
     with pytest.raises(CapacityError, match=r"batch size 3: the minimum is \d+ slots"):
-        compare_caches(traces[0], ("lru",), (2,), (1, 3), progress=False)
+        compare_caches(traces[0], ("lru",), (2,), (3,), progress=False)
+
+
+def test_capacity_too_small_only_for_a_larger_batch_is_skipped_and_said(traces):
+    res = compare_caches(traces[0], ("lru",), (2, 12), (1, 3), progress=False)
+    assert res["min_capacity"]["1"] == K and res["min_capacity"]["3"] > 2
+    assert res["skipped"] == [{"batch_size": 3, "capacity": 2, "capacity_given": 2,
+                               "min_capacity": res["min_capacity"]["3"]}]
+    assert {(r["batch_size"], r["capacity"]) for r in res["runs"]} == {(1, 2), (1, 12), (3, 12)}
 
 
 def test_capacity_slot_count_below_top_k_reaches_the_user(traces, tmp_path, caplog):
