@@ -16,6 +16,8 @@ counters (see `stats`) rather than counted on the hot path.
 
 from __future__ import annotations
 
+from itertools import repeat
+
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -161,27 +163,17 @@ class ExpertCache:
             with_misses, unused = self._access_with_misses, self._unused_prefetches
             hit_keys = misses = 0
             try:
-                if scores is None:
-                    for step in steps:
-                        for keys in step:
-                            if issuperset(keys):
-                                if unused:
-                                    self._count_prefetch_hits(keys)
-                                on_hits(keys)
-                                hit_keys += len(keys)
-                            else:
-                                misses += with_misses(keys, False)
-                else:
-                    for step, step_scores in zip(steps, scores):
-                        for layer, (keys, layer_scores) in enumerate(zip(step, step_scores)):
-                            on_step(layer, layer_scores)
-                            if issuperset(keys):
-                                if unused:
-                                    self._count_prefetch_hits(keys)
-                                on_hits(keys)
-                                hit_keys += len(keys)
-                            else:
-                                misses += with_misses(keys, False)
+                for step, step_scores in zip(steps, scores if scores is not None else repeat(None)):
+                    for layer, keys in enumerate(step):
+                        if step_scores is not None:
+                            on_step(layer, step_scores[layer])
+                        if issuperset(keys):
+                            if unused:
+                                self._count_prefetch_hits(keys)
+                            on_hits(keys)
+                            hit_keys += len(keys)
+                        else:
+                            misses += with_misses(keys, False)
             finally:
                 self._stats.accesses += hit_keys
             return misses
