@@ -15,9 +15,10 @@ router stays the model's own. Which module replaces a block goes by its adapter'
   S `expert_{s}` modules whose weights are slot s's views, and gets the one-hot over slots. A
   token has at most one expert, so the result is exact.
 
-When a layer selects more experts than slots exist (a long prefill under a small budget), the
-experts run in chunks of at most S, each chunk on its own tokens, and the outputs are combined
-as the model combines them.
+When a layer selects more experts than slots exist (a long prefill under a small budget), or the
+runtime computes experts in arrival order (CGOPipe), the experts run in groups given by the
+runtime's `parts`, each group on its own tokens, and the outputs are combined as the model
+combines them.
 """
 
 from __future__ import annotations
@@ -65,10 +66,6 @@ class _Offloaded(nn.Module):
         object.__setattr__(self, "_twin", slot_twin)
         object.__setattr__(self, "_runtime", runtime)
 
-    def _chunks(self, experts: list[int]) -> list[list[int]]:
-        room = self._runtime.pool.num_slots
-        return [experts[start:start + room] for start in range(0, len(experts), room)]
-
     def extra_repr(self) -> str:
         return f"layer={self.layer}, num_experts={self.num_experts}, offloaded"
 
@@ -83,20 +80,19 @@ class OffloadedExperts(_Offloaded):
         super().__init__(layer, set(experts._parameters), buffers, slot_twin, runtime)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        chunks = self._chunks(torch.unique(top_k_index).tolist())
-        if len(chunks) == 1:
-            with self._runtime.use(self.layer, chunks[0], top_k_index.device) as slots:
+        experts = torch.unique(top_k_index).tolist()
+        device = top_k_index.device
+        if len(experts) <= self._runtime.pool.num_slots and not self._runtime.arrival_order:
+            with self._runtime.use(self.layer, experts, device) as slots:
                 return self._twin(hidden_states, slots[top_k_index], top_k_weights)
-        # each chunk runs on its own (token, choice) rows; then every token's k outputs are summed
-        # in router order, as transformers' batched and grouped kernels sum them
+        # each group of experts runs on its own (token, choice) rows; then every token's k outputs
+        # are summed in router order, as transformers' batched and grouped kernels sum them
         per_choice = hidden_states.new_zeros(*top_k_index.shape, hidden_states.shape[-1])
-        for part in chunks:
-            token, choice = torch.nonzero(torch.isin(top_k_index, torch.tensor(part, device=top_k_index.device)),
-                                          as_tuple=True)
-            with self._runtime.use(self.layer, part, top_k_index.device) as slots:
-                per_choice[token, choice] = self._twin(
-                    hidden_states[token], slots[top_k_index[token, choice]].unsqueeze(1),
-                    top_k_weights[token, choice].unsqueeze(1))
+        for part, slots in self._runtime.parts(self.layer, experts, device):
+            token, choice = torch.nonzero(torch.isin(top_k_index, torch.tensor(part, device=device)), as_tuple=True)
+            per_choice[token, choice] = self._twin(
+                hidden_states[token], slots[top_k_index[token, choice]].unsqueeze(1),
+                top_k_weights[token, choice].unsqueeze(1))
         return per_choice.sum(dim=1).to(hidden_states.dtype)
 
 
@@ -121,12 +117,11 @@ class OffloadedSwitchExperts(_Offloaded):
         expert_of = chosen.argmax(-1)
         out = torch.zeros_like(hidden_states)
         device = selected_experts.device
-        for part in self._chunks(torch.unique(expert_of[routed]).tolist()):
+        for part, slots in self._runtime.parts(self.layer, torch.unique(expert_of[routed]).tolist(), device):
             rows = torch.nonzero(routed & torch.isin(expert_of, torch.tensor(part, device=device))).squeeze(1)
-            with self._runtime.use(self.layer, part, device) as slots:
-                one_hot = selected_experts.new_zeros(chosen.shape[0], 1, self._runtime.pool.num_slots)
-                one_hot[rows, 0, slots[expert_of[rows]]] = 1
-                out = out + self._twin(hidden_states, one_hot, routing_weights)  # chunks own disjoint rows
+            one_hot = selected_experts.new_zeros(chosen.shape[0], 1, self._runtime.pool.num_slots)
+            one_hot[rows, 0, slots[expert_of[rows]]] = 1
+            out = out + self._twin(hidden_states, one_hot, routing_weights)  # parts own disjoint rows
         return out
 
 

@@ -86,6 +86,7 @@ class OffloadRuntime:
         self.cache = ExpertCache(pool.num_slots, self.policy, n_layers=len(layers), top_k=self.top_k,
                                  on_evict=self._on_evict)
         self.prefetch_per_layer = prefetch_per_layer or self.top_k
+        self.arrival_order = False  # see parts(); CGOPipe turns it on
         self.late_tables = 0
         self.tables_on_time = 0
         self._step = -1
@@ -138,9 +139,9 @@ class OffloadRuntime:
     # -- the inference thread's calls -------------------------------------------------------
 
     @contextmanager
-    def use(self, layer: int, experts: list[int], device: torch.device) -> Iterator[torch.Tensor]:
+    def use(self, layer: int, experts: list[int], device: torch.device, wait: bool = True) -> Iterator[torch.Tensor]:
         """Make `experts` of `layer` resident and pinned while the block runs; yields the
-        layer's [E] expert → slot table (-1: no slot)."""
+        layer's [E] expert → slot table (-1: no slot). `wait=False`: the copies may still run."""
         keys = [(layer, e) for e in experts]
         self.cache.access_many(keys, pin=True)
         try:
@@ -149,11 +150,55 @@ class OffloadRuntime:
                     self._load(key, demand=True)
             if self.builder is not None:
                 self._prefetch_after(layer)
-            for key in keys:
+            for key in keys if wait else ():
                 self.engine.wait(key)
             yield self.pool.map.table[layer].to(device, copy=True)
         finally:
             self.cache.unpin_many(keys)
+
+    def parts(self, layer: int, experts: list[int], device: torch.device) -> Iterator[tuple[list[int], torch.Tensor]]:
+        """`experts` of `layer` in the groups they compute in, each with the slot table while it
+        is resident and pinned. By default: groups of at most the slot count, each made resident
+        in turn. With `arrival_order` (Klotski): all are requested at once, the resident ones
+        compute first, then each as its copy completes."""
+        if not self.arrival_order:
+            room = self.pool.num_slots
+            for start in range(0, len(experts), room):
+                part = experts[start:start + room]
+                with self.use(layer, part, device) as slots:
+                    yield part, slots
+            return
+        with self.use(layer, experts, device, wait=False) as slots:
+            pending = {}
+            for e in experts:
+                future = self._tickets[(layer, e)].future
+                if not future.done():
+                    pending[future] = e
+            group = [e for e in experts if e not in pending.values()]
+            while True:
+                if group:
+                    for e in group:
+                        self.engine.wait((layer, e))  # a CUDA copy's event; re-raises a failed copy
+                    yield group, slots
+                if not pending:
+                    return
+                done = futures.wait(list(pending), return_when=futures.FIRST_COMPLETED).done
+                group = [pending.pop(future) for future in done]
+
+    def prefetch(self, keys: list[Key], priority: float = 0.0) -> list[Key]:
+        """Insert `keys` that are not resident (a prefetch: not an access) and request their
+        copies in the given order, after every demand load; returns the keys inserted."""
+        inserted = self.cache.prefetch_many([key for key in keys if key not in self.cache])
+        for rank, key in enumerate(inserted):
+            self._load(key, priority=priority - rank)
+        return inserted
+
+    def pin_resident(self, keys: list[Key]) -> None:
+        """Load `keys` and keep them resident for good (pinned: never evicted)."""
+        for key in self.cache.prefetch_many(keys, pin=True):
+            self._load(key)
+        for key in keys:
+            self.engine.wait(key)
 
     def _load(self, key: Key, demand: bool = False, priority: float = 0.0) -> None:
         """Give inserted `key` a slot and request its copy."""

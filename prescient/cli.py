@@ -67,10 +67,10 @@ def _add_parsers(sub: argparse._SubParsersAction) -> dict[str, Command]:
 
 def _command_modules() -> list:
     """Subcommands that live beside the code they run: each has add_parser(sub) and run(args)."""
-    from experiments import bench_runtime, compare_caches, evaluate
-    from offload_runtime import generate_cli
+    from experiments import bench_batch, bench_runtime, compare_caches, evaluate
+    from offload_runtime import generate_cli, plan_cli, profile_hw_cli
 
-    return [evaluate, compare_caches, generate_cli, bench_runtime]
+    return [evaluate, compare_caches, generate_cli, bench_runtime, bench_batch, plan_cli, profile_hw_cli]
 
 
 def run_command(argv: list[str]) -> None:

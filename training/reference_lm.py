@@ -9,6 +9,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from training.corpora import load_corpus
 
@@ -77,9 +78,16 @@ class StepStatus(L.Callback):
 
 
 class MoECausalLM(L.LightningModule):
-    """A transformers MoE causal LM trained with its own loss plus the load-balancing loss."""
+    """A transformers MoE causal LM trained with its own loss (which includes transformers'
+    load-balancing loss) plus a per-layer balance term.
 
-    def __init__(self, config: MixtralConfig, lr: float, warmup_steps: int, max_steps: int, weight_decay: float):
+    transformers pools expert counts and router probabilities over all layers before it takes
+    their product, so one layer may leave experts idle as long as other layers use them; the
+    mean of the same loss taken layer by layer (`layer_balance_coef`) keeps each layer balanced.
+    """
+
+    def __init__(self, config: MixtralConfig, lr: float, warmup_steps: int, max_steps: int, weight_decay: float,
+                 layer_balance_coef: float = 0.0):
         super().__init__()
         self.save_hyperparameters(ignore=["config"])
         self.model = MixtralForCausalLM(config)
@@ -88,9 +96,15 @@ class MoECausalLM(L.LightningModule):
     def training_step(self, batch, batch_idx):
         (ids,) = batch
         out = self.model(input_ids=ids, labels=ids, output_router_logits=True)
+        config = self.model.config
+        layer_balance = torch.stack([
+            load_balancing_loss_func((logits,), config.num_local_experts, config.num_experts_per_tok)
+            for logits in out.router_logits
+        ]).mean()
         self.log("train/loss", out.loss, prog_bar=True)
         self.log("train/aux_loss", out.aux_loss)
-        return out.loss
+        self.log("train/layer_balance", layer_balance)
+        return out.loss + self.hparams.layer_balance_coef * layer_balance
 
     def on_validation_epoch_start(self) -> None:
         self.expert_load.zero_()

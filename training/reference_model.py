@@ -73,7 +73,8 @@ def train_tiny(out: Path, spec: dict) -> None:
         pad_token_id=tokenizer.pad_token_id, **mcfg,
     )
     module = MoECausalLM(config, lr=train["lr"], warmup_steps=train["warmup_steps"], max_steps=train["max_steps"],
-                         weight_decay=train["weight_decay"])
+                         weight_decay=train["weight_decay"],
+                         layer_balance_coef=train["layer_balance_coef"])
     data = PackedCorporaData(tokenizer, train["seq_len"], train["batch_size"], tcfg["train_chars"],
                              train["val_windows"], spec["seed"])
     trainer = L.Trainer(

@@ -1,0 +1,280 @@
+"""`prescient bench-batch`: CGOPipe batch decoding against its baselines, and the HRM check.
+
+Three throughputs at one policy (N requests, micro-batch size μ, resident expert fraction r_w),
+all decode tokens per second (prefill excluded) over the same requests:
+
+  cgopipe      the CGOPipe loop: experts beyond r_w stream from disk in pages, overlapped
+  sequential   the same runtime and budget decoding its micro-batches one after another
+  resident     plain batched `generate` with every weight resident
+
+Then the validation of the HRM performance model: over a grid of policies, the CGOPipe loop's
+measured throughput against the model's prediction for this machine's measured hardware profile
+(Spearman rank correlation), and the planner's choice (the grid policy with the best prediction)
+against the best measured one (`planner_gap`: how far below the best it measures).
+
+Every decode is checked token for token against each request generated alone by the plain model.
+The JSON is rewritten after every run, so an interrupted benchmark keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from prescient.atomic import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    requests: int  # N
+    micro_batch: int  # μ
+    resident: float  # r_w
+
+    @property
+    def label(self) -> str:
+        return f"N={self.requests} μ={self.micro_batch} r_w={self.resident:g}"
+
+
+DEFAULT_GRID = "8:4:0.25,8:4:0.5,16:4:0.25,16:4:0.5,16:8:0.5,16:8:0.75,32:8:0.5,32:16:0.5,32:8:0.75,8:2:0.75"
+
+
+def parse_grid(text: str) -> list[BatchPolicy]:
+    """"N:μ:r_w,..." → policies."""
+    out = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            n, mu, rw = item.split(":")
+            out.append(BatchPolicy(int(n), int(mu), float(rw)))
+        except ValueError:
+            raise SystemExit(f"cannot read policy {item!r}; write N:MICRO_BATCH:RESIDENT, e.g. 16:4:0.5") from None
+    return out
+
+
+def request_prompts(tokenizer, count: int, shortest: int, longest: int, dataset: str, split: str) -> list[list[int]]:
+    """`count` prompts from the corpus, their lengths spread evenly over [shortest, longest]."""
+    from training.corpora import load_corpus
+
+    lengths = [shortest + (longest - shortest) * i // max(1, count - 1) for i in range(count)]
+    prompts: list[list[int]] = []
+    for text in load_corpus(dataset, split)["text"]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= lengths[len(prompts)]:
+            prompts.append(ids[:lengths[len(prompts)]])
+            if len(prompts) == count:
+                return prompts
+    raise SystemExit(f"{dataset}:{split} has only {len(prompts)} texts of the lengths needed; ask for fewer requests")
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    import numpy as np
+
+    def ranks(x: list[float]) -> np.ndarray:
+        x = np.asarray(x, dtype=float)
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x))
+        for value in np.unique(x):  # ties share their mean rank
+            r[x == value] = r[x == value].mean()
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def reference_outputs(model_dir: str, prompts: list[list[int]], gen_len: int) -> list[list[int]]:
+    import torch
+
+    from prescient.loading import load_model
+
+    model, _ = load_model(model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        return [model.generate(torch.tensor([p]), max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False,
+                               pad_token_id=model.config.pad_token_id)[0, len(p):].tolist() for p in prompts]
+
+
+def measure_resident(model_dir: str, prompts: list[list[int]], gen_len: int) -> dict[str, Any]:
+    """Plain batched greedy `generate`, all weights resident: decode time is the time of
+    `gen_len` new tokens minus the time of one (prefill and the first token)."""
+    import torch
+
+    from prescient.loading import load_model
+
+    model, _ = load_model(model_dir, dtype=torch.float32)
+    width = max(len(p) for p in prompts)
+    pad = model.config.pad_token_id or 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+
+    def timed(new: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=pad)
+        return time.perf_counter() - start
+
+    timed(1)  # warm-up
+    first, full = timed(1), timed(gen_len)
+    return {"decode_seconds": round(full - first, 4),
+            "tokens_per_s": len(prompts) * (gen_len - 1) / (full - first)}
+
+
+def measure_pipe(model_dir: str, prompts: list[list[int]], gen_len: int, policy: BatchPolicy, overlap: bool,
+                 reference: list[list[int]], hot, store: str, drop_page_cache: bool) -> dict[str, Any]:
+    from offload_runtime.cgopipe import CGOPipe, budget_fraction
+    from offload_runtime.loader import load_offloaded
+
+    n_layers, n_experts = len(hot), len(hot[0])
+    budget = budget_fraction(policy.resident, n_layers, n_experts)
+    model = load_offloaded(model_dir, policy="fifo", budget=budget, store=store, drop_page_cache=drop_page_cache)
+    requests = prompts[:policy.requests]
+    n_micro = -(-policy.requests // policy.micro_batch)
+    with model.offload_runtime as runtime, CGOPipe(model, policy.resident, hot=hot, overlap=overlap) as pipe:
+        out = pipe.generate(requests, gen_len, micro_batch_size=policy.micro_batch, n_micro=n_micro,
+                            pad_token_id=model.config.pad_token_id or 0)
+        stats = runtime.stats()
+    return {
+        **asdict(policy), "label": policy.label, "mode": "cgopipe" if overlap else "sequential",
+        "budget_fraction": budget, "tokens_per_s": pipe.stats.decode_tokens_per_s,
+        "decode_seconds": round(pipe.stats.decode_seconds, 4), "prefill_seconds": round(pipe.stats.prefill_seconds, 4),
+        "exact": out == reference[:policy.requests], "bytes_moved": stats.bytes_moved, "loads": stats.loads,
+        "demand_loads": stats.demand_loads, "stall_seconds": stats.stall_seconds, "slots": stats.slots,
+    }
+
+
+def predicted_decode_tokens_per_s(spec, hardware, prompt_len: int, gen_len: int, policy: BatchPolicy) -> float:
+    from offload_runtime.hrm import Policy, Workload, estimate
+
+    place = "cpu" if hardware.gpu is None else "gpu"
+    hrm_policy = Policy(n_requests=policy.requests, micro_batch=policy.micro_batch, attention_on="cpu",
+                        ffn_on=place, r_w=policy.resident)
+    return estimate(spec, hardware, Workload(prompt_len, gen_len), hrm_policy).decode_tokens_per_s
+
+
+def bench_batch(model_dir: str, json_path: str, plot_path: str | None, main: BatchPolicy, grid: list[BatchPolicy],
+                gen_len: int, shortest: int, longest: int, hardware: str | None, trace: str | None,
+                store: str = "disk", drop_page_cache: bool = True, dataset: str = "stdlib-code",
+                split: str = "validation", threads: int = 1) -> dict[str, Any]:
+    import torch
+
+    from experiments.bench_runtime import machine_info
+    from offload_runtime.hardware import load_profile, measure_profile
+    from offload_runtime.hrm import ModelSpec
+    from prescient.loading import load_tokenizer
+
+    torch.set_num_threads(threads)
+    policies = [main, *[p for p in grid if p != main]]
+    count = max(p.requests for p in policies)
+    prompts = request_prompts(load_tokenizer(model_dir), count, shortest, longest, dataset, split)
+    hot = _hot_ranking(model_dir, trace)
+    profile = load_profile(hardware) if hardware else measure_profile(Path(model_dir))
+    spec = ModelSpec.from_config(model_dir)
+    mean_prompt = round(sum(len(p) for p in prompts) / len(prompts))
+    result: dict[str, Any] = {
+        "settings": {"model": model_dir, "gen_len": gen_len, "prompt_tokens": [shortest, longest],
+                     "dataset": f"{dataset}:{split}", "store": store, "drop_page_cache": drop_page_cache,
+                     "hot_ranking": trace or "expert id", "main_policy": asdict(main)},
+        "machine": machine_info(threads), "hardware_profile": profile.to_dict(), "runs": [],
+    }
+
+    def save() -> None:
+        write_json_atomic(Path(json_path), result)
+
+    log.info("reference: each of %d requests alone with the plain model", count)
+    reference = reference_outputs(model_dir, prompts, gen_len)
+    resident = measure_resident(model_dir, prompts[:main.requests], gen_len)
+    result["resident"] = {**asdict(main), **resident}
+    save()
+    for index, policy in enumerate(policies):
+        modes = (True, False) if policy == main else (True,)
+        for overlap in modes:
+            run = measure_pipe(model_dir, prompts, gen_len, policy, overlap, reference, hot, store, drop_page_cache)
+            run["predicted_tokens_per_s"] = predicted_decode_tokens_per_s(spec, profile, mean_prompt, gen_len, policy)
+            result["runs"].append(run)
+            log.info("[%d/%d] %s %s: %.2f tokens/s (predicted %.2f), exact %s", index + 1, len(policies),
+                     run["mode"], policy.label, run["tokens_per_s"], run["predicted_tokens_per_s"], run["exact"])
+            save()
+    result.update(summary(result))
+    save()
+    if plot_path:
+        from experiments.bench_batch_plot import plot_bench_batch
+
+        plot_bench_batch(result, plot_path)
+    return result
+
+
+def summary(result: dict[str, Any]) -> dict[str, Any]:
+    main = result["settings"]["main_policy"]
+    runs = result["runs"]
+    at_main = {r["mode"]: r for r in runs if all(r[k] == v for k, v in main.items())}
+    grid = [r for r in runs if r["mode"] == "cgopipe"]
+    choice = max(grid, key=lambda r: r["predicted_tokens_per_s"])
+    best = max(grid, key=lambda r: r["tokens_per_s"])
+    cgopipe, sequential = at_main["cgopipe"]["tokens_per_s"], at_main["sequential"]["tokens_per_s"]
+    return {
+        "cgopipe_tokens_per_s": cgopipe, "sequential_tokens_per_s": sequential,
+        "resident_tokens_per_s": result["resident"]["tokens_per_s"],
+        "cgopipe_over_sequential": cgopipe / sequential,
+        "cgopipe_over_resident": cgopipe / result["resident"]["tokens_per_s"],
+        "spearman": spearman([r["predicted_tokens_per_s"] for r in grid], [r["tokens_per_s"] for r in grid]),
+        "planner_choice": choice["label"], "best_measured": best["label"],
+        "planner_gap": 1 - choice["tokens_per_s"] / best["tokens_per_s"],
+        "all_exact": all(r["exact"] for r in runs), "grid_size": len(grid),
+    }
+
+
+def _hot_ranking(model_dir: str, trace: str | None) -> list[list[float]]:
+    """[L][E] expert frequencies from `trace` (hottest experts stay resident), else by expert id."""
+    import numpy as np
+
+    from cache.simulator import expert_frequencies
+    from prescient.fingerprint import fingerprint_model
+    from prescient.loading import load_model
+    from prescient.traces import load_trace
+
+    fingerprint = fingerprint_model(*load_model(model_dir))
+    if trace is None:
+        return [[-e for e in range(fingerprint.n_experts)] for _ in range(fingerprint.n_moe_layers)]
+    loaded = load_trace(trace)
+    fingerprint.require_same(loaded.fingerprint, f"trace {trace}")
+    return np.asarray(expert_frequencies(loaded["topk_ids"].numpy(), fingerprint.n_experts)).tolist()
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench-batch", help="CGOPipe batch decoding vs sequential and all-resident; HRM check")
+    p.add_argument("--model", required=True, help="Hugging Face model directory (e.g. the bench reference model)")
+    p.add_argument("--json", required=True, help="results file (rewritten after every run)")
+    p.add_argument("--plot", help="PNG of the results")
+    p.add_argument("--policy", default="16:4:0.5", help="main policy N:MICRO_BATCH:RESIDENT")
+    p.add_argument("--grid", default=DEFAULT_GRID, help="policies of the HRM validation, N:MICRO_BATCH:RESIDENT,...")
+    p.add_argument("--gen-len", type=int, default=8, help="tokens generated per request")
+    p.add_argument("--prompt-tokens", default="16,48", help="shortest,longest prompt (spread evenly)")
+    p.add_argument("--hardware", help="hardware profile JSON or preset for the HRM (default: measure this machine)")
+    p.add_argument("--trace", help="trace whose expert frequencies pick the resident (hot) experts")
+    p.add_argument("--store", choices=("disk", "host"), default="disk")
+    p.add_argument("--keep-page-cache", action="store_true", help="disk store: leave read pages in the page cache")
+    p.add_argument("--dataset", default="stdlib-code")
+    p.add_argument("--split", default="validation")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    shortest, longest = (int(x) for x in args.prompt_tokens.split(","))
+    (main,) = parse_grid(args.policy)
+    result = bench_batch(args.model, args.json, args.plot, main, parse_grid(args.grid), args.gen_len, shortest, longest,
+                         args.hardware, args.trace, store=args.store, drop_page_cache=not args.keep_page_cache,
+                         dataset=args.dataset, split=args.split, threads=args.threads)
+    print(f"CGOPipe {result['cgopipe_tokens_per_s']:.2f} tokens/s; sequential {result['sequential_tokens_per_s']:.2f} "
+          f"({result['cgopipe_over_sequential']:.2f}x); all resident {result['resident_tokens_per_s']:.2f} "
+          f"({result['cgopipe_over_resident']:.2f}x)")
+    print(f"HRM: Spearman {result['spearman']:.3f} over {result['grid_size']} policies; planner picks "
+          f"{result['planner_choice']}, {result['planner_gap']:.1%} below the best measured ({result['best_measured']})")
+    print(f"every output equal to the plain model: {result['all_exact']}; results in {args.json}")
+    return 0
