@@ -1,0 +1,143 @@
+"""The HRM performance model: hand-computed rooflines, the tier max, op formulas, model specs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from offload_runtime.hardware import HardwareProfile, Processor
+from offload_runtime.hrm import (ModelSpec, ModelSpecError, Op, Policy, PolicyError, Workload, decode_ops, estimate,
+                                 expected_experts, head_op, predict, roofline, stage_time)
+
+MIXTRAL = Path(__file__).resolve().parents[2] / "configs" / "models" / "mixtral-8x7b"
+
+# round numbers: every roofline below is exact
+CPU = Processor(peak_flops=1e11, memory_bandwidth=1e10, memory_bytes=1e12)
+GPU = Processor(peak_flops=1e12, memory_bandwidth=1e11, memory_bytes=1e11)
+WITH_GPU = HardwareProfile("test-gpu", cpu=CPU, gpu=GPU, cpu_to_gpu=1e9, disk_to_cpu=1e8)
+CPU_ONLY = HardwareProfile("test-cpu", cpu=CPU, disk_to_cpu=1e9)
+# h=4, I=8 per expert, 1 layer, 2 heads of 2 (q_dim 4), 1 kv head (kv_dim 2), 4 experts top-2, 1 byte/param
+TINY = ModelSpec("tiny", hidden_size=4, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=2,
+                 num_experts=4, top_k=2, vocab_size=10, bytes_per_param=1)
+
+
+def test_roofline_compute_bound_and_memory_bound():
+    assert roofline(flops=2e12, nbytes=1e10, processor=GPU) == pytest.approx(2.0)  # 2 s compute vs 0.1 s memory
+    assert roofline(flops=1e9, nbytes=5e11, processor=GPU) == pytest.approx(5.0)   # 1 ms compute vs 5 s memory
+
+
+def test_layer_time_is_the_max_of_the_tiers_and_each_tier_sums_its_ops():
+    head = Op("head", "gpu", 0, 0)
+    ops = [Op("a", "gpu", 1e12, 0), Op("b", "gpu", 0, 2e11),  # GPU: 1 s + 2 s
+           Op("c", "cpu", 1e11, 0),                           # CPU: 1 s
+           Op("d", "link", 0, 2.5e9), Op("e", "link_back", 0, 0.5e9)]  # 2.5 s into the GPU, 0.5 s back
+    gpu_bound = stage_time(TINY, WITH_GPU, ops, head)
+    assert gpu_bound.tiers == pytest.approx({"cpu": 1.0, "gpu": 3.0, "link": 2.5, "link_back": 0.5})
+    assert gpu_bound.layer_seconds == pytest.approx(3.0) and gpu_bound.bottleneck == "gpu"
+    link_bound = stage_time(TINY, WITH_GPU, [*ops, Op("f", "link", 0, 2e9)], head)
+    assert link_bound.layer_seconds == pytest.approx(4.5) and link_bound.bottleneck == "link"
+    cpu_bound = stage_time(TINY, WITH_GPU, [*ops, Op("g", "cpu", 0, 5e10)], head)
+    assert cpu_bound.layer_seconds == pytest.approx(6.0) and cpu_bound.bottleneck == "cpu"
+
+
+def test_decode_ops_by_hand():
+    """N=2 requests in micro-batches of 1; context 3 + 2/2 = 4 on average."""
+    ops = {op.name: op for op in decode_ops(TINY, CPU_ONLY, Workload(3, 2), Policy(2, 1, "cpu", "cpu", r_w=0.25))}
+    # QK^T and PV: 2 matmuls × 2 FLOP × N · q_dim · ctx; reads K and V of 4 tokens, q in, out
+    assert (ops["attention"].flops, ops["attention"].nbytes) == (4 * 2 * 4 * 4, 2 * (4 * 2 * 2 + 2 * 4))
+    # 3 matrices of 4×8 per routed copy, 2 copies per token; each micro-batch (one token)
+    # touches k = 2 experts of 3·4·8 bytes; hidden in and out
+    assert (ops["experts"].flops, ops["experts"].nbytes) == (6 * 2 * 2 * 4 * 8, 2 * 2 * 96 + 2 * 2 * 4)
+    assert ops["expert_weights"].tier == "link" and ops["expert_weights"].nbytes == 0.75 * 4 * 96
+    assert "kv_to_gpu" not in ops and "qkv_to_cpu" not in ops
+
+
+def test_cpu_only_adds_attention_and_ffn_while_a_gpu_overlaps_them():
+    workload, n = Workload(512, 64), 64
+    alone = estimate(TINY, CPU_ONLY, workload, Policy(n, 8, "cpu", "cpu", r_w=1.0)).decode
+    seconds = {op.name: s for op, s in alone.ops}
+    assert all(op.tier == "cpu" for op, _ in alone.ops)
+    assert alone.layer_seconds == pytest.approx(sum(seconds.values()))
+    assert alone.layer_seconds > seconds["attention"] + seconds["experts"]
+    # the same CPU beside a GPU as fast as itself: attention (CPU) and FFN (GPU) overlap
+    twin = HardwareProfile("twin", cpu=CPU, gpu=CPU, cpu_to_gpu=1e12)
+    split = estimate(TINY, twin, workload, Policy(n, 8, "cpu", "gpu", r_w=1.0)).decode
+    assert split.tiers["cpu"] == pytest.approx(seconds["attention"])
+    assert split.layer_seconds == pytest.approx(max(split.tiers.values()))
+    assert split.layer_seconds < alone.layer_seconds
+
+
+def test_expected_distinct_experts():
+    assert expected_experts(1, 8, 2) == pytest.approx(2)
+    assert expected_experts(1, 64, 6) == pytest.approx(6)
+    counts = [expected_experts(m, 8, 2) for m in (1, 2, 4, 16, 64)]
+    assert counts == sorted(counts) and counts[1] == pytest.approx(8 * (1 - 0.75**2))
+    assert expected_experts(1000, 8, 2) == pytest.approx(8)
+
+
+def test_throughput_counts_prefill_and_gen_len_minus_one_steps():
+    workload, policy = Workload(16, 5), Policy(4, 2, "cpu", "gpu", r_w=0.5)
+    est = estimate(TINY, WITH_GPU, workload, policy)
+    assert est.tokens_per_s == pytest.approx(4 * 5 / (est.prefill.seconds + 4 * est.decode.seconds))
+    assert est.decode_tokens_per_s == pytest.approx(4 / est.decode.seconds)
+    assert predict(TINY, WITH_GPU, workload, policy) == est.tokens_per_s
+    assert est.decode.seconds == pytest.approx(est.decode.layer_seconds + est.decode.head_seconds)
+    assert head_op(TINY, policy).flops == 2 * 4 * 4 * 10
+
+
+def test_resident_experts_shorten_a_link_bound_step():
+    slow_link = dataclasses.replace(WITH_GPU, cpu_to_gpu=1e3)  # one layer's 384 expert bytes take 0.384 s
+    workload = Workload(64, 8)
+    steps = [estimate(TINY, slow_link, workload, Policy(8, 4, "cpu", "gpu", r_w=r)).decode for r in (0, 0.5)]
+    assert [step.bottleneck for step in steps] == ["link", "link"]
+    assert steps[0].tiers["link"] == pytest.approx(0.384 + 8 * 4 / 1e3)  # + attention outputs back to the GPU
+    assert steps[1].tiers["link"] == pytest.approx(0.192 + 8 * 4 / 1e3)
+
+
+def test_policy_errors():
+    with pytest.raises(PolicyError, match="multiple of μ"):
+        Policy(10, 4)
+    with pytest.raises(PolicyError, match="r_c"):
+        Policy(4, 2, "cpu", "gpu", r_c=0.5)
+    with pytest.raises(PolicyError, match="no GPU"):
+        estimate(TINY, CPU_ONLY, Workload(4, 4), Policy(4, 2, "cpu", "gpu"))
+    with pytest.raises(PolicyError, match="not modelled"):
+        estimate(TINY, WITH_GPU, Workload(4, 4), Policy(4, 2, "cpu", "cpu"))
+
+
+def test_mixtral_spec_from_config():
+    spec = ModelSpec.from_config(MIXTRAL)
+    assert spec == ModelSpec("mixtral", 4096, 14336, 32, 32, 8, 128, 8, 2, 32000, bytes_per_param=2)
+    assert ModelSpec.from_config(MIXTRAL / "config.json") == spec
+    assert spec.expert_total_bytes == 32 * 8 * 3 * 4096 * 14336 * 2
+    assert (spec.expert_total_bytes + spec.non_expert_bytes) // 2 == 46_702_792_704  # Mixtral's 46.7B parameters
+    assert spec.kv_bytes_per_token == 32 * 2 * 8 * 128 * 2
+
+
+def test_qwen2_moe_style_spec():
+    """Qwen1.5-MoE-A2.7B's shapes: per-expert size under moe_intermediate_size, a shared expert,
+    `num_experts`, and transformers 5's `dtype` key."""
+    config = {"model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 1408,
+              "shared_expert_intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
+              "num_key_value_heads": 16, "num_experts": 60, "num_experts_per_tok": 4, "vocab_size": 151936,
+              "dtype": "bfloat16"}
+    spec = ModelSpec.from_dict(config)
+    assert (spec.intermediate_size, spec.num_experts, spec.top_k, spec.shared_intermediate_size) == (1408, 60, 4, 5632)
+    assert (spec.head_dim, spec.num_kv_heads, spec.bytes_per_param) == (128, 16, 2)
+    del config["dtype"]
+    assert ModelSpec.from_dict(config).bytes_per_param == 4  # no dtype: float32
+    ops = {op.name for op in decode_ops(spec, WITH_GPU, Workload(8, 8), Policy(4, 4, "cpu", "gpu"))}
+    assert "shared_expert" in ops
+
+
+def test_spec_errors(tmp_path):
+    with pytest.raises(ModelSpecError, match="num_local_experts / num_experts / n_routed_experts"):
+        ModelSpec.from_dict({"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+                             "num_attention_heads": 2, "num_experts_per_tok": 1, "vocab_size": 4})
+    with pytest.raises(ModelSpecError, match="unknown dtype"):
+        ModelSpec.from_dict({**json.loads((MIXTRAL / "config.json").read_text()), "torch_dtype": "float13"})
+    with pytest.raises(ModelSpecError, match="no model config"):
+        ModelSpec.from_config(tmp_path)
