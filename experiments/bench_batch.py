@@ -95,7 +95,7 @@ def reference_outputs(model_dir: str, prompts: list[list[int]], gen_len: int) ->
 
     model, _ = load_model(model_dir, dtype=torch.float32)
     with torch.inference_mode():
-        return [model.generate(torch.tensor([p]), max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False,
+        return [model.generate(torch.tensor([p]), max_new_tokens=gen_len, do_sample=False,
                                pad_token_id=model.config.pad_token_id)[0, len(p):].tolist() for p in prompts]
 
 

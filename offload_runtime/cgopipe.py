@@ -65,7 +65,7 @@ class DecodeStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     generated_tokens: int = 0
-    decode_tokens: int = 0  # tokens produced by decode steps (the first token comes from prefill)
+    decode_tokens: int = 0  # rows × decode steps (the first token comes from prefill)
     late_tables: int = 0
 
     @property
@@ -135,14 +135,21 @@ class CGOPipe:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, micro_batch_size: int,
-                 n_micro: int, kv_tokens: int | None = None, pad_token_id: int = 0) -> list[list[int]]:
-        """Greedy continuations (`max_new_tokens` ids each) of `prompts`, decoded in batches of
-        up to `n_micro` micro-batches of up to `micro_batch_size` requests."""
+                 n_micro: int, kv_tokens: int | None = None, pad_token_id: int = 0,
+                 eos_token_id: int | Sequence[int] | None | str = "model") -> list[list[int]]:
+        """Greedy continuations of `prompts`, decoded in batches of up to `n_micro` micro-batches
+        of up to `micro_batch_size` requests: what `generate` gives for each request alone — up
+        to `max_new_tokens` ids, ending at the first end-of-sequence id (default: the model's
+        generation config; None: never end early). Finished rows keep decoding until their batch
+        ends, as in batched `generate`."""
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
         lengths = [len(p) for p in prompts]
         if any(n == 0 for n in lengths):
             raise ValueError("every prompt needs at least one token")
+        if eos_token_id == "model":
+            eos_token_id = self.model.generation_config.eos_token_id
+        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
         outputs: list[list[int]] = [[] for _ in prompts]
         for batch in partition_requests(lengths, n_micro, micro_batch_size, max_new_tokens, kv_tokens):
             micro = [self._prefill([prompts[r] for r in requests], requests, pad_token_id) for requests in batch]
@@ -150,15 +157,17 @@ class CGOPipe:
                        pad_token_id=pad_token_id)
             start = time.perf_counter()
             for _ in range(max_new_tokens - 1):
+                if all(eos.intersection(row) for mb in micro for row in mb.out):
+                    break
                 self._decode_step(micro)
+                self.stats.decode_tokens += sum(len(mb.requests) for mb in micro)
             self.stats.decode_seconds += time.perf_counter() - start
-            self.stats.decode_tokens += (max_new_tokens - 1) * sum(len(mb.requests) for mb in micro)
             for mb in micro:
                 for row, request in enumerate(mb.requests):
-                    outputs[request] = mb.out[row]
+                    outputs[request] = _until_eos(mb.out[row], eos)
             self.stats.batches += 1
         self.stats.requests += len(prompts)
-        self.stats.generated_tokens += max_new_tokens * len(prompts)
+        self.stats.generated_tokens += sum(len(out) for out in outputs)
         return outputs
 
     def close(self) -> None:
@@ -273,3 +282,10 @@ class CGOPipe:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """`tokens` up to and including the first end-of-sequence id."""
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[:i + 1]
+    return tokens

@@ -16,6 +16,7 @@ model's attention function runs there through a registered transformers attentio
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,6 +27,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from prescient.errors import PrescientError
 
 _HALVES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+_MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
 
 class UnsupportedModelError(PrescientError):
@@ -54,7 +56,7 @@ def _cpu_attention(inner_name: str):
 class MicroBatchInputs:
     """What every half-layer of one micro-batch's current forward needs."""
 
-    attention_mask: torch.Tensor | None  # the model's 4-D (or block) mask for this forward
+    masks: dict[str, Any]  # per attention kind ("full_attention", ...), the model's mask for this forward
     position_ids: torch.Tensor
     position_embeddings: tuple[torch.Tensor, torch.Tensor]
     cache: DynamicCache
@@ -81,8 +83,10 @@ class DecoderStack:
             name = f"prescient_cpu_{self.config._attn_implementation}"
             AttentionInterface.register(name, _cpu_attention(self.config._attn_implementation))
             self.config._attn_implementation = name
-        self._mask_function = (create_causal_mask if getattr(self.config, "sliding_window", None) is None
-                               else create_sliding_window_causal_mask)
+        # which mask each layer attends with, as the base models decide it: by `layer_types` where
+        # the config has them (Qwen2-MoE, Qwen3-MoE, ...), else by whether a sliding window is set (Mixtral)
+        default = "full_attention" if getattr(self.config, "sliding_window", None) is None else "sliding_attention"
+        self.layer_types = list(getattr(self.config, "layer_types", None) or [default] * len(self.layers))
 
     def new_cache(self) -> DynamicCache:
         return CPUKVCache(config=self.config) if self.cpu_attention else DynamicCache(config=self.config)
@@ -94,16 +98,17 @@ class DecoderStack:
         hidden = self.base.embed_tokens(input_ids.to(self.device))
         mask2d = attention_mask.to(self.device)
         position_ids = (mask2d.long().cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
-        mask = self._mask_function(config=self.config, inputs_embeds=hidden, attention_mask=mask2d,
-                                   past_key_values=cache, position_ids=position_ids)
+        masks = {kind: _MASKS[kind](config=self.config, inputs_embeds=hidden, attention_mask=mask2d,
+                                    past_key_values=cache, position_ids=position_ids)
+                 for kind in set(self.layer_types)}
         rotary = self.base.rotary_emb(hidden, position_ids=position_ids)
-        return hidden, MicroBatchInputs(mask, position_ids, rotary, cache)
+        return hidden, MicroBatchInputs(masks, position_ids, rotary, cache)
 
     def attention_half(self, index: int, hidden: torch.Tensor, inputs: MicroBatchInputs) -> torch.Tensor:
         layer = self.layers[index]
         out, _ = layer.self_attn(
             hidden_states=layer.input_layernorm(hidden), position_embeddings=inputs.position_embeddings,
-            attention_mask=inputs.attention_mask, position_ids=inputs.position_ids,
+            attention_mask=inputs.masks[self.layer_types[index]], position_ids=inputs.position_ids,
             past_key_values=inputs.cache,
         )
         return hidden + out
@@ -125,7 +130,7 @@ class DecoderStack:
         hidden, inputs = self.embed(ids, mask, self.new_cache())
         hidden = hidden + torch.randn_like(hidden)  # distinct positions, not one repeated token
         reference = self.layers[index](
-            hidden, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids,
+            hidden, attention_mask=inputs.masks[self.layer_types[index]], position_ids=inputs.position_ids,
             past_key_values=self.new_cache(), position_embeddings=inputs.position_embeddings,
         )
         reference = reference[0] if isinstance(reference, tuple) else reference

@@ -89,11 +89,14 @@ def tiny_tokenizer() -> tf.PreTrainedTokenizerFast:
     return train_byte_level_bpe(_tokenizer_texts(), TOKENIZER_VOCAB)
 
 
-def save_tiny_model(arch: str, tokenizer, path: Path, seed: int = 0) -> Path:
-    """Save a randomly initialised tiny `arch` model and `tokenizer` into `path`."""
+def save_tiny_model(arch: str, tokenizer, path: Path, seed: int = 0, num_hidden_layers: int | None = None) -> Path:
+    """Save a randomly initialised tiny `arch` model (2 layers unless `num_hidden_layers`) and
+    `tokenizer` into `path`."""
     ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
     config = _config(arch, ids)
+    if num_hidden_layers is not None:
+        config.num_hidden_layers = num_hidden_layers
     torch.manual_seed(seed)
     model = tf.AutoModelForSeq2SeqLM.from_config(config) if config.is_encoder_decoder \
         else tf.AutoModelForCausalLM.from_config(config)
