@@ -19,6 +19,7 @@ The JSON is rewritten after every run, so an interrupted benchmark keeps what it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -41,7 +42,8 @@ class BatchPolicy:
         return f"N={self.requests} μ={self.micro_batch} r_w={self.resident:g}"
 
 
-DEFAULT_GRID = "8:4:0.25,8:4:0.5,16:4:0.25,16:4:0.5,16:8:0.5,16:8:0.75,32:8:0.5,32:16:0.5,32:8:0.75,8:2:0.75"
+DEFAULT_GRID = ("8:4:0.5,16:4:0.5,32:4:0.5,32:8:0.5,16:8:0.25,32:8:0.25,32:4:0.25,16:4:0.75,32:16:0.75,8:2:0.75,"
+                "64:16:0.5")
 
 
 def parse_grid(text: str) -> list[BatchPolicy]:
@@ -69,6 +71,24 @@ def request_prompts(tokenizer, count: int, shortest: int, longest: int, dataset:
             if len(prompts) == count:
                 return prompts
     raise SystemExit(f"{dataset}:{split} has only {len(prompts)} texts of the lengths needed; ask for fewer requests")
+
+
+def store_read_bandwidth(model_dir: str, store: str, drop_page_cache: bool) -> float:
+    """Bytes/s of the expert store reading one layer's experts into slots, the way a decode
+    step streams them (a test on one sequential file overstates it here: expert reads are
+    split by tensor and jump around the file)."""
+    from offload_runtime.loader import load_offloaded
+
+    model = load_offloaded(model_dir, policy="fifo", budget=1 / 4, store=store, drop_page_cache=drop_page_cache)
+    runtime = model.offload_runtime
+    with runtime:
+        n_experts = runtime.n_experts
+        keys = [(1, e) for e in range(min(n_experts, runtime.pool.num_slots))]  # one layer, as a step streams it
+        start = time.perf_counter()
+        for slot, key in enumerate(keys):
+            runtime.store.read(key, runtime.pool.view(slot))
+        seconds = time.perf_counter() - start
+    return len(keys) * runtime.pool.nbytes / runtime.pool.num_slots / seconds
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -158,7 +178,8 @@ def predicted_decode_tokens_per_s(spec, hardware, prompt_len: int, gen_len: int,
 
 
 def bench_batch(model_dir: str, json_path: str, plot_path: str | None, main: BatchPolicy, grid: list[BatchPolicy],
-                gen_len: int, shortest: int, longest: int, hardware: str | None, trace: str | None,
+                sequential_at: list[BatchPolicy], gen_len: int, shortest: int, longest: int, hardware: str | None,
+                trace: str | None,
                 store: str = "disk", drop_page_cache: bool = True, dataset: str = "stdlib-code",
                 split: str = "validation", threads: int = 1) -> dict[str, Any]:
     import torch
@@ -169,17 +190,22 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, main: Bat
     from prescient.loading import load_tokenizer
 
     torch.set_num_threads(threads)
-    policies = [main, *[p for p in grid if p != main]]
+    policies = list(dict.fromkeys([main, *grid, *sequential_at]))
+    sequential = {main, *sequential_at}
     count = max(p.requests for p in policies)
     prompts = request_prompts(load_tokenizer(model_dir), count, shortest, longest, dataset, split)
     hot = _hot_ranking(model_dir, trace)
     profile = load_profile(hardware) if hardware else measure_profile(Path(model_dir))
+    if hardware is None and profile.gpu is None:  # the link is what our store reads experts at
+        profile = dataclasses.replace(profile, disk_to_cpu=store_read_bandwidth(model_dir, store, drop_page_cache),
+                                      notes=profile.notes + "; disk_to_cpu: expert reads of the store")
     spec = ModelSpec.from_config(model_dir)
     mean_prompt = round(sum(len(p) for p in prompts) / len(prompts))
     result: dict[str, Any] = {
         "settings": {"model": model_dir, "gen_len": gen_len, "prompt_tokens": [shortest, longest],
                      "dataset": f"{dataset}:{split}", "store": store, "drop_page_cache": drop_page_cache,
-                     "hot_ranking": trace or "expert id", "main_policy": asdict(main)},
+                     "hot_ranking": trace or "expert id", "main_policy": asdict(main),
+                     "grid": [p.label for p in grid]},
         "machine": machine_info(threads), "hardware_profile": profile.to_dict(), "runs": [],
     }
 
@@ -192,7 +218,7 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, main: Bat
     result["resident"] = {**asdict(main), **resident}
     save()
     for index, policy in enumerate(policies):
-        modes = (True, False) if policy == main else (True,)
+        modes = (True, False) if policy in sequential else (True,)
         for overlap in modes:
             run = measure_pipe(model_dir, prompts, gen_len, policy, overlap, reference, hot, store, drop_page_cache)
             run["predicted_tokens_per_s"] = predicted_decode_tokens_per_s(spec, profile, mean_prompt, gen_len, policy)
@@ -213,11 +239,14 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     main = result["settings"]["main_policy"]
     runs = result["runs"]
     at_main = {r["mode"]: r for r in runs if all(r[k] == v for k, v in main.items())}
-    grid = [r for r in runs if r["mode"] == "cgopipe"]
+    grid = [r for r in runs if r["mode"] == "cgopipe" and r["label"] in result["settings"]["grid"]]
     choice = max(grid, key=lambda r: r["predicted_tokens_per_s"])
     best = max(grid, key=lambda r: r["tokens_per_s"])
     cgopipe, sequential = at_main["cgopipe"]["tokens_per_s"], at_main["sequential"]["tokens_per_s"]
+    by_policy = {r["label"]: r["tokens_per_s"] for r in runs if r["mode"] == "cgopipe"}
     return {
+        "cgopipe_over_sequential_by_policy": {r["label"]: by_policy[r["label"]] / r["tokens_per_s"]
+                                              for r in runs if r["mode"] == "sequential"},
         "cgopipe_tokens_per_s": cgopipe, "sequential_tokens_per_s": sequential,
         "resident_tokens_per_s": result["resident"]["tokens_per_s"],
         "cgopipe_over_sequential": cgopipe / sequential,
@@ -251,7 +280,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--model", required=True, help="Hugging Face model directory (e.g. the bench reference model)")
     p.add_argument("--json", required=True, help="results file (rewritten after every run)")
     p.add_argument("--plot", help="PNG of the results")
-    p.add_argument("--policy", default="16:4:0.5", help="main policy N:MICRO_BATCH:RESIDENT")
+    p.add_argument("--policy", default="64:16:0.5", help="main policy N:MICRO_BATCH:RESIDENT")
+    p.add_argument("--sequential-at", default="32:4:0.5,32:16:0.5",
+                   help="more policies to run the sequential baseline at (beside the main one)")
     p.add_argument("--grid", default=DEFAULT_GRID, help="policies of the HRM validation, N:MICRO_BATCH:RESIDENT,...")
     p.add_argument("--gen-len", type=int, default=8, help="tokens generated per request")
     p.add_argument("--prompt-tokens", default="16,48", help="shortest,longest prompt (spread evenly)")
@@ -268,7 +299,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     shortest, longest = (int(x) for x in args.prompt_tokens.split(","))
     (main,) = parse_grid(args.policy)
-    result = bench_batch(args.model, args.json, args.plot, main, parse_grid(args.grid), args.gen_len, shortest, longest,
+    result = bench_batch(args.model, args.json, args.plot, main, parse_grid(args.grid), parse_grid(args.sequential_at),
+                         args.gen_len, shortest, longest,
                          args.hardware, args.trace, store=args.store, drop_page_cache=not args.keep_page_cache,
                          dataset=args.dataset, split=args.split, threads=args.threads)
     print(f"CGOPipe {result['cgopipe_tokens_per_s']:.2f} tokens/s; sequential {result['sequential_tokens_per_s']:.2f} "

@@ -21,7 +21,7 @@ def plot_bench_batch(result: dict[str, Any], path: str) -> None:
     main = result["settings"]["main_policy"]
     bars.set_title(f"decode throughput, N={main['requests']} μ={main['micro_batch']} r_w={main['resident']:g}")
     bars.set_ylabel("tokens/s")
-    grid = [r for r in result["runs"] if r["mode"] == "cgopipe"]
+    grid = [r for r in result["runs"] if r["mode"] == "cgopipe" and r["label"] in result["settings"]["grid"]]
     scatter.scatter([r["predicted_tokens_per_s"] for r in grid], [r["tokens_per_s"] for r in grid])
     for r in grid:
         scatter.annotate(r["label"], (r["predicted_tokens_per_s"], r["tokens_per_s"]), fontsize=7)
