@@ -68,11 +68,6 @@ class HardwareProfile:
             raise HardwareError(f"profile {self.name!r}: give both `gpu` and `cpu_to_gpu`, or neither")
 
     @property
-    def compute(self) -> Processor:
-        """The processor the expert FFN runs on: the GPU when there is one."""
-        return self.gpu or self.cpu
-
-    @property
     def link_bandwidth(self) -> float:
         """Bytes/s into the compute device's memory from the tier below it."""
         return self.cpu_to_gpu if self.cpu_to_gpu is not None else self.disk_to_cpu
