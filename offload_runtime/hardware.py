@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import platform
-import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from prescient.atomic import write_json_atomic
 from prescient.errors import PrescientError
+from prescient.units import parse_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -33,10 +33,6 @@ log = logging.getLogger(__name__)
 
 GB = 10**9
 TFLOPS = 10**12
-
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
 
 class HardwareError(PrescientError):
     """A hardware profile name, file or size cannot be read."""
@@ -162,10 +158,10 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
 
 def parse_size(text: str) -> int:
     """Bytes from "192GiB", "16GB", "512MiB" or a plain number of bytes."""
-    match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise HardwareError(f"cannot read size {text!r}; write e.g. '192GiB', '16GB' or '512MiB'")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    try:
+        return parse_bytes(text)
+    except ValueError:
+        raise HardwareError(f"cannot read size {text!r}; write e.g. '192GiB', '16GB' or '512MiB'") from None
 
 
 def measure_profile(directory: str | Path | None = None, *, disk_bytes: int = 256 * 2**20,

@@ -9,7 +9,6 @@ ids (`SlotMap.table`). The pool only provides slots: which experts keep one is d
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from collections.abc import Mapping, Sequence
 
@@ -17,10 +16,10 @@ import torch
 
 from offload_runtime.expert_layout import ExpertSpec, Key
 from prescient.errors import CapacityError, PrescientError
+from prescient.units import parse_bytes
 
 log = logging.getLogger(__name__)
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 class SlotError(PrescientError):
@@ -33,11 +32,11 @@ def slots_for_budget(budget: float | int | str, expert_nbytes: int, total_expert
     (rounded); an int is bytes; a string is bytes with a unit ("512MiB", "2GB"). Capped at
     `total_experts`; below `min_slots` (one layer's top-k) is a CapacityError."""
     if isinstance(budget, str):
-        match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", budget)
-        if not match or match.group(2).lower() not in _UNITS:
+        try:
+            budget = parse_bytes(budget)
+        except ValueError:
             raise CapacityError(f"cannot read memory budget {budget!r}; write e.g. '512MiB', '2GB', "
-                                "or 0.25 (a fraction of all experts)")
-        budget = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+                                "or 0.25 (a fraction of all experts)") from None
     if isinstance(budget, float):
         if not 0 < budget <= 1:
             raise CapacityError(f"budget fraction {budget} is not in (0, 1]; give bytes as an int or a string")
