@@ -184,7 +184,7 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, main: Bat
                 split: str = "validation", threads: int = 1) -> dict[str, Any]:
     import torch
 
-    from experiments.bench_runtime import machine_info
+    from experiments.machine import machine_info
     from offload_runtime.hardware import load_profile, measure_profile
     from offload_runtime.hrm import ModelSpec
     from prescient.loading import load_tokenizer

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from experiments import bench_runtime as bench
-from experiments.bench_runtime import BenchError, RunSpec
+from experiments.bench_runtime_grid import (BASELINES, BenchError, RunSpec, check_grid, default_grid, full_grid,
+                                            parse_runs)
 from predictor import PredictorMeta, SiDAHash, SiDAPredictor, SiDASizes, read_token_embeddings, save_predictor
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_model
@@ -43,24 +44,24 @@ def random_sida(model_dir: Path, out: Path) -> Path:
 
 
 def test_grids_and_their_checks():
-    grid = bench.default_grid([0.25, 0.5], ["none", "freq", "sida"], ["lru", "lfu", "fifo", "mrs"])
+    grid = default_grid([0.25, 0.5], ["none", "freq", "sida"], ["lru", "lfu", "fifo", "mrs"])
     assert [r.label for r in grid[:7]] == ["none+lru@0.25", "freq+mrs@0.25", "freq+lru@0.25", "sida+mrs@0.25",
                                            "sida+lru@0.25", "sida+lfu@0.25", "sida+fifo@0.25"]
     assert len(grid) == 14 and {r.budget for r in grid[7:]} == {0.5}
-    assert len(bench.full_grid([0.5, 1.0], ["none", "freq"], ["lru", "mrs"])) == 8
-    runs = bench.parse_runs("none:lru@0.5, sida:mrs@0.25")
+    assert len(full_grid([0.5, 1.0], ["none", "freq"], ["lru", "mrs"])) == 8
+    runs = parse_runs("none:lru@0.5, sida:mrs@0.25")
     assert runs == [RunSpec("none", "lru", 0.5), RunSpec("sida", "mrs", 0.25)]
     for bad in ("none@0.5", "none:lru", "none:lru@half"):
         with pytest.raises(BenchError, match="PREDICTOR:POLICY@BUDGET"):
-            bench.parse_runs(bad)
+            parse_runs(bad)
     with pytest.raises(BenchError, match="--train-trace"):
-        bench.check_grid([RunSpec("freq", "lru", 0.5)], {"freq": None}, None)
+        check_grid([RunSpec("freq", "lru", 0.5)], {"freq": None}, None)
     with pytest.raises(BenchError, match="unknown policy"):
-        bench.check_grid([RunSpec("none", "clock", 0.5)], {"none": None}, None)
+        check_grid([RunSpec("none", "clock", 0.5)], {"none": None}, None)
     with pytest.raises(BenchError, match="does not name"):
-        bench.check_grid([RunSpec("oracle", "lru", 0.5)], {"none": None}, None)
+        check_grid([RunSpec("oracle", "lru", 0.5)], {"none": None}, None)
     with pytest.raises(BenchError, match="unknown predictor"):
-        bench.check_grid([], {"magic": None}, None)
+        check_grid([], {"magic": None}, None)
 
 
 def test_two_runs_baselines_oracle_and_hash_cost(tiny_moe_dir, text_corpus, tmp_path):
@@ -68,7 +69,7 @@ def test_two_runs_baselines_oracle_and_hash_cost(tiny_moe_dir, text_corpus, tmp_
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     predictors = {"none": None, "oracle": None, "sida": str(random_sida(model, tmp_path)), "freq": None}
     result = bench.bench_runtime(
-        model, corpus_texts(text_corpus), predictors=predictors, runs=bench.parse_runs("none:lru@0.5,oracle:mrs@0.25"),
+        model, corpus_texts(text_corpus), predictors=predictors, runs=parse_runs("none:lru@0.5,oracle:mrs@0.25"),
         new_tokens=6, hash_cost_predictor="sida", isolate=False, json_path=out, plot_path=plot)
     assert json.loads(out.read_text()) == json.loads(json.dumps(result)) and result["complete"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -88,7 +89,7 @@ def test_two_runs_baselines_oracle_and_hash_cost(tiny_moe_dir, text_corpus, tmp_
     oracle = runs[1]["stats"]
     assert oracle["tables_on_time"] + oracle["late_tables"] == oracle["forwards"]  # every table known to the oracle
     assert runs[1]["stats"]["slots"] == 4 and runs[0]["stats"]["slots"] == 8  # 25% and 50% of 2 x 8 experts
-    for name in bench.BASELINES:
+    for name in BASELINES:
         record = result["baselines"][name]
         assert RECORD_FIELDS <= set(record) and record["exact"] and record["tokens_per_s"] > 0, record
     assert result["baselines"]["accelerate_disk"]["offloaded_modules"] == 2

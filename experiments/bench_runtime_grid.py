@@ -1,0 +1,77 @@
+"""The runs of `prescient bench`: the baselines, the built-in predictors, a run's spec, the grids
+of runs, and the checks that fail on a bad grid before any work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from prescient.errors import PrescientError
+
+BUILTIN = ("none", "freq", "token", "corr", "oracle")  # besides NAME=PATH artifacts
+BASELINES = ("all_resident", "accelerate_disk")
+
+
+class BenchError(PrescientError):
+    """A benchmark was asked for with missing or malformed inputs."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    predictor: str  # "none", a built-in name, or the NAME of a NAME=PATH artifact
+    policy: str
+    budget: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.predictor}+{self.policy}@{self.budget:g}"
+
+
+def default_grid(budgets: list[float], predictors: list[str], policies: list[str]) -> list[RunSpec]:
+    """Per budget: none+lru; every predictor with mrs and lru; sida (if given) with every policy."""
+    runs = []
+    for budget in budgets:
+        runs += [RunSpec("none", "lru", budget)] if "none" in predictors else []
+        for name in (p for p in predictors if p != "none"):
+            chosen = ("mrs", "lru", *policies) if name == "sida" else ("mrs", "lru")
+            runs += [RunSpec(name, policy, budget) for policy in dict.fromkeys(chosen)]
+    return runs
+
+
+def full_grid(budgets: list[float], predictors: list[str], policies: list[str]) -> list[RunSpec]:
+    return [RunSpec(p, policy, b) for b in budgets for p in predictors for policy in policies]
+
+
+def parse_runs(text: str) -> list[RunSpec]:
+    """`none:lru@0.5,sida:mrs@0.25` -> run specs."""
+    runs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        head, _, budget = item.partition("@")
+        predictor, _, policy = head.partition(":")
+        try:
+            value = float(budget)
+        except ValueError:
+            value = None
+        if not (predictor and policy) or value is None:
+            raise BenchError(f"--runs entry {item!r} is not PREDICTOR:POLICY@BUDGET (e.g. sida:mrs@0.5)")
+        runs.append(RunSpec(predictor, policy, value))
+    return runs
+
+
+def check_grid(runs: list[RunSpec], predictors: dict[str, str | None], train_trace: str | Path | None) -> None:
+    """Fail before any work on an unknown predictor, policy or budget, or a fit without a trace."""
+    from cache import POLICIES
+
+    for name, path in predictors.items():
+        if path is None and name not in BUILTIN:
+            raise BenchError(f"unknown predictor {name!r}; use {', '.join(BUILTIN)} or NAME=PATH (an artifact)")
+        if path is None and name in ("freq", "token", "corr") and train_trace is None:
+            raise BenchError(f"predictor {name!r} is fit on a trace: pass --train-trace DIR (make one with "
+                             "`prescient trace --model DIR --dataset stdlib-code --split train --out DIR`)")
+    for spec in runs:
+        if spec.predictor not in predictors:
+            raise BenchError(f"run {spec.label} uses predictor {spec.predictor!r}, which --predictors does not name")
+        if spec.policy.lower() not in POLICIES:
+            raise BenchError(f"run {spec.label}: unknown policy {spec.policy!r}; known: {', '.join(POLICIES)}")
+        if not 0 < spec.budget <= 1:
+            raise BenchError(f"run {spec.label}: budget {spec.budget} is not a fraction in (0, 1]")

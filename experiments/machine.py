@@ -1,0 +1,22 @@
+"""The machine a benchmark ran on, for its JSON."""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+import torch
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    """CPUs, memory, load and library versions; `threads`: the torch threads a run uses."""
+    import accelerate
+    import psutil
+    import transformers
+
+    return {"cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)), "torch_threads": threads,
+            "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "load_average_at_start": [round(x, 2) for x in os.getloadavg()], "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "accelerate": accelerate.__version__}
