@@ -5,22 +5,27 @@ the key, evicting the policy's victim when the partition is full. Pinned keys (e
 pin count each) are never evicted. One RLock guards everything: the runtime's loader thread
 (prefetch) and inference thread (access, pin) share one cache.
 
+A call never evicts its own keys: while `access_many` or `prefetch_many` inserts, the other keys
+of the call are spared as if pinned (a victim among them is rare, and only then are they pinned
+for a second ask), so a miss or a prefetch never pushes out an expert the same call needs.
+
 `on_evict(key)` is called, under the lock, after each eviction: the runtime frees the slot there,
-the simulator cancels the key's transfer. It must not block; it may call back into the cache.
+the simulator cancels the key's transfer. It must not block, and it may read the cache but not
+insert into it (the calling insertion's spared keys are not pinned).
 
 `access_steps` (a whole demand replay) and `access_and_prefetch` (one layer-step with the loader
-ahead) are the simulator's bulk forms of the same calls: one lock and no per-call overhead (about
-a million LRU accesses per second on one core). Hits and evictions are derived from the other
-counters (see `stats`) rather than counted on the hot path.
+ahead) are the simulator's bulk forms of the same calls: one lock, and `access_steps` tells the
+policy of uses in one call per stretch without insertions. Hits and evictions are derived from
+the other counters (see `stats`) rather than counted on the hot path.
 """
 
 from __future__ import annotations
 
-from itertools import repeat
-
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from itertools import repeat
+from typing import NoReturn
 
 from cache.errors import CacheError, CacheFullError, CapacityError
 from cache.policy import Candidates, EvictionPolicy, Key, Partition
@@ -116,38 +121,31 @@ class ExpertCache:
 
         Raises CacheFullError if the key's partition is full of pinned keys."""
         with self._lock:
-            stats = self._stats
             hit = key in self._resident
             if hit:
                 if key in self._unused_prefetches:
                     self._unused_prefetches.discard(key)
-                    stats.prefetch_hits += 1
+                    self._stats.prefetch_hits += 1
             else:
-                self._insert(key, demand=True)
-                stats.misses += 1
-            stats.accesses += 1
+                self._load((key,), (), demand=True)
+            self._stats.accesses += 1
             self.policy.on_access(key, score)
             return hit
 
     def access_many(self, keys: Sequence[Key], pin: bool = False) -> int:
         """Use `keys` (one layer-step's experts) in order; return the number of misses.
 
-        The keys are pinned for the whole call, so a miss never evicts another of them; with
-        `pin=True` they stay pinned afterwards (release with `unpin_many`). Raises CacheFullError,
-        leaving pins as they were, if the keys and the pinned keys do not fit in a partition."""
+        A miss never evicts another key of the call; with `pin=True` the keys stay pinned
+        afterwards (release with `unpin_many`). Raises CacheFullError, leaving pins as they
+        were, if the keys and the pinned keys do not fit in a partition."""
         with self._lock:
-            if not self._resident.issuperset(keys):
-                return self._access_with_misses(keys, pin)
-            # all hits: nothing is inserted, so nothing needs protecting during the call
-            if self._unused_prefetches:
-                self._count_prefetch_hits(keys)
-            self.policy.on_access_many(keys)
-            self._stats.accesses += len(keys)
+            misses = 0 if self._resident.issuperset(keys) else len(self._load(keys, keys, demand=True))
+            self._use(keys)
             if pin:
                 pins = self._pins
                 for key in keys:
                     pins[key] = pins.get(key, 0) + 1
-            return 0
+            return misses
 
     def access_steps(
         self,
@@ -156,26 +154,37 @@ class ExpertCache:
     ) -> int:
         """Decode token-steps in order: for each step, for each layer l, `on_step(l, scores[t][l])`
         (if `scores` is given), then `access_many(steps[t][l])`. The same as those calls one by
-        one, under one lock (the simulator's demand replay). Returns the number of misses."""
+        one, under one lock (the simulator's demand replay). Returns the number of misses.
+
+        The uses reach the policy in one `on_access_many` per stretch without an insertion or a
+        step: the policy sees the same calls in the same order, joined."""
         with self._lock:
-            issuperset = self._resident.issuperset
-            on_hits, on_step = self.policy.on_access_many, self.policy.on_step
-            with_misses, unused = self._access_with_misses, self._unused_prefetches
-            hit_keys = misses = 0
+            issuperset, load = self._resident.issuperset, self._load
+            on_uses, on_step = self.policy.on_access_many, self.policy.on_step
+            unused = self._unused_prefetches
+            uses: list[Key] = []  # keys used since the policy last heard of a use
+            accessed = misses = 0
             try:
                 for step, step_scores in zip(steps, scores if scores is not None else repeat(None)):
                     for layer, keys in enumerate(step):
                         if step_scores is not None:
+                            if uses:
+                                used, uses = uses, []
+                                on_uses(used)
                             on_step(layer, step_scores[layer])
-                        if issuperset(keys):
-                            if unused:
-                                self._count_prefetch_hits(keys)
-                            on_hits(keys)
-                            hit_keys += len(keys)
-                        else:
-                            misses += with_misses(keys, False)
+                        if not issuperset(keys):
+                            if uses:
+                                used, uses = uses, []
+                                on_uses(used)
+                            misses += len(load(keys, keys, demand=True))
+                        if unused:
+                            self._count_prefetch_hits(keys)
+                        uses += keys
+                        accessed += len(keys)
             finally:
-                self._stats.accesses += hit_keys
+                self._stats.accesses += accessed
+                if uses:
+                    on_uses(uses)
             return misses
 
     # -- prefetch path ---------------------------------------------------------------------
@@ -186,11 +195,19 @@ class ExpertCache:
         return bool(self.prefetch_many((key,), pin))
 
     def prefetch_many(self, keys: Iterable[Key], pin: bool = False) -> list[Key]:
-        """`prefetch` keys in order (best first); return those inserted. A key inserted by the
-        call is not evicted by a later one of the same call: what does not fit is skipped.
-        With `pin=True` the inserted keys stay pinned (while the loader fills their slots)."""
+        """`prefetch` keys in order (best first); return those inserted. No key of the call is
+        evicted by the call, whether it was resident before or inserted by it: what does not fit
+        is skipped. With `pin=True` the inserted keys stay pinned (while the loader fills them)."""
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
         with self._lock:
-            return self._prefetch_many(keys if isinstance(keys, (list, tuple)) else list(keys), pin)
+            if self._resident.issuperset(keys):
+                return []
+            inserted = self._load(keys, keys, demand=False)
+            if pin:
+                pins = self._pins
+                for key in inserted:
+                    pins[key] = pins.get(key, 0) + 1
+            return inserted
 
     def access_and_prefetch(self, keys: Sequence[Key], prefetch_keys: Sequence[Key]) -> tuple[int, list[Key]]:
         """One layer-step with the loader running ahead: `access_many(keys, pin=True)`, then
@@ -198,23 +215,11 @@ class ExpertCache:
         same as those three calls, under one lock. Returns (misses, keys prefetched)."""
         with self._lock:
             resident = self._resident
-            if resident.issuperset(keys):  # all hits, as in access_many
-                if self._unused_prefetches:
-                    self._count_prefetch_hits(keys)
-                self.policy.on_access_many(keys)
-                self._stats.accesses += len(keys)
-                if resident.issuperset(prefetch_keys):
-                    return 0, []  # nothing to load: no need to pin `keys` meanwhile
-                misses = 0
-                pins = self._pins
-                for key in keys:
-                    pins[key] = pins.get(key, 0) + 1
-            else:
-                misses = self._access_with_misses(keys, True)
-            try:
-                return misses, self._prefetch_many(prefetch_keys, False)
-            finally:
-                self._release(keys)
+            misses = 0 if resident.issuperset(keys) else len(self._load(keys, keys, demand=True))
+            self._use(keys)
+            if resident.issuperset(prefetch_keys):
+                return misses, []
+            return misses, self._load(prefetch_keys, (*keys, *prefetch_keys), demand=False)
 
     # -- pins --------------------------------------------------------------------------------
 
@@ -249,53 +254,12 @@ class ExpertCache:
 
     # -- internals (lock held) ---------------------------------------------------------------
 
-    def _access_with_misses(self, keys: Sequence[Key], pin: bool) -> int:
-        """Insert the missing keys (all of `keys` pinned meanwhile), then report the uses."""
-        pins = self._pins
-        for key in keys:  # a miss must not evict another key of the call
-            pins[key] = pins.get(key, 0) + 1
-        resident, unused, insert = self._resident, self._unused_prefetches, self._insert
-        done = misses = prefetch_hits = 0
-        try:
-            for key in keys:
-                if key not in resident:
-                    insert(key, True)
-                    misses += 1
-                elif unused and key in unused:
-                    unused.discard(key)
-                    prefetch_hits += 1
-                done += 1
-        except CacheFullError:
-            self._release(keys)
-            raise
-        finally:
-            stats = self._stats
-            stats.accesses += done
-            stats.misses += misses
-            if prefetch_hits:
-                stats.prefetch_hits += prefetch_hits
-            self.policy.on_access_many(keys[:done] if done < len(keys) else keys)
-        if not pin:
-            self._release(keys)
-        return misses
-
-    def _prefetch_many(self, keys: Sequence[Key], pin: bool) -> list[Key]:
-        resident, insert, pins = self._resident, self._insert, self._pins
-        if resident.issuperset(keys):
-            return []
-        inserted: list[Key] = []
-        try:
-            for key in keys:
-                if key not in resident and insert(key, demand=False):
-                    inserted.append(key)
-                    pins[key] = pins.get(key, 0) + 1
-        finally:
-            if not pin and inserted:
-                self._release(inserted)
-        if inserted:
-            self._stats.prefetch_inserts += len(inserted)
-            self._unused_prefetches.update(inserted)
-        return inserted
+    def _use(self, keys: Sequence[Key]) -> None:
+        """Resident `keys` are used: count them and tell the policy."""
+        if self._unused_prefetches:
+            self._count_prefetch_hits(keys)
+        self._stats.accesses += len(keys)
+        self.policy.on_access_many(keys)
 
     def _count_prefetch_hits(self, keys: Sequence[Key]) -> None:
         """Resident `keys` are being used: those prefetched and not used before count once."""
@@ -305,6 +269,71 @@ class ExpertCache:
             unused -= used
             self._stats.prefetch_hits += len(used)
 
+    def _load(self, keys: Sequence[Key], busy: Sequence[Key], demand: bool) -> list[Key]:
+        """Insert the keys that are not resident, in order, and return them. Where a partition is
+        full, the policy's victim goes; it is never pinned nor one of `busy` (the keys of the
+        call). A key that finds no victim raises CacheFullError if `demand` (the keys before it
+        are used: counted and reported), else is skipped. The only place keys are evicted."""
+        resident, policy, full, unused = self._resident, self.policy, self._full, self._unused_prefetches
+        n_layers, per_layer = self.n_layers, self.per_layer
+        inserted: list[Key] = []
+        try:
+            for key in keys:
+                if key in resident:
+                    continue
+                if n_layers is not None and not 0 <= key[0] < n_layers:
+                    raise CacheError(f"key {key} names layer {key[0]} but the cache has {n_layers} layers")
+                part = key[0] if per_layer else None
+                candidates = full.get(part)
+                if candidates is None:  # a free slot
+                    fill = self._fill[part] = self._fill.get(part, 0) + 1
+                    if fill == self.capacity:
+                        full[part] = Candidates(part, self._pins)
+                else:  # one out, one in
+                    victim = policy.victim(candidates)
+                    if victim in busy:  # rare: ask again with the call's keys pinned
+                        victim = self._victim_sparing(candidates, busy)
+                    if victim is None:
+                        if demand:
+                            self._fail(key, keys)
+                        continue
+                    resident.remove(victim)
+                    policy.on_evict(victim)
+                    if unused and victim in unused:
+                        unused.remove(victim)
+                        self._stats.wasted_prefetches += 1
+                    if self.on_evict is not None:
+                        self.on_evict(victim)
+                resident.add(key)
+                policy.on_insert(key)
+                inserted.append(key)
+        finally:
+            if demand:
+                self._stats.misses += len(inserted)
+            elif inserted:
+                self._stats.prefetch_inserts += len(inserted)
+                unused.update(inserted)
+        return inserted
+
+    def _victim_sparing(self, candidates: Candidates, busy: Sequence[Key]) -> Key | None:
+        """The policy's victim with the `busy` keys pinned while it chooses."""
+        pins = self._pins
+        for key in busy:
+            pins[key] = pins.get(key, 0) + 1
+        try:
+            return self.policy.victim(candidates)
+        finally:
+            self._release(busy)
+
+    def _fail(self, key: Key, keys: Sequence[Key]) -> NoReturn:
+        """No room for a demanded key: the keys of the call before it are used, then raise."""
+        self._use(keys[: keys.index(key)])
+        where = f"layer {key[0]}" if self.per_layer else "the cache"
+        raise CacheFullError(
+            f"cannot insert {key}: all {self.capacity} slots of {where} are pinned or in use "
+            "by the same call; raise the capacity or unpin experts sooner"
+        )
+
     def _release(self, keys: Iterable[Key]) -> None:
         pins = self._pins
         for key in keys:
@@ -313,35 +342,3 @@ class ExpertCache:
                 pins[key] = count
             else:
                 del pins[key]
-
-    def _insert(self, key: Key, demand: bool) -> bool:
-        """Make room in the key's partition and insert it. On no room: raise if `demand`,
-        else return False."""
-        if self.n_layers is not None and not 0 <= key[0] < self.n_layers:
-            raise CacheError(f"key {key} names layer {key[0]} but the cache has {self.n_layers} layers")
-        part = key[0] if self.per_layer else None
-        candidates = self._full.get(part)
-        if candidates is None:  # a free slot
-            fill = self._fill[part] = self._fill.get(part, 0) + 1
-            if fill == self.capacity:
-                self._full[part] = Candidates(part, self._pins)
-        else:  # one out, one in
-            victim = self.policy.victim(candidates)
-            if victim is None:
-                if not demand:
-                    return False
-                where = f"layer {part}" if self.per_layer else "the cache"
-                raise CacheFullError(
-                    f"cannot insert {key}: all {self.capacity} slots of {where} are pinned or in use "
-                    "by the same call; raise the capacity or unpin experts sooner"
-                )
-            self._resident.remove(victim)
-            self.policy.on_evict(victim)
-            if self._unused_prefetches and victim in self._unused_prefetches:
-                self._unused_prefetches.remove(victim)
-                self._stats.wasted_prefetches += 1
-            if self.on_evict is not None:
-                self.on_evict(victim)
-        self._resident.add(key)
-        self.policy.on_insert(key)
-        return True

@@ -6,7 +6,6 @@ Registry by name: `POLICIES` and `make_policy(name, **kwargs)`.
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left
 from collections.abc import Container, Mapping, Sequence
 from itertools import chain
 from operator import itemgetter, mul
@@ -16,7 +15,7 @@ import numpy as np
 from cache.errors import PolicyError, UnknownPolicyError
 from cache.policy import Candidates, EvictionPolicy, Key, OrderedPolicy, RankedPolicy
 
-_TICK_BITS = 48  # LFU: room for 2.8e14 ticks
+_TICK_MASK = (1 << 48) - 1  # LFU: room for 2.8e14 ticks below the use count
 
 
 class FIFO(OrderedPolicy):
@@ -59,14 +58,13 @@ class LFU(RankedPolicy):
         return self._tick
 
     def on_access(self, key: Key, score: float | None = None) -> None:
-        self._tick += 1
-        self._ranks[key] = (self._ranks[key] >> _TICK_BITS) + 1 << _TICK_BITS | self._tick
+        self.on_access_many((key,))
 
     def on_access_many(self, keys: Sequence[Key]) -> None:
         ranks, tick = self._ranks, self._tick
-        for key in keys:  # a use only raises a rank: no heap push (see RankedPolicy)
+        for key in keys:  # one more use, this tick: the rank rises, no heap work (RankedPolicy)
             tick += 1
-            ranks[key] = (ranks[key] >> _TICK_BITS) + 1 << _TICK_BITS | tick
+            ranks[key] = (ranks[key] | _TICK_MASK) + 1 | tick
         self._tick = tick
 
 
@@ -104,44 +102,49 @@ class Belady(RankedPolicy):
         n = len(self._future)
         ids = np.fromiter(chain.from_iterable(self._future), dtype=np.int64, count=2 * n).reshape(n, 2)
         flat = ids[:, 0] * (int(ids[:, 1].max(initial=0)) + 1) + ids[:, 1]  # one id per key
+        if flat.max(initial=0) < 1 << 16:
+            flat = flat.astype(np.uint16)  # numpy sorts 16-bit ints stably by radix: O(n)
         order = np.argsort(flat, kind="stable")  # positions grouped by key, ascending
         same = flat[order[1:]] == flat[order[:-1]]
         following = np.full(n, n, dtype=np.int64)
         following[order[:-1][same]] = order[1:][same]
-        self._next: list[int] = following.tolist()
-        groups = np.split(order, np.flatnonzero(~same) + 1) if n else []
-        self._positions: dict[Key, list[int]] = {
-            (int(ids[group[0], 0]), int(ids[group[0], 1])): group.tolist() for group in groups
-        }
+        self._rank_after: list[int] = (-following).tolist()  # rank of the key used at i, after it
+        first = order[np.flatnonzero(np.r_[True, ~same])] if n else order
+        # a key that is not resident ranks by its next use: its first, until it is evicted
+        self._rank_outside: dict[Key, int] = {(int(ids[i, 0]), int(ids[i, 1])): -int(i) for i in first}
+        self._never = -n
         self._cursor = 0
 
     def insert_rank(self, key: Key) -> int:
-        positions = self._positions.get(key, ())
-        i = bisect_left(positions, self._cursor)
-        return -(positions[i] if i < len(positions) else len(self._future))
+        return self._rank_outside.get(key, self._never)
+
+    def on_evict(self, key: Key) -> None:
+        self._rank_outside[key] = self._ranks[key]  # unused until it is back: the rank holds
+        super().on_evict(key)
 
     def on_access(self, key: Key, score: float | None = None) -> None:
-        self.on_access_many((key,))
+        self.on_access_many([key])
 
     def on_access_many(self, keys: Sequence[Key]) -> None:
-        i, future, following = self._cursor, self._future, self._next
-        ranks, heaps, live, by_layer, push = self._ranks, self._heaps, self._live, self.by_layer, heapq.heappush
-        for key in keys:
+        start = self._cursor
+        end = start + len(keys)
+        if self._future[start:end] != keys:  # a tuple, numpy ints, or a divergence
+            self._check(keys)
+        self._lower_ranks(keys, self._rank_after[start:end])  # the next use is later
+        self._cursor = end
+
+    def _check(self, keys: Sequence[Key]) -> None:
+        """Raise PolicyError at the first key off the sequence (the keys before it are used)."""
+        future, start = self._future, self._cursor
+        for i, key in enumerate(keys, start):
             if i >= len(future) or future[i] != key and tuple(map(int, future[i])) != key:
-                self._cursor = i
                 expected = future[i] if i < len(future) else "the end of the sequence"
+                self._lower_ranks(keys[: i - start], self._rank_after[start:i])
+                self._cursor = i
                 raise PolicyError(
                     f"access #{i} is {key} but Belady's future sequence has {expected}; "
                     "build it from the same replay (Replay.future()) that drives the cache"
                 )
-            rank = ranks[key] = -following[i]  # the next use is later: the rank falls, push
-            part = key[0] if by_layer else None
-            heap = heaps[part]
-            push(heap, (rank, key))
-            if len(heap) > 2 * live[part] + 64:
-                self._compact(part)
-            i += 1
-        self._cursor = i
 
 
 _RESCALE_BELOW = 1e-120
@@ -269,8 +272,8 @@ class MRS(EvictionPolicy):
         heaps, scale = self._heaps, self._scale
         scaled = list(map(mul, self._tops, scale))  # each layer's lowest real S (pins aside)
         exact: dict[int, int] = {}  # layers whose entry in `scaled` skips their pinned keys
-        while True:
-            lowest = min(scaled, default=_INF)
+        while scaled:
+            lowest = min(scaled)
             if lowest == _INF:
                 return None
             layer = scaled.index(lowest)  # ties: the lower layer, as (S, key) order has it
@@ -285,6 +288,7 @@ class MRS(EvictionPolicy):
             else:
                 exact[layer] = best
                 scaled[layer] = self._u[layer][best] * scale[layer]
+        return None
 
     def _best(self, layer: int, pinned: Container[Key]) -> int | None:
         """The evictable expert of lowest u in a layer (heap top is valid), or None."""

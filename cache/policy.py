@@ -17,14 +17,15 @@ MRS under a global budget compares the lowest key of each layer, O(L) in one C-l
 
 The simulator replays millions of accesses through these objects, so the hot methods
 (`on_access_many`, `victim`, `on_insert`, `on_evict`) bind locals and avoid per-access objects;
-`on_access_many` is what the cache calls once per layer-step, after inserting its missing keys.
+`on_access_many` is what the cache calls after inserting a layer-step's missing keys (a demand
+replay joins the uses of a stretch without insertions into one call).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, defaultdict
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from cache.errors import PolicyError
@@ -129,13 +130,12 @@ class OrderedPolicy(EvictionPolicy):
 class RankedPolicy(EvictionPolicy):
     """A rank per resident key, a lazy min-heap per partition; the victim has the lowest rank.
 
-    Subclasses give the rank of a newly inserted key (`insert_rank`) and call `set_rank`
-    whenever the rank of a resident key changes (a hot path may instead write `_ranks[key]`
-    for a rank it knows rises, and `_push` one it knows falls). Invariant: every resident key
-    has a heap entry whose rank is at most its current rank. So a rising rank (a use, a score
-    bump) costs one dict write; only a falling rank pushes. When an entry reaches the top: an evicted key's entry, or
-    one above the current rank, is dropped; one below it is re-pushed at the current rank; one
-    equal to it is the minimum.
+    Subclasses give the rank of a newly inserted key (`insert_rank`). A rank that rises (a use)
+    is written to `_ranks[key]` alone; ranks that fall go through `_lower_ranks`, which pushes
+    an entry each. Invariant: every resident key has a heap entry whose rank is at most its
+    current rank. When an entry reaches the top: an evicted key's entry, or one above the
+    current rank, is dropped; one below it is re-pushed at the current rank; one equal to it is
+    the minimum. A heap is compacted when its stale entries outnumber the live ones three to one.
     """
 
     def __init__(self) -> None:
@@ -147,23 +147,24 @@ class RankedPolicy(EvictionPolicy):
     def insert_rank(self, key: Key) -> Any:
         raise NotImplementedError
 
-    def rank(self, key: Key) -> Any:
-        """The current rank of a resident key."""
-        return self._ranks[key]
-
-    def set_rank(self, key: Key, rank: Any) -> None:
-        old = self._ranks.get(key, _GONE)
-        self._ranks[key] = rank
-        if old is _GONE or rank < old:
-            self._push(key, rank)
-
-    def _push(self, key: Key, rank: Any) -> None:
-        """A heap entry for `key` at `rank`; compacts the heap when stale entries dominate."""
-        part = key[0] if self.by_layer else None
-        heap = self._heaps[part]
-        heapq.heappush(heap, (rank, key))
-        if len(heap) > 2 * self._live[part] + 64:
-            self._compact(part)
+    def _lower_ranks(self, keys: Sequence[Key], ranks: Iterable[Any]) -> None:
+        """Give resident `keys` the (lower or equal) `ranks`, in order."""
+        current, push, heaps = self._ranks, heapq.heappush, self._heaps
+        if self.by_layer:
+            for key, rank in zip(keys, ranks):
+                current[key] = rank
+                push(heaps[key[0]], (rank, key))
+            parts: Iterable[Partition] = {key[0] for key in keys}
+        else:
+            heap = heaps[None]
+            for key, rank in zip(keys, ranks):
+                current[key] = rank
+                push(heap, (rank, key))
+            parts = (None,)
+        live = self._live
+        for part in parts:
+            if len(heaps[part]) > 4 * live[part] + 64:
+                self._compact(part)
 
     def _compact(self, part: Partition) -> None:
         """Drop a partition's stale heap entries: one entry per resident key, at its rank."""
@@ -174,9 +175,12 @@ class RankedPolicy(EvictionPolicy):
 
     def on_insert(self, key: Key) -> None:
         part = key[0] if self.by_layer else None
-        self._live[part] += 1
+        live = self._live[part] = self._live[part] + 1
         rank = self._ranks[key] = self.insert_rank(key)
-        self._push(key, rank)
+        heap = self._heaps[part]
+        heapq.heappush(heap, (rank, key))
+        if len(heap) > 4 * live + 64:
+            self._compact(part)
 
     def on_evict(self, key: Key) -> None:
         del self._ranks[key]

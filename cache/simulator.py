@@ -283,7 +283,7 @@ def simulate(
         per_layer=per_layer,
         on_evict=(lambda key: pending.pop(key, None)) if limited else None,
     )
-    steps = tqdm(replay.steps, desc=f"simulate {name}", unit="step", disable=not progress, leave=False)
+    steps = tqdm(replay.steps, desc=f"simulate {name}", unit="step", leave=False) if progress else replay.steps
     started = time.perf_counter()
     late = 0
     if replay.predicted is None:
@@ -342,7 +342,7 @@ def _replay_prefetch(
         for layer, keys in enumerate(step):
             if step_scores is not None:
                 on_step(layer, step_scores[layer])
-            if pending:
+            if pending and not pending.keys().isdisjoint(keys):
                 for key in keys:
                     if key in pending:
                         del pending[key]  # still on the link: finished on demand, a stall
@@ -352,8 +352,11 @@ def _replay_prefetch(
             if bandwidth is not None:
                 if inserted:
                     pending.update(dict.fromkeys(inserted))
-                for _ in range(min(bandwidth, len(pending))):  # the link moves while the layer computes
-                    pending.popitem(last=False)
+                if len(pending) <= bandwidth:  # the link moves while the layer computes
+                    pending.clear()
+                else:
+                    for _ in range(bandwidth):
+                        pending.popitem(last=False)
     return late
 
 

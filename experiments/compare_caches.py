@@ -252,7 +252,7 @@ def compare_caches(
 # --- output ------------------------------------------------------------------------------------
 def format_table(result: dict[str, Any]) -> str:
     """One line per (batch size, policy, capacity): demand hit rate, and with prefetch the hit
-    and stall rates."""
+    and stall rates; then one line per skipped (batch size, capacity), with the reason."""
     runs = {(r["batch_size"], r["policy"], r["capacity"], r["prefetch"]): r for r in result["runs"]}
     with_prefetch = result["predictor"] is not None
     head = f"{'B':>3} {'policy':<8} {'slots':>6} {'frac':>6} {'hit':>7} {'stall':>7}"
@@ -267,6 +267,10 @@ def format_table(result: dict[str, Any]) -> str:
             p = runs[b, policy, n, True]
             line += f" | {p['hit_rate']:>7.3f} {p['stall_rate']:>8.3f}"
         lines.append(line)
+    for skip in result["skipped"]:
+        lines.append(f"skipped: capacity {skip['capacity_given']} ({skip['capacity']} slots) at batch size "
+                     f"{skip['batch_size']}: a layer-step there uses up to {skip['min_capacity']} experts at once "
+                     "(the union over the batch), more than the slots")
     return "\n".join(lines)
 
 

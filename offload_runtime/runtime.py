@@ -195,8 +195,11 @@ class OffloadRuntime:
 
     def pin_resident(self, keys: list[Key]) -> None:
         """Load `keys` and keep them resident for good (pinned: never evicted)."""
-        for key in self.cache.prefetch_many(keys, pin=True):
+        inserted = self.cache.prefetch_many(keys, pin=True)  # pins what it inserts
+        for key in inserted:
             self._load(key)
+        for key in set(keys) - set(inserted):  # already resident
+            self.cache.pin(key)
         for key in keys:
             self.engine.wait(key)
 

@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from experiments.compare_caches import CompareCachesError, compare_caches, predicted_scores
+from experiments.compare_caches import CompareCachesError, compare_caches, format_table, predicted_scores
 from predictor import PredictorMeta, SiDAHash, SiDAPredictor, SiDASizes, TokenTablePredictor
 from predictor.artifact import load_predictor, save_predictor
 from prescient.cli import main as cli_main
@@ -153,6 +153,7 @@ def test_capacity_too_small_only_for_a_larger_batch_is_skipped_and_said(traces):
     assert res["skipped"] == [{"batch_size": 3, "capacity": 2, "capacity_given": 2,
                                "min_capacity": res["min_capacity"]["3"]}]
     assert {(r["batch_size"], r["capacity"]) for r in res["runs"]} == {(1, 2), (1, 12), (3, 12)}
+    assert "skipped: capacity 2 (2 slots) at batch size 3" in format_table(res)
 
 
 def test_capacity_slot_count_below_top_k_reaches_the_user(traces, tmp_path, caplog):

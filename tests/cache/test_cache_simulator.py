@@ -34,6 +34,17 @@ def one_hot_predictions(topk_ids, n_experts):
     return pred
 
 
+POLICY_NAMES = ["lru", "lfu", "fifo", "mrs", "belady", "static"]
+
+
+def policy_kwargs(name, replay, trace):
+    return {
+        "mrs": {"top_k": 2},
+        "belady": {"future": replay.future()},
+        "static": {"frequencies": expert_frequencies(trace["topk_ids"], 16)},
+    }.get(name, {})
+
+
 def test_batch_steps_group_sequences_and_drop_finished_ones():
     seq_id = np.array([7, 7, 7, 2, 2, 5, 5, 5, 5, 9])
     assert batch_steps(seq_id, 1) == [[r] for r in range(10)]
@@ -69,26 +80,69 @@ def test_demand_replay_equals_accessing_keys_one_by_one_when_k_is_1(trace):
 
 @pytest.mark.parametrize("batch_size", [1, 3])
 @pytest.mark.parametrize("per_layer", [False, True])
-@pytest.mark.parametrize("name", ["lru", "lfu", "fifo", "mrs", "belady", "static"])
+@pytest.mark.parametrize("name", POLICY_NAMES)
 def test_counts_add_up_with_prefetching(trace, name, per_layer, batch_size):
     replay = Replay.build(
         trace["topk_ids"], trace["seq_id"], batch_size=batch_size,
         topt_ids=trace["topt_ids"], topt_logits=trace["topt_logits"],
         predicted_scores=trace["predicted_scores"],
     )
-    kwargs = {
-        "mrs": {"top_k": 2},
-        "belady": {"future": replay.future()},
-        "static": {"frequencies": expert_frequencies(trace["topk_ids"], 16)},
-    }.get(name, {})
     capacity = 6 if per_layer else 16
-    r = simulate(replay, capacity, make_policy(name, **kwargs), per_layer=per_layer, horizon=1, transfer_per_step=2)
+    r = simulate(replay, capacity, make_policy(name, **policy_kwargs(name, replay, trace)), per_layer=per_layer,
+                 horizon=1, transfer_per_step=2)
     assert r.accesses == replay.n_accesses
     assert r.hits + r.misses == r.accesses
     assert r.stalls == r.misses + r.late_prefetches <= r.accesses
     assert r.prefetch_hits <= r.prefetch_inserts
     assert r.late_prefetches <= r.prefetch_hits
     assert 0.0 <= r.stall_rate <= 1.0 and r.hit_rate == r.hits / r.accesses
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize("per_layer", [False, True])
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_bulk_paths_equal_the_public_calls_one_layer_step_at_a_time(trace, name, per_layer, batch_size):
+    """What `simulate` drives (`access_steps`; `prefetch_many` + `access_and_prefetch`) against
+    the runtime's calls (`on_step`, `access_many`, `prefetch_many`, `unpin_many`) made one
+    layer-step at a time: the same evictions in the same order, the same counts."""
+    router = {"topt_ids": trace["topt_ids"], "topt_logits": trace["topt_logits"], "batch_size": batch_size}
+    capacity = 6 if per_layer else 16
+
+    def new_cache(replay, evicted):
+        policy = make_policy(name, **policy_kwargs(name, replay, trace))
+        return ExpertCache(capacity, policy, per_layer=per_layer, on_evict=evicted.append)
+
+    demand = Replay.build(trace["topk_ids"], trace["seq_id"], **router)
+    bulk_evicted, call_evicted = [], []
+    bulk, calls = new_cache(demand, bulk_evicted), new_cache(demand, call_evicted)
+    uses_scores = bulk.policy.uses_scores
+    bulk.access_steps(demand.steps, demand.scores if uses_scores else None)
+    for step, step_scores in zip(demand.steps, demand.scores):
+        for layer, keys in enumerate(step):
+            if uses_scores:
+                calls.on_step(layer, step_scores[layer])
+            calls.access_many(keys)
+    assert bulk_evicted and bulk_evicted == call_evicted
+    assert bulk.stats == calls.stats
+
+    replay = Replay.build(trace["topk_ids"], trace["seq_id"], predicted_scores=trace["predicted_scores"],
+                          prefetch_k=3, **router)
+    calls = new_cache(replay, [])
+    for step, predicted, step_scores in zip(replay.steps, replay.predicted, replay.scores):
+        calls.prefetch_many(predicted[0])
+        for layer, keys in enumerate(step):
+            if uses_scores:
+                calls.on_step(layer, step_scores[layer])
+            calls.access_many(keys, pin=True)
+            calls.prefetch_many(predicted[layer + 1] if layer + 1 < replay.n_layers else [])
+            calls.unpin_many(keys)
+    r = simulate(replay, capacity, make_policy(name, **policy_kwargs(name, replay, trace)), per_layer=per_layer,
+                 horizon=1)
+    s = calls.stats
+    assert s.wasted_prefetches > 0 and calls.pinned() == {}
+    assert (r.accesses, r.hits, r.misses, r.evictions) == (s.accesses, s.hits, s.misses, s.evictions)
+    assert (r.prefetch_inserts, r.prefetch_hits, r.wasted_prefetches) == (s.prefetch_inserts, s.prefetch_hits,
+                                                                         s.wasted_prefetches)
 
 
 def test_belady_beats_lru_on_a_replay(trace):

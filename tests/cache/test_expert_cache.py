@@ -13,7 +13,7 @@ from cache import (
     ExpertCache,
     make_policy,
 )
-from cache.policies import LFU, LRU
+from cache.policies import LFU, LRU, MRS
 
 A, B, C, D = (0, 0), (0, 1), (0, 2), (0, 3)
 
@@ -190,3 +190,77 @@ def test_prefetch_can_pin_the_slot_while_the_loader_fills_it():
     assert cache.prefetch_many([B, D], pin=True) == [B]  # B evicts A; D finds C pinned, B held
     assert cache.resident() == {B, C}
     assert cache.pinned() == {B: 1, C: 1}
+
+
+def test_prefetch_many_never_evicts_a_key_of_the_same_call():
+    """A is least recently used but asked for again by the call: C evicts B instead."""
+    cache = ExpertCache(2, LRU())
+    cache.access(A)
+    cache.access(B)
+    assert cache.prefetch_many([A, C]) == [C]
+    assert cache.resident() == {A, C} and cache.pinned() == {}
+    assert cache.prefetch_many([A, C, D]) == []  # D could only evict A or C, both asked for
+    assert cache.prefetch_many([D, B], pin=True) == [D, B]  # D evicts A, B evicts C (not D)
+    assert cache.resident() == {B, D} and cache.pinned() == {B: 1, D: 1}  # only the inserted
+
+
+def test_access_steps_worked_by_hand():
+    """LRU, 3 slots in all. Keys a, b, c of layer 0 and x, y of layer 1.
+    t0: L0 [a b] miss miss; L1 [x] miss (full; LRU order a b x).
+    t1: L0 [a c] a hits; c misses and evicts b, since a (first) is used by the same call; order
+        x a c. L1 [y] misses, evicts x; order a c y.
+    t2: L0 [b a] b misses, evicts c (a is the call's); order y b a. L1 [x] misses, evicts y."""
+    a, b, c, x, y = (0, 0), (0, 1), (0, 2), (1, 0), (1, 1)
+    steps = [[[a, b], [x]], [[a, c], [y]], [[b, a], [x]]]
+    evicted = []
+    cache = ExpertCache(3, LRU(), on_evict=evicted.append)
+    assert cache.access_steps(steps) == 7
+    assert evicted == [b, x, c, y]
+    assert cache.resident() == {a, b, x} and list(cache.policy._orders[None]) == [b, a, x]
+    s = cache.stats
+    assert (s.accesses, s.hits, s.misses, s.evictions) == (9, 2, 7, 4)
+
+    one_by_one = ExpertCache(3, LRU())  # the same calls, one layer-step at a time
+    assert sum(one_by_one.access_many(keys) for step in steps for keys in step) == 7
+    assert one_by_one.stats == s and list(one_by_one.policy._orders[None]) == [b, a, x]
+
+
+def test_access_steps_gives_each_layer_its_router_scores_before_its_accesses():
+    """MRS (alpha .5, p = 1), 2 slots in all. t0: S(0,0) = .5, S(1,0) = .1. t1 L0: S(0,0) = .25,
+    S(0,1) = .5; (0,1) evicts (1,0) (.1). t1 L1: (1,1) evicts (0,0) (.25). Had layer 1's t1 scores
+    (which raise S(1,0) to .55) come before layer 0's accesses, (0,1) would have evicted (0,0)."""
+    steps = [[[(0, 0)], [(1, 0)]], [[(0, 1)], [(1, 1)]]]
+    scores = [[{0: 1.0}, {0: 0.2}], [{1: 1.0}, {0: 1.0}]]
+    evicted = []
+    cache = ExpertCache(2, MRS(alpha=0.5, p=1), on_evict=evicted.append)
+    assert cache.access_steps(steps, scores) == 4
+    assert evicted == [(1, 0), (0, 0)]
+
+
+def test_access_and_prefetch_worked_by_hand():
+    """LRU, 3 slots. a, b, c of layer 0; x, y of layer 1.
+    1. [a] + [b c]: a misses; b, c prefetched; order a b c.
+    2. [b] + [x y]: b hits its prefetch; order a c b. x evicts a, y evicts c (unused: wasted).
+    3. [x c] + [a]: x hits its prefetch; c misses and evicts b (x is the call's); order y x c.
+       a evicts y (unused: wasted), not x or c, which the call uses.
+    4. [a] + [x]: a hits its prefetch; all resident, nothing moves."""
+    a, b, c, x, y = (0, 0), (0, 1), (0, 2), (1, 0), (1, 1)
+    evicted = []
+    cache = ExpertCache(3, LRU(), on_evict=evicted.append)
+    assert cache.access_and_prefetch([a], [b, c]) == (1, [b, c])
+    assert cache.access_and_prefetch([b], [x, y]) == (0, [x, y])
+    assert cache.access_and_prefetch([x, c], [a]) == (1, [a])
+    assert cache.access_and_prefetch([a], [x]) == (0, [])
+    assert evicted == [a, c, b, y]
+    assert cache.resident() == {x, c, a} and cache.pinned() == {}
+    s = cache.stats
+    assert (s.accesses, s.hits, s.misses) == (5, 3, 2)
+    assert (s.prefetch_inserts, s.prefetch_hits, s.wasted_prefetches, s.evictions) == (5, 3, 2, 4)
+
+
+def test_access_and_prefetch_spares_the_accessed_keys():
+    """FIFO would evict A (first in), but A is being used: the prefetch of C evicts B."""
+    cache = ExpertCache(2, make_policy("fifo"))
+    cache.access_many([A, B])
+    assert cache.access_and_prefetch([A], [C]) == (0, [C])
+    assert cache.resident() == {A, C} and cache.pinned() == {}
