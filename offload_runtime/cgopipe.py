@@ -171,6 +171,8 @@ class CGOPipe:
         return outputs
 
     def close(self) -> None:
+        """Stop the hash-building thread; the runtime goes back to computing experts in groups."""
+        self.runtime.arrival_order = False
         if self.builder is not None:
             self.builder.close()
 

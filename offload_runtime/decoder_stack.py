@@ -43,6 +43,9 @@ class CPUKVCache(DynamicCache):
 
 def _cpu_attention(inner_name: str):
     inner = ALL_ATTENTION_FUNCTIONS.get(inner_name)
+    if inner is None:  # "eager" lives in each modeling file, not in the registry
+        raise UnsupportedModelError(f"CPU attention wraps a registered attention implementation; the model uses "
+                                    f"{inner_name!r}: load it with attn_implementation='sdpa'")
 
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, **kwargs):
