@@ -43,6 +43,7 @@ from offload_runtime.hash_builder import HashBuilder
 from offload_runtime.runtime import OffloadRuntime
 from predictor.base import ExpertPredictor
 from prescient.errors import CapacityError
+from prescient.fingerprint import fingerprint_model
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,9 @@ class CGOPipe:
         self.overlap = overlap
         self.events: list[Event] | None = [] if record_events else None
         self.stats = DecodeStats()
+        if predictor is not None:
+            fingerprint_model(model, runtime.layers).require_same(predictor.meta.fingerprint,
+                                                                  f"predictor {predictor.kind!r}")
         self.builder = HashBuilder(predictor) if predictor is not None else None
         self._step = 0
         self._priority = 0.0

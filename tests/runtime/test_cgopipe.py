@@ -11,7 +11,7 @@ from offload_runtime.cgopipe import CGOPipe, Event, budget_fraction
 from offload_runtime.decoder_stack import UnsupportedModelError
 from offload_runtime.loader import load_offloaded
 from predictor import FrequencyPredictor, PredictorMeta
-from prescient.errors import CapacityError
+from prescient.errors import CapacityError, FingerprintMismatchError
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_model
 from tests.conftest import save_tiny_model
@@ -144,3 +144,13 @@ def test_models_it_cannot_drive_are_refused(tiny_moe_dir, arch, reason):
     model = load_offloaded(tiny_moe_dir(arch), policy="fifo", budget=1.0)
     with model.offload_runtime, pytest.raises((UnsupportedModelError, ValueError), match=reason):
         CGOPipe(model, 0.5)
+
+
+def test_predictor_of_another_model_names_both_fingerprints(tiny_moe_dir, deep_mixtral):
+    model, layers = load_model(deep_mixtral, dtype=torch.float32)
+    other = FrequencyPredictor(torch.ones(len(layers), layers[0].num_experts),
+                               PredictorMeta("frequency", fingerprint_model(model, layers)))
+    path = tiny_moe_dir("mixtral")
+    with pytest.raises(FingerprintMismatchError) as err:
+        load_pipe(path, predictor=other)
+    assert other.meta.fingerprint.weights_hash in str(err.value)
