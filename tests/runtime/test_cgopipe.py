@@ -150,7 +150,7 @@ def test_predictor_of_another_model_names_both_fingerprints(tiny_moe_dir, deep_m
     model, layers = load_model(deep_mixtral, dtype=torch.float32)
     other = FrequencyPredictor(torch.ones(len(layers), layers[0].num_experts),
                                PredictorMeta("frequency", fingerprint_model(model, layers)))
-    path = tiny_moe_dir("mixtral")
-    with pytest.raises(FingerprintMismatchError) as err:
-        load_pipe(path, predictor=other)
+    model = load_offloaded(tiny_moe_dir("mixtral"), policy="fifo", budget=1.0)
+    with model.offload_runtime, pytest.raises(FingerprintMismatchError) as err:
+        CGOPipe(model, 0.5, predictor=other)
     assert other.meta.fingerprint.weights_hash in str(err.value)
