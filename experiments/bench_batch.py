@@ -108,25 +108,20 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def reference_outputs(model_dir: str, prompts: list[list[int]], gen_len: int) -> list[list[int]]:
+def reference_outputs(model, prompts: list[list[int]], gen_len: int) -> list[list[int]]:
+    """Each request generated alone by the plain, all-resident `model` (greedy)."""
     import torch
 
-    from prescient.loading import load_model
-
-    model, _ = load_model(model_dir, dtype=torch.float32)
     with torch.inference_mode():
         return [model.generate(torch.tensor([p]), max_new_tokens=gen_len, do_sample=False,
                                pad_token_id=model.config.pad_token_id)[0, len(p):].tolist() for p in prompts]
 
 
-def measure_resident(model_dir: str, prompts: list[list[int]], gen_len: int) -> dict[str, Any]:
+def measure_resident(model, prompts: list[list[int]], gen_len: int) -> dict[str, Any]:
     """Plain batched greedy `generate`, all weights resident: decode time is the time of
     `gen_len` new tokens minus the time of one (prefill and the first token)."""
     import torch
 
-    from prescient.loading import load_model
-
-    model, _ = load_model(model_dir, dtype=torch.float32)
     width = max(len(p) for p in prompts)
     pad = model.config.pad_token_id or 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -187,18 +182,23 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, main: Bat
     from experiments.machine import machine_info
     from offload_runtime.hardware import load_profile, measure_profile
     from offload_runtime.hrm import ModelSpec
-    from prescient.loading import load_tokenizer
+    from prescient.fingerprint import fingerprint_model
+    from prescient.loading import load_model, load_tokenizer
 
     torch.set_num_threads(threads)
     policies = list(dict.fromkeys([main, *grid, *sequential_at]))
     sequential = {main, *sequential_at}
     count = max(p.requests for p in policies)
     prompts = request_prompts(load_tokenizer(model_dir), count, shortest, longest, dataset, split)
-    hot = _hot_ranking(model_dir, trace)
     profile = load_profile(hardware) if hardware else measure_profile(Path(model_dir))
     if hardware is None and profile.gpu is None:  # the link is what our store reads experts at
         profile = dataclasses.replace(profile, disk_to_cpu=store_read_bandwidth(model_dir, store, drop_page_cache),
                                       notes=profile.notes + "; disk_to_cpu: expert reads of the store")
+    # the plain model serves the reference outputs, the all-resident run and the fingerprint; it
+    # is loaded after the disk measurements and dropped before the offloaded runs, since its
+    # memory-mapped checkpoint would keep the page cache from being dropped
+    plain, layers = load_model(model_dir, dtype=torch.float32)
+    hot = _hot_ranking(fingerprint_model(plain, layers), trace)
     spec = ModelSpec.from_config(model_dir)
     mean_prompt = round(sum(len(p) for p in prompts) / len(prompts))
     result: dict[str, Any] = {
@@ -213,8 +213,9 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, main: Bat
         write_json_atomic(Path(json_path), result)
 
     log.info("reference: each of %d requests alone with the plain model", count)
-    reference = reference_outputs(model_dir, prompts, gen_len)
-    resident = measure_resident(model_dir, prompts[:main.requests], gen_len)
+    reference = reference_outputs(plain, prompts, gen_len)
+    resident = measure_resident(plain, prompts[:main.requests], gen_len)
+    del plain, layers
     result["resident"] = {**asdict(main), **resident}
     save()
     for index, policy in enumerate(policies):
@@ -258,16 +259,13 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _hot_ranking(model_dir: str, trace: str | None) -> list[list[float]]:
+def _hot_ranking(fingerprint, trace: str | None) -> list[list[float]]:
     """[L][E] expert frequencies from `trace` (hottest experts stay resident), else by expert id."""
     import numpy as np
 
     from cache.simulator import expert_frequencies
-    from prescient.fingerprint import fingerprint_model
-    from prescient.loading import load_model
     from prescient.traces import load_trace
 
-    fingerprint = fingerprint_model(*load_model(model_dir))
     if trace is None:
         return [[-e for e in range(fingerprint.n_experts)] for _ in range(fingerprint.n_moe_layers)]
     loaded = load_trace(trace)

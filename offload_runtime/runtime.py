@@ -6,8 +6,8 @@ Per MoE layer (inference thread), in `use(layer, experts)`:
      slot and a demand load (the transfer engine serves demand loads first)
   2. with a predictor: the forward's hash table, once ready, is turned into prefetches of the
      predicted experts of the layers after this one, nearest layer first, as far as the slots
-     not in use allow (experts already resident and wanted are pinned meanwhile, so a
-     prefetch never evicts another wanted one); each layer tops this up
+     not in use allow (one prefetch call never evicts a key of its own, so a prefetch never
+     evicts another wanted one); each layer tops this up
   3. every selected expert is waited for; the model's own expert math runs on the slots
      (see `offloaded_experts`); the experts are unpinned
 The cache decides residency; the slot map mirrors it: an insert takes a slot and requests its
@@ -186,9 +186,10 @@ class OffloadRuntime:
                 group = [pending.pop(future) for future in done]
 
     def prefetch(self, keys: list[Key], priority: float = 0.0) -> list[Key]:
-        """Insert `keys` that are not resident (a prefetch: not an access) and request their
-        copies in the given order, after every demand load; returns the keys inserted."""
-        inserted = self.cache.prefetch_many([key for key in keys if key not in self.cache])
+        """Insert `keys` that are not resident (a prefetch: not an access; none of `keys` is
+        evicted for another) and request their copies in the given order, after every demand
+        load; returns the keys inserted."""
+        inserted = self.cache.prefetch_many(keys)
         for rank, key in enumerate(inserted):
             self._load(key, priority=priority - rank)
         return inserted
@@ -226,17 +227,9 @@ class OffloadRuntime:
             return
         self._prefetched_after = layer
         wanted = [key for keys in self._wanted[layer + 1:] for key in keys]
-        resident = [key for key in wanted if key in self.cache]
-        for key in resident:
-            self.cache.pin(key)
-        try:
-            held = set(resident)
-            inserted = self.cache.prefetch_many([key for key in wanted if key not in held])
-        finally:
-            self.cache.unpin_many(resident)
-        for key in inserted:
-            self._rank += 1
-            self._load(key, priority=self._step * _STEP_PRIORITY - self._rank)
+        # the cache spares every key of one prefetch call: a prefetch never evicts another wanted one
+        inserted = self.prefetch(wanted, priority=self._step * _STEP_PRIORITY - self._rank - 1)
+        self._rank += len(inserted)
 
     def _predicted_keys(self, table: HashTable) -> list[list[Key]]:
         """Per layer, the experts to prefetch, best first: `prefetch_per_layer` per token of the

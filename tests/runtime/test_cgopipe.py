@@ -154,3 +154,21 @@ def test_predictor_of_another_model_names_both_fingerprints(tiny_moe_dir, deep_m
     with model.offload_runtime, pytest.raises(FingerprintMismatchError) as err:
         CGOPipe(model, 0.5, predictor=other)
     assert other.meta.fingerprint.weights_hash in str(err.value)
+
+
+@pytest.mark.parametrize("arrival_order", [True, False])
+def test_parts_compute_resident_experts_first(deep_mixtral, arrival_order):
+    """Klotski's order: with arrival_order, the experts already resident form the first group
+    (copies that land before the call may join it); every expert comes exactly once."""
+    model = load_offloaded(deep_mixtral, policy="fifo", budget=0.5)
+    with model.offload_runtime as runtime:
+        runtime.pin_resident([(2, 1), (2, 5)])
+        runtime.arrival_order = arrival_order
+        experts = [0, 1, 3, 5, 6, 7]
+        groups = [list(part) for part, _slots in runtime.parts(2, experts, torch.device("cpu"))]
+        assert sorted(e for part in groups for e in part) == experts
+        if arrival_order:
+            assert {1, 5} <= set(groups[0])
+        else:  # groups of at most the slot count, in the given order
+            assert groups == [experts]
+        assert all(runtime.pool.map.slot_of((2, e)) is not None for e in experts)
