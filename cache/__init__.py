@@ -7,15 +7,14 @@ else of this project.
 from cache.errors import CacheError, CacheFullError, CapacityError, PolicyError, UnknownPolicyError
 from cache.expert_cache import CacheStats, ExpertCache
 from cache.policies import FIFO, LFU, LRU, MRS, POLICIES, Belady, StaticHot, make_policy
-from cache.policy import Candidates, EvictionPolicy, Key, OrderedPolicy, RankedPolicy
-from cache.simulator import Replay, SimResult, batch_steps, expert_frequencies, simulate
+from cache.policy import EvictionPolicy, Key
+from cache.simulator import Replay, SimResult, batch_rows, batch_steps, expert_frequencies, simulate
 
 __all__ = [
     "Belady",
     "CacheError",
     "CacheFullError",
     "CacheStats",
-    "Candidates",
     "CapacityError",
     "EvictionPolicy",
     "ExpertCache",
@@ -24,14 +23,13 @@ __all__ = [
     "LFU",
     "LRU",
     "MRS",
-    "OrderedPolicy",
     "POLICIES",
     "PolicyError",
-    "RankedPolicy",
     "Replay",
     "SimResult",
     "StaticHot",
     "UnknownPolicyError",
+    "batch_rows",
     "batch_steps",
     "expert_frequencies",
     "make_policy",

@@ -4,11 +4,10 @@
 
 The trace has skewed expert popularity (Zipf over each layer's experts) and temporal locality
 (with probability `repeat` a layer's router logits are averaged with the previous token's), so
-hit rates resemble real router traces rather than uniform noise. Timed: the replay only
-(`simulate`, best of `--runs`) in CPU seconds of this process (`accesses_per_s`; wall-clock
-rates, which suffer when the machine is shared, are `accesses_per_wall_s`); building the Replay
-from arrays is timed apart. Python speed differs a lot between machines, so the report also gives
-the CPU cost of an empty loop iteration.
+hit rates resemble real router traces rather than uniform noise. Timed: `simulate` (a fresh cache
+and the compiled replay; best of `--runs`, so numba's one-off compilation is left out) in CPU
+seconds of this process (`accesses_per_s`; wall-clock rates, which suffer when the machine is
+shared, are `accesses_per_wall_s`); building the Replay from arrays is timed apart.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numba
 import numpy as np
 
 from cache.policies import make_policy
@@ -49,14 +49,6 @@ def synthetic_trace(
         "topt_logits": np.take_along_axis(logits, topt_ids, axis=-1).astype(np.float32),
         "predicted_scores": (logits + rng.normal(scale=1.0, size=logits.shape)).astype(np.float32),
     }
-
-
-def python_loop_ns() -> float:
-    """Nanoseconds per iteration of an empty Python loop: how fast this machine runs Python."""
-    started = time.process_time()
-    for _ in range(2_000_000):
-        pass
-    return (time.process_time() - started) / 2_000_000 * 1e9
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -96,7 +88,7 @@ def run(args: argparse.Namespace) -> dict:
         log.info("%-14s %10.0f accesses/s (CPU time, best of %d)  hit rate %.3f", name, max(cpu), args.runs, result.hit_rate)
     return {
         "trace": {k: v for k, v in vars(args).items() if k != "out"} | {"accesses": demand.n_accesses, "capacity": capacity},
-        "python_loop_ns": python_loop_ns(),
+        "numba": numba.__version__,
         "replay_build_s": build_s,
         "replay_build_accesses_per_s": demand.n_accesses / build_s,
         "policies": policies,

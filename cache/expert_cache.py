@@ -2,33 +2,32 @@
 
 The budget is `capacity` slots in all (global) or per layer (`per_layer=True`). A miss inserts
 the key, evicting the policy's victim when the partition is full. Pinned keys (experts in use, a
-pin count each) are never evicted. One RLock guards everything: the runtime's loader thread
-(prefetch) and inference thread (access, pin) share one cache.
+pin count each) are never evicted, and a call never evicts its own keys: while `access_many` or
+`prefetch_many` inserts, the other keys of the call are spared, so a miss or a prefetch never
+pushes out an expert the same call needs.
 
-A call never evicts its own keys: while `access_many` or `prefetch_many` inserts, the other keys
-of the call are spared as if pinned (a victim among them is rare, and only then are they pinned
-for a second ask), so a miss or a prefetch never pushes out an expert the same call needs.
+The bookkeeping is compiled (`cache.kernel`, over the arrays of `cache.state`); this class owns
+the lock, the numbering of keys, and the errors. One RLock guards everything: the runtime's
+loader thread (prefetch) and inference thread (access, pin) share one cache. `replay` runs a
+whole simulation through the same kernel functions (see `cache.simulator`).
 
-`on_evict(key)` is called, under the lock, after each eviction: the runtime frees the slot there,
-the simulator cancels the key's transfer. It must not block, and it may read the cache but not
-insert into it (the calling insertion's spared keys are not pinned).
-
-`access_steps` (a whole demand replay) and `access_and_prefetch` (one layer-step with the loader
-ahead) are the simulator's bulk forms of the same calls: one lock, and `access_steps` tells the
-policy of uses in one call per stretch without insertions. Hits and evictions are derived from
-the other counters (see `stats`) rather than counted on the hot path.
+`on_evict(key)` is called, under the lock, for each key the call evicted before it returns: the
+runtime frees the slot there. It must not block, and it may read the cache but not insert into it.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from itertools import repeat
-from typing import NoReturn
+from dataclasses import dataclass
 
+import numpy as np
+
+from cache import kernel, state
+from cache import replay as loops
 from cache.errors import CacheError, CacheFullError, CapacityError
-from cache.policy import Candidates, EvictionPolicy, Key, Partition
+from cache.policy import EvictionPolicy, Key
+from cache.rules import on_router_scores
 
 
 @dataclass
@@ -57,9 +56,11 @@ class ExpertCache:
         n_layers: int | None = None,
         top_k: int | None = None,
         on_evict: Callable[[Key], None] | None = None,
+        n_experts: int | None = None,
     ) -> None:
         """`capacity`: slots in all, or per layer if `per_layer`. `n_layers`, if given, bounds
-        the layer of inserted keys. `top_k`, if given, is checked: a layer's experts must fit."""
+        the layer of keys; with `n_experts` too, key (l, e) is numbered l·n_experts + e (what a
+        replay's arrays use). `top_k`, if given, is checked: a layer's experts must fit."""
         where = "per layer" if per_layer else "in all"
         if top_k is not None and capacity < top_k:
             raise CapacityError(
@@ -68,7 +69,6 @@ class ExpertCache:
             )
         if capacity < 1:
             raise CapacityError(f"capacity {capacity} {where}: the minimum is 1 slot {where}")
-        policy.attach(per_layer)
         self.capacity = capacity
         self.policy = policy
         self.per_layer = per_layer
@@ -76,61 +76,102 @@ class ExpertCache:
         self.top_k = top_k
         self.on_evict = on_evict
         self._lock = threading.RLock()
-        self._stats = CacheStats()
-        self._resident: set[Key] = set()
-        self._fill: dict[Partition, int] = {}  # keys in each partition that is not full yet
-        self._full: dict[Partition, Candidates] = {}  # full partitions: their evictable keys
-        self._pins: dict[Key, int] = {}
-        self._unused_prefetches: set[Key] = set()
+        self._keys: list[Key] = []  # id -> key
+        self._ids: dict[Key, int] = {}  # key -> id
+        params = np.zeros(state.N_PARAMS)
+        params[[state.KIND, state.CAPACITY, state.PER_LAYER, state.LAYER_HEAPS]] = (
+            policy.kind, capacity, per_layer, per_layer or policy.layer_heaps)
+        params[[state.ALPHA, state.DECAY, state.TOP_P]] = policy.alpha, 1.0 - policy.alpha, policy.p
+        n_keys = (n_layers or 1) * (n_experts or 64)
+        self.state = state.new_state(n_keys, n_layers or 1, params)
+        self._stride = 0  # n_experts when every key is numbered l * n_experts + e
+        if n_layers is not None and n_experts is not None:
+            self.key_ids([(layer, e) for layer in range(n_layers) for e in range(n_experts)])
+            self._stride = n_experts
+        policy.attach(self)
+
+    # -- key numbering ----------------------------------------------------------------------
+
+    def key_ids(self, keys: Iterable[Key] | np.ndarray) -> np.ndarray:
+        """The ids of `keys` (a sequence of (layer, expert), or an [M, 2] array), numbering the
+        new ones."""
+        if isinstance(keys, np.ndarray) and self._stride:
+            layers, experts = keys.reshape(-1, 2).T
+            if len(keys) == 0 or (layers.min() >= 0 and layers.max() < self.n_layers
+                                  and experts.min() >= 0 and experts.max() < self._stride):
+                return (layers * self._stride + experts).astype(np.int64)
+        ids = self._ids
+        if not isinstance(keys, np.ndarray):
+            try:
+                return np.array([ids[key] for key in keys], dtype=np.int64)
+            except (KeyError, TypeError):
+                pass
+        pairs = np.asarray(keys if isinstance(keys, np.ndarray) else list(keys), dtype=np.int64).reshape(-1, 2)
+        with self._lock:
+            return np.array([ids[key] if key in ids else self._number(key) for key in map(tuple, pairs.tolist())],
+                            dtype=np.int64)
+
+    def _number(self, key: Key) -> int:
+        layer, expert = key
+        if layer < 0 or expert < 0 or self.n_layers is not None and layer >= self.n_layers:
+            raise CacheError(f"key {key} names layer {layer} but the cache has {self.n_layers} layers"
+                             if layer >= 0 and expert >= 0 else f"key {key} has a negative layer or expert")
+        key_id = len(self._keys)
+        st = self.state
+        if key_id >= len(st.order) or layer >= len(st.scale):
+            self.state = st = state.grown(st, 2 * max(key_id, 32), 2 * layer + 1)
+        st.order[key_id] = layer << 32 | expert
+        st.layer[key_id] = layer
+        st.outside[key_id] = self.policy.default_rank
+        self._keys.append(key)
+        self._ids[key] = key_id
+        return key_id
 
     # -- queries ---------------------------------------------------------------------------
 
     @property
     def stats(self) -> CacheStats:
-        """A snapshot of the counters. Hits and evictions are derived, not counted on the hot
-        path: every access that is not a miss hits, and every insertion fills a free slot or
-        evicts one (nothing else removes a key)."""
+        """A snapshot of the counters. Every access that is not a miss hits, and every insertion
+        fills a free slot or evicts one (nothing else removes a key)."""
         with self._lock:
-            s = self._stats
-            inserts = s.misses + s.prefetch_inserts
-            return replace(s, hits=s.accesses - s.misses, evictions=inserts - len(self._resident))
+            c = self.state.counters.tolist()
+            inserts = c[state.MISSES] + c[state.PREFETCH_INSERTS]
+            return CacheStats(
+                accesses=c[state.ACCESSES], hits=c[state.ACCESSES] - c[state.MISSES], misses=c[state.MISSES],
+                prefetch_inserts=c[state.PREFETCH_INSERTS], prefetch_hits=c[state.PREFETCH_HITS],
+                wasted_prefetches=c[state.WASTED], evictions=inserts - c[state.RESIDENT],
+            )
 
     def contains(self, key: Key) -> bool:
         with self._lock:
-            return key in self._resident
+            key_id = self._ids.get(key)
+            return key_id is not None and bool(self.state.resident[key_id])
 
     __contains__ = contains
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._resident)
+            return int(self.state.counters[state.RESIDENT])
 
     def resident(self) -> frozenset[Key]:
         with self._lock:
-            return frozenset(self._resident)
+            keys = self._keys
+            return frozenset(keys[i] for i in np.flatnonzero(self.state.resident[: len(keys)]).tolist())
 
     def pinned(self) -> dict[Key, int]:
         """Pinned keys and their pin counts."""
         with self._lock:
-            return dict(self._pins)
+            pins = self.state.pins[: len(self._keys)]
+            return {self._keys[i]: int(pins[i]) for i in np.flatnonzero(pins).tolist()}
 
     # -- demand path -----------------------------------------------------------------------
 
     def access(self, key: Key, score: float | None = None) -> bool:
-        """Use `key`; True on a hit. A miss inserts it, evicting a victim if needed.
+        """Use `key`; True on a hit. A miss inserts it, evicting a victim if needed. (`score` is
+        accepted for the interface's sake: router scores reach the policy through `on_step`.)
 
         Raises CacheFullError if the key's partition is full of pinned keys."""
-        with self._lock:
-            hit = key in self._resident
-            if hit:
-                if key in self._unused_prefetches:
-                    self._unused_prefetches.discard(key)
-                    self._stats.prefetch_hits += 1
-            else:
-                self._load((key,), (), demand=True)
-            self._stats.accesses += 1
-            self.policy.on_access(key, score)
-            return hit
+        return self.access_many((key,)) == 0
 
     def access_many(self, keys: Sequence[Key], pin: bool = False) -> int:
         """Use `keys` (one layer-step's experts) in order; return the number of misses.
@@ -139,53 +180,19 @@ class ExpertCache:
         afterwards (release with `unpin_many`). Raises CacheFullError, leaving pins as they
         were, if the keys and the pinned keys do not fit in a partition."""
         with self._lock:
-            misses = 0 if self._resident.issuperset(keys) else len(self._load(keys, keys, demand=True))
-            self._use(keys)
-            if pin:
-                pins = self._pins
-                for key in keys:
-                    pins[key] = pins.get(key, 0) + 1
-            return misses
-
-    def access_steps(
-        self,
-        steps: Iterable[Sequence[Sequence[Key]]],
-        scores: Iterable[Sequence[Mapping[int, float] | Sequence[float]]] | None = None,
-    ) -> int:
-        """Decode token-steps in order: for each step, for each layer l, `on_step(l, scores[t][l])`
-        (if `scores` is given), then `access_many(steps[t][l])`. The same as those calls one by
-        one, under one lock (the simulator's demand replay). Returns the number of misses.
-
-        The uses reach the policy in one `on_access_many` per stretch without an insertion or a
-        step: the policy sees the same calls in the same order, joined."""
-        with self._lock:
-            issuperset, load = self._resident.issuperset, self._load
-            on_uses, on_step = self.policy.on_access_many, self.policy.on_step
-            unused = self._unused_prefetches
-            uses: list[Key] = []  # keys used since the policy last heard of a use
-            accessed = misses = 0
-            try:
-                for step, step_scores in zip(steps, scores if scores is not None else repeat(None)):
-                    for layer, keys in enumerate(step):
-                        if step_scores is not None:
-                            if uses:
-                                used, uses = uses, []
-                                on_uses(used)
-                            on_step(layer, step_scores[layer])
-                        if not issuperset(keys):
-                            if uses:
-                                used, uses = uses, []
-                                on_uses(used)
-                            misses += len(load(keys, keys, demand=True))
-                        if unused:
-                            self._count_prefetch_hits(keys)
-                        uses += keys
-                        accessed += len(keys)
-            finally:
-                self._stats.accesses += accessed
-                if uses:
-                    on_uses(uses)
-            return misses
+            ids = self.key_ids(keys)
+            inserted, evicted = np.empty_like(ids), np.empty_like(ids)
+            n_inserted, n_evicted, failed, off = kernel.access_many(self.state.struct, ids, pin, inserted, evicted)
+            self._evicted(evicted[:n_evicted])
+            if failed >= 0:
+                key = self._keys[ids[failed]]
+                where = f"layer {key[0]}" if self.per_layer else "the cache"
+                raise CacheFullError(
+                    f"cannot insert {key}: all {self.capacity} slots of {where} are pinned or in use "
+                    "by the same call; raise the capacity or unpin experts sooner"
+                )
+            self._check_sequence(ids, off)
+            return n_inserted
 
     # -- prefetch path ---------------------------------------------------------------------
 
@@ -198,147 +205,86 @@ class ExpertCache:
         """`prefetch` keys in order (best first); return those inserted. No key of the call is
         evicted by the call, whether it was resident before or inserted by it: what does not fit
         is skipped. With `pin=True` the inserted keys stay pinned (while the loader fills them)."""
-        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
         with self._lock:
-            if self._resident.issuperset(keys):
-                return []
-            inserted = self._load(keys, keys, demand=False)
-            if pin:
-                pins = self._pins
-                for key in inserted:
-                    pins[key] = pins.get(key, 0) + 1
-            return inserted
-
-    def access_and_prefetch(self, keys: Sequence[Key], prefetch_keys: Sequence[Key]) -> tuple[int, list[Key]]:
-        """One layer-step with the loader running ahead: `access_many(keys, pin=True)`, then
-        `prefetch_many(prefetch_keys)` while `keys` are pinned, then `unpin_many(keys)`; the
-        same as those three calls, under one lock. Returns (misses, keys prefetched)."""
-        with self._lock:
-            resident = self._resident
-            misses = 0 if resident.issuperset(keys) else len(self._load(keys, keys, demand=True))
-            self._use(keys)
-            if resident.issuperset(prefetch_keys):
-                return misses, []
-            return misses, self._load(prefetch_keys, (*keys, *prefetch_keys), demand=False)
+            ids = self.key_ids(keys)
+            inserted, evicted = np.empty_like(ids), np.empty_like(ids)
+            n_inserted, n_evicted = kernel.prefetch_many(self.state.struct, ids, pin, inserted, evicted)
+            self._evicted(evicted[:n_evicted])
+            return [self._keys[i] for i in inserted[:n_inserted].tolist()]
 
     # -- pins --------------------------------------------------------------------------------
 
     def pin(self, key: Key) -> None:
         """Protect a resident key from eviction until a matching `unpin`."""
         with self._lock:
-            if key not in self._resident:
+            if key not in self:
                 raise CacheError(f"cannot pin {key}: it is not resident; access or prefetch it first")
-            self._pins[key] = self._pins.get(key, 0) + 1
+            self.state.pins[self._ids[key]] += 1
 
     def unpin(self, key: Key) -> None:
-        with self._lock:
-            if key not in self._pins:
-                raise CacheError(f"cannot unpin {key}: it is not pinned")
-            self._release((key,))
+        self.unpin_many((key,))
 
     def unpin_many(self, keys: Sequence[Key]) -> None:
         with self._lock:
-            pins = self._pins
-            for key in keys:
-                if key not in pins:
-                    missing = [key for key in keys if key not in pins]
-                    raise CacheError(f"cannot unpin {missing}: not pinned")
-            self._release(keys)
+            pins = self.state.pins
+            ids = [self._ids.get(key) for key in keys]
+            missing = [key for key, i in zip(keys, ids) if i is None or pins[i] == 0]
+            if missing:
+                raise CacheError(f"cannot unpin {missing}: not pinned")
+            np.subtract.at(pins, ids, 1)
 
     # -- policy hook -------------------------------------------------------------------------
 
     def on_step(self, layer: int, scores: Mapping[int, float] | Sequence[float]) -> None:
-        """Forward one layer-step's router scores to the policy (MRS uses them)."""
+        """Forward one layer-step's router scores (expert -> score, or a dense vector over
+        experts) to the policy (MRS uses them)."""
+        if not self.policy.uses_scores:
+            return
+        items = list(scores.items()) if isinstance(scores, Mapping) else list(enumerate(scores))
         with self._lock:
-            self.policy.on_step(layer, scores)
+            ids = self.key_ids([(layer, e) for e, _ in items])
+            values = np.array([s for _, s in items], dtype=np.float64)
+            on_router_scores(self.state.struct, layer, ids, values)
+
+    # -- whole replays (the simulator) ---------------------------------------------------------
+
+    def replay(self, n_layers: int, keys: np.ndarray, offsets: np.ndarray,
+               scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+               predicted: tuple[np.ndarray, np.ndarray] | None = None,
+               ahead: int = 1, bandwidth: int | None = None) -> int:
+        """Run layer-steps j = t·n_layers + l through the cache: `keys[offsets[j]:offsets[j+1]]`
+        are accessed (ids from `key_ids`), after router `scores` (key ids, values, offsets) reach
+        the policy; with `predicted` (key ids, offsets) the predicted keys are prefetched `ahead`
+        layers early over a link moving `bandwidth` transfers per layer-step (None: instant).
+        The same as the per-call API driven step by step. Returns the late prefetches."""
+        empty_i, empty_f = np.zeros(1, np.int64), np.zeros(0, np.float64)
+        score_keys, score_values, score_offsets = scores if scores is not None else (empty_i, empty_f, empty_i)
+        buffer = max(int(np.diff(offsets).max(initial=0)), 1)
+        with self._lock:
+            inserted, evicted = np.empty(buffer, np.int64), np.empty(buffer, np.int64)
+            if predicted is None:
+                late, off = 0, loops.replay_demand(self.state.struct, n_layers, keys, offsets, score_keys, score_values,
+                                                    score_offsets, scores is not None, inserted, evicted)
+            else:
+                predicted_keys, predicted_offsets = predicted
+                buffer = max(buffer, int(np.diff(predicted_offsets).max(initial=0)))
+                inserted, evicted = np.empty(buffer, np.int64), np.empty(buffer, np.int64)
+                late, off = loops.replay_prefetch(
+                    self.state.struct, n_layers, keys, offsets, score_keys, score_values, score_offsets,
+                    scores is not None, predicted_keys, predicted_offsets, ahead,
+                    -1 if bandwidth is None else bandwidth, inserted, evicted)
+            if off >= 0:
+                raise self.policy.off_sequence(int(off), self._keys[keys[off]])
+            return int(late)
 
     # -- internals (lock held) ---------------------------------------------------------------
 
-    def _use(self, keys: Sequence[Key]) -> None:
-        """Resident `keys` are used: count them and tell the policy."""
-        if self._unused_prefetches:
-            self._count_prefetch_hits(keys)
-        self._stats.accesses += len(keys)
-        self.policy.on_access_many(keys)
+    def _evicted(self, ids: np.ndarray) -> None:
+        if self.on_evict is not None:
+            for key_id in ids.tolist():
+                self.on_evict(self._keys[key_id])
 
-    def _count_prefetch_hits(self, keys: Sequence[Key]) -> None:
-        """Resident `keys` are being used: those prefetched and not used before count once."""
-        unused = self._unused_prefetches
-        if not unused.isdisjoint(keys):
-            used = unused.intersection(keys)
-            unused -= used
-            self._stats.prefetch_hits += len(used)
-
-    def _load(self, keys: Sequence[Key], busy: Sequence[Key], demand: bool) -> list[Key]:
-        """Insert the keys that are not resident, in order, and return them. Where a partition is
-        full, the policy's victim goes; it is never pinned nor one of `busy` (the keys of the
-        call). A key that finds no victim raises CacheFullError if `demand` (the keys before it
-        are used: counted and reported), else is skipped. The only place keys are evicted."""
-        resident, policy, full, unused = self._resident, self.policy, self._full, self._unused_prefetches
-        n_layers, per_layer = self.n_layers, self.per_layer
-        inserted: list[Key] = []
-        try:
-            for key in keys:
-                if key in resident:
-                    continue
-                if n_layers is not None and not 0 <= key[0] < n_layers:
-                    raise CacheError(f"key {key} names layer {key[0]} but the cache has {n_layers} layers")
-                part = key[0] if per_layer else None
-                candidates = full.get(part)
-                if candidates is None:  # a free slot
-                    fill = self._fill[part] = self._fill.get(part, 0) + 1
-                    if fill == self.capacity:
-                        full[part] = Candidates(part, self._pins)
-                else:  # one out, one in
-                    victim = policy.victim(candidates)
-                    if victim in busy:  # rare: ask again with the call's keys pinned
-                        victim = self._victim_sparing(candidates, busy)
-                    if victim is None:
-                        if demand:
-                            self._fail(key, keys)
-                        continue
-                    resident.remove(victim)
-                    policy.on_evict(victim)
-                    if unused and victim in unused:
-                        unused.remove(victim)
-                        self._stats.wasted_prefetches += 1
-                    if self.on_evict is not None:
-                        self.on_evict(victim)
-                resident.add(key)
-                policy.on_insert(key)
-                inserted.append(key)
-        finally:
-            if demand:
-                self._stats.misses += len(inserted)
-            elif inserted:
-                self._stats.prefetch_inserts += len(inserted)
-                unused.update(inserted)
-        return inserted
-
-    def _victim_sparing(self, candidates: Candidates, busy: Sequence[Key]) -> Key | None:
-        """The policy's victim with the `busy` keys pinned while it chooses."""
-        pins = self._pins
-        for key in busy:
-            pins[key] = pins.get(key, 0) + 1
-        try:
-            return self.policy.victim(candidates)
-        finally:
-            self._release(busy)
-
-    def _fail(self, key: Key, keys: Sequence[Key]) -> NoReturn:
-        """No room for a demanded key: the keys of the call before it are used, then raise."""
-        self._use(keys[: keys.index(key)])
-        where = f"layer {key[0]}" if self.per_layer else "the cache"
-        raise CacheFullError(
-            f"cannot insert {key}: all {self.capacity} slots of {where} are pinned or in use "
-            "by the same call; raise the capacity or unpin experts sooner"
-        )
-
-    def _release(self, keys: Iterable[Key]) -> None:
-        pins = self._pins
-        for key in keys:
-            count = pins[key] - 1
-            if count:
-                pins[key] = count
-            else:
-                del pins[key]
+    def _check_sequence(self, ids: np.ndarray, off: int) -> None:
+        if off >= 0:
+            position = int(self.state.counters[state.CURSOR])
+            raise self.policy.off_sequence(position, self._keys[ids[off]])

@@ -20,49 +20,72 @@ on demand during the stall. Demand loads happen in stall time and do not use the
 
 from __future__ import annotations
 
-import gc
 import time
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import cached_property
-from itertools import repeat
-from operator import itemgetter
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from cache.errors import CapacityError
 from cache.expert_cache import ExpertCache
-from cache.policy import EvictionPolicy, Key
+from cache.policy import EvictionPolicy
 
 
 @dataclass
 class Replay:
-    """A trace laid out for replay: per token-step, per layer, the keys to access."""
+    """A trace laid out for replay as flat arrays over layer-steps j = t·n_layers + l (token-step
+    t, layer l); keys are numbered l·n_experts + e, as `ExpertCache(..., n_layers, n_experts)`
+    numbers them. `keys[offsets[j]:offsets[j+1]]` are the keys layer-step j accesses (the union
+    over the batch, first appearance first, rank-major); likewise `scores` (key, router score
+    summed over the batch, highest first) and `predicted` (keys to prefetch, best first)."""
 
     n_layers: int
     n_experts: int
     top_k: int
     batch_size: int
-    steps: list[list[list[Key]]]  # [step][layer] -> keys accessed (union over the batch)
-    scores: list[list[dict[int, float]]] | None = None  # [step][layer] -> expert -> router score
-    predicted: list[list[list[Key]]] | None = None  # [step][layer] -> keys to prefetch, best first
+    keys: np.ndarray
+    offsets: np.ndarray
+    scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # keys, values, offsets
+    predicted: tuple[np.ndarray, np.ndarray] | None = None  # keys, offsets
     score_top: int | None = None  # scores keep only each step's score_top highest (None: all)
 
-    @cached_property
+    @property
+    def n_steps(self) -> int:
+        return (len(self.offsets) - 1) // self.n_layers if self.n_layers else 0
+
+    @property
     def n_accesses(self) -> int:
-        return sum(len(keys) for step in self.steps for keys in step)
+        return len(self.keys)
 
     @cached_property
     def max_layer_keys(self) -> int:
         """The most keys one layer-step accesses: the least capacity that can serve the replay."""
-        return max((len(keys) for step in self.steps for keys in step), default=0)
+        return int(np.diff(self.offsets).max(initial=0))
 
-    def future(self) -> list[Key]:
-        """Every access in replay order: what Belady is given."""
-        return [key for step in self.steps for keys in step for key in keys]
+    def future(self) -> np.ndarray:
+        """Every access in replay order as [M, 2] (layer, expert): what Belady is given."""
+        return self._pairs(self.keys)
+
+    def _pairs(self, keys: np.ndarray) -> np.ndarray:
+        return np.stack(np.divmod(keys, self.n_experts), axis=1)
+
+    def as_lists(self) -> tuple[list, list | None, list | None]:
+        """The replay as nested lists, [step][layer]: keys accessed, {expert: score}, keys
+        predicted (for reading, and for driving an ExpertCache call by call)."""
+        def by_step(items: list, offsets: np.ndarray) -> list:
+            flat = [items[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+            return [flat[t * self.n_layers:(t + 1) * self.n_layers] for t in range(self.n_steps)]
+
+        steps = by_step(list(map(tuple, self.future().tolist())), self.offsets)
+        scores = predicted = None
+        if self.scores is not None:
+            keys, values, offsets = self.scores
+            experts, values = by_step((keys % self.n_experts).tolist(), offsets), by_step(values.tolist(), offsets)
+            scores = [[dict(zip(e, v)) for e, v in zip(step_e, step_v)] for step_e, step_v in zip(experts, values)]
+        if self.predicted is not None:
+            keys, offsets = self.predicted
+            predicted = by_step(list(map(tuple, self._pairs(keys).tolist())), offsets)
+        return steps, scores, predicted
 
     @classmethod
     def build(
@@ -96,120 +119,116 @@ class Replay:
             n_experts = int(max(highs)) + 1
             if predicted_scores is not None:
                 n_experts = max(n_experts, np.asarray(predicted_scores).shape[2])
-        table = [[(layer, e) for e in range(n_experts)] for layer in range(n_layers)]
         if len(seq_id) != n:
             raise ValueError(f"seq_id has {len(seq_id)} rows, topk_ids {n}")
         if (topt_ids is None) != (topt_logits is None):
             raise ValueError("give both topt_ids and topt_logits, or neither")
-        with _gc_paused():  # millions of small long-lived lists: collections would only slow it
-            step_rows = batch_steps(np.asarray(seq_id), batch_size)
-            steps = _union_keys(topk_ids.tolist(), step_rows, table)
-            scores = _router_scores(topt_ids, topt_logits, step_rows, score_top)
-            predicted = _predicted_keys(predicted_scores, top_k if prefetch_k is None else prefetch_k, step_rows, table)
-        return cls(n_layers, n_experts, top_k, batch_size, steps, scores, predicted, score_top)
+        rows = batch_rows(np.asarray(seq_id), batch_size)
+        keys, offsets = _union_keys(topk_ids, rows, n_experts)
+        scores = None
+        if topt_ids is not None:
+            scores = _router_scores(np.asarray(topt_ids), np.asarray(topt_logits), rows, n_experts, score_top)
+        predicted = None
+        if predicted_scores is not None:
+            predicted = _predicted_keys(np.asarray(predicted_scores), top_k if prefetch_k is None else prefetch_k,
+                                        rows, n_experts)
+        return cls(n_layers, n_experts, top_k, batch_size, keys, offsets, scores, predicted, score_top)
 
 
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _router_scores(
-    topt_ids: np.ndarray | None, topt_logits: np.ndarray | None, step_rows: list[list[int]], score_top: int | None
-) -> list[list[dict[int, float]]] | None:
-    """Softmax over each row's top-T logits, summed per step and layer over the batch."""
-    if topt_ids is None:
-        return None
-    logits = np.asarray(topt_logits, dtype=np.float64)
-    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    probs /= probs.sum(axis=-1, keepdims=True)
-    ids = np.asarray(topt_ids)
-    if score_top is not None and all(len(rows) == 1 for rows in step_rows):  # a row's top = the step's
-        order = np.argsort(-probs, axis=-1, kind="stable")[..., :score_top]
-        ids, probs = np.take_along_axis(ids, order, -1), np.take_along_axis(probs, order, -1)
-        score_top = None  # done
-    return _summed_scores(ids.tolist(), probs.tolist(), step_rows, score_top)
-
-
-def _predicted_keys(
-    predicted_scores: np.ndarray | None, m: int, step_rows: list[list[int]], table: list[list[Key]]
-) -> list[list[list[Key]]] | None:
-    """Each row's top-m predicted experts per layer, best first, united over the batch."""
-    if predicted_scores is None:
-        return None
-    pred = np.asarray(predicted_scores)
-    if not 1 <= m <= pred.shape[-1]:
-        raise ValueError(f"prefetch_k must be in 1..{pred.shape[-1]} (the predicted experts), got {m}")
-    top = np.argpartition(-pred, m - 1, axis=-1)[..., :m]
-    order = np.argsort(-np.take_along_axis(pred, top, axis=-1), axis=-1, kind="stable")
-    return _union_keys(np.take_along_axis(top, order, axis=-1).tolist(), step_rows, table)
-
-
-def batch_steps(seq_id: np.ndarray, batch_size: int) -> list[list[int]]:
-    """Row indices of each decode step: sequences grouped `batch_size` at a time step together;
-    a finished sequence drops out of its batch."""
+def batch_rows(seq_id: np.ndarray, batch_size: int) -> np.ndarray:
+    """[steps, batch_size] row indices of each decode step, -1 where a sequence has ended:
+    sequences grouped `batch_size` at a time step together."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     n = len(seq_id)
     if n == 0:
-        return []
+        return np.zeros((0, batch_size), np.int64)
     starts = np.flatnonzero(np.r_[True, seq_id[1:] != seq_id[:-1]])
     if len(np.unique(seq_id[starts])) != len(starts):
         raise ValueError("rows of one sequence must be contiguous in the trace (seq_id repeats later)")
     if batch_size == 1:
-        return [[row] for row in range(n)]
+        return np.arange(n, dtype=np.int64)[:, None]
     lengths = np.diff(np.r_[starts, n])
-    steps: list[list[int]] = []
+    groups = []
     for g in range(0, len(starts), batch_size):
         group_starts, group_lengths = starts[g : g + batch_size], lengths[g : g + batch_size]
-        for t in range(int(group_lengths.max())):
-            steps.append((group_starts[group_lengths > t] + t).tolist())
-    return steps
+        t = np.arange(int(group_lengths.max()))[:, None]
+        block = np.full((len(t), batch_size), -1, np.int64)
+        block[:, : len(group_starts)] = np.where(t < group_lengths, group_starts + t, -1)
+        groups.append(block)
+    return np.concatenate(groups)
 
 
-def _union_keys(ids: list, step_rows: list[list[int]], table: list[list[Key]]) -> list[list[list[Key]]]:
-    """Per step, per layer: the keys of the rows' experts, first appearance first (rank-major)."""
-    if all(len(rows) == 1 for rows in step_rows):
-        return [[[keys[e] for e in row_ids] for keys, row_ids in zip(table, ids[rows[0]])] for rows in step_rows]
-    out = []
-    for rows in step_rows:
-        per_row = [ids[r] for r in rows]
-        out.append(
-            [
-                [keys[e] for e in dict.fromkeys(e for rank in zip(*layer_ids) for e in rank)]
-                for keys, layer_ids in zip(table, zip(*per_row))
-            ]
-        )
-    return out
+def batch_steps(seq_id: np.ndarray, batch_size: int) -> list[list[int]]:
+    """Row indices of each decode step, a finished sequence dropped out of its batch."""
+    return [[r for r in step if r >= 0] for step in batch_rows(seq_id, batch_size).tolist()]
 
 
-def _summed_scores(
-    ids: list, probs: list, step_rows: list[list[int]], score_top: int | None
-) -> list[list[dict[int, float]]]:
-    """Per step, per layer: expert -> router probability summed over the step's rows (the
-    `score_top` highest if given)."""
-    out = []
-    for rows in step_rows:
-        if len(rows) == 1 and score_top is None:
-            out.append([dict(zip(i, p)) for i, p in zip(ids[rows[0]], probs[rows[0]])])
-            continue
-        layers = []
-        for layer in range(len(ids[rows[0]])):
-            summed: dict[int, float] = {}
-            for r in rows:
-                for e, p in zip(ids[r][layer], probs[r][layer]):
-                    summed[e] = summed.get(e, 0.0) + p
-            if score_top is not None and len(summed) > score_top:
-                summed = dict(sorted(summed.items(), key=itemgetter(1), reverse=True)[:score_top])
-            layers.append(summed)
-        out.append(layers)
-    return out
+def _layer_base(n_layers: int, n_experts: int) -> np.ndarray:
+    return (np.arange(n_layers, dtype=np.int64) * n_experts)[:, None]
+
+
+def _union_keys(ids: np.ndarray, rows: np.ndarray, n_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per step and layer, the keys of the rows' experts, first appearance first, rank-major:
+    flat keys and offsets over layer-steps."""
+    n_steps, batch = rows.shape
+    _, n_layers, m = ids.shape
+    grouped = ids[np.maximum(rows, 0)].astype(np.int64)  # [S, B, L, m]
+    grouped[rows < 0] = -1
+    grouped = grouped.transpose(0, 2, 3, 1).reshape(n_steps, n_layers, m * batch)  # rank-major
+    keep = grouped >= 0
+    if batch > 1:  # keep each expert's first appearance in its layer-step
+        order = np.argsort(grouped, axis=-1, kind="stable")
+        ordered = np.take_along_axis(grouped, order, -1)
+        first = np.ones_like(keep)
+        first[..., 1:] = ordered[..., 1:] != ordered[..., :-1]
+        np.put_along_axis(keep, order, first & np.take_along_axis(keep, order, -1), -1)
+    keys = (grouped + _layer_base(n_layers, n_experts))[keep]
+    return keys, np.r_[0, np.cumsum(keep.sum(-1).ravel())].astype(np.int64)
+
+
+def _router_scores(
+    topt_ids: np.ndarray, topt_logits: np.ndarray, rows: np.ndarray, n_experts: int, score_top: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Softmax over each row's top-T logits, summed per step and layer over the batch, highest
+    first (ties: the lower expert), the `score_top` highest if given: keys, values, offsets."""
+    logits = topt_logits.astype(np.float64)
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    n_steps, batch = rows.shape
+    n_layers = topt_ids.shape[1]
+    if batch == 1:
+        ids, summed = topt_ids[rows[:, 0]].astype(np.int64), probs[rows[:, 0]]
+        order = np.argsort(-summed, axis=-1, kind="stable")
+        ids, summed = np.take_along_axis(ids, order, -1), np.take_along_axis(summed, order, -1)
+        keep = np.ones(ids.shape, bool)
+    else:  # a dense [S, L, E] sum, rows added in batch order
+        dense = np.zeros((n_steps, n_layers, n_experts))
+        touched = np.zeros(dense.shape, bool)
+        steps = np.arange(n_steps)[:, None, None]
+        layers = np.arange(n_layers)[None, :, None]
+        for b in range(batch):
+            live = rows[:, b] >= 0
+            r = rows[live, b]
+            dense[steps[live], layers, topt_ids[r]] += probs[r]
+            touched[steps[live], layers, topt_ids[r]] = True
+        ids = np.argsort(np.where(touched, -dense, np.inf), axis=-1, kind="stable")
+        summed, keep = np.take_along_axis(dense, ids, -1), np.take_along_axis(touched, ids, -1)
+    if score_top is not None:
+        ids, summed, keep = ids[..., :score_top], summed[..., :score_top], keep[..., :score_top]
+    keys = (ids + _layer_base(n_layers, n_experts))[keep]
+    return keys, summed[keep], np.r_[0, np.cumsum(keep.sum(-1).ravel())].astype(np.int64)
+
+
+def _predicted_keys(
+    predicted_scores: np.ndarray, m: int, rows: np.ndarray, n_experts: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's top-m predicted experts per layer, best first, united over the batch."""
+    if not 1 <= m <= predicted_scores.shape[-1]:
+        raise ValueError(f"prefetch_k must be in 1..{predicted_scores.shape[-1]} (the predicted experts), got {m}")
+    top = np.argpartition(-predicted_scores, m - 1, axis=-1)[..., :m]
+    order = np.argsort(-np.take_along_axis(predicted_scores, top, axis=-1), axis=-1, kind="stable")
+    return _union_keys(np.take_along_axis(top, order, axis=-1), rows, n_experts)
 
 
 @dataclass
@@ -250,7 +269,6 @@ def simulate(
     per_layer: bool = False,
     horizon: int | None = None,
     transfer_per_step: int | None = None,
-    progress: bool = False,
 ) -> SimResult:
     """Replay through a fresh ExpertCache(capacity, policy). Prefetches when the replay holds
     predictions. `policy` must be a new object (a policy serves one cache). Policies with
@@ -275,22 +293,15 @@ def simulate(
     if transfer_per_step is not None and transfer_per_step < 0:
         raise ValueError(f"transfer_per_step must be >= 0 or None, got {transfer_per_step}")
 
-    pending: OrderedDict[Key, None] = OrderedDict()  # prefetched, slot taken, not yet transferred
-    limited = replay.predicted is not None and transfer_per_step is not None
-    cache = ExpertCache(
-        capacity,
-        policy,
-        per_layer=per_layer,
-        on_evict=(lambda key: pending.pop(key, None)) if limited else None,
-    )
-    steps = tqdm(replay.steps, desc=f"simulate {name}", unit="step", leave=False) if progress else replay.steps
+    cache = ExpertCache(capacity, policy, per_layer=per_layer, n_layers=replay.n_layers, n_experts=replay.n_experts)
     started = time.perf_counter()
-    late = 0
-    if replay.predicted is None:
-        _replay_demand(steps, replay, cache)
-    else:
-        ahead = replay.n_layers if horizon is None else min(horizon, replay.n_layers)
-        late = _replay_prefetch(steps, replay, cache, ahead, transfer_per_step, pending)
+    late = cache.replay(
+        replay.n_layers, replay.keys, replay.offsets,
+        scores=replay.scores if policy.uses_scores else None,
+        predicted=replay.predicted,
+        ahead=replay.n_layers if horizon is None else min(horizon, replay.n_layers),
+        bandwidth=transfer_per_step,
+    )
     seconds = time.perf_counter() - started
     s = cache.stats
     return SimResult(
@@ -311,53 +322,6 @@ def simulate(
         evictions=s.evictions,
         seconds=seconds,
     )
-
-
-def _replay_demand(steps: Iterable[list[list[Key]]], replay: Replay, cache: ExpertCache) -> None:
-    """No prefetching: every stall is a miss."""
-    use_scores = replay.scores is not None and cache.policy.uses_scores
-    cache.access_steps(steps, replay.scores if use_scores else None)
-
-
-def _replay_prefetch(
-    steps: Iterable[list[list[Key]]],
-    replay: Replay,
-    cache: ExpertCache,
-    ahead: int,
-    bandwidth: int | None,
-    pending: OrderedDict[Key, None],
-) -> int:
-    """Demand accesses plus prefetches `ahead` layers early over a link of `bandwidth`; returns
-    the number of late prefetches."""
-    access_and_prefetch, prefetch_many, on_step = cache.access_and_prefetch, cache.prefetch_many, cache.on_step
-    n_layers = replay.n_layers
-    use_scores = replay.scores is not None and cache.policy.uses_scores
-    late = 0
-
-    for step, predicted, step_scores in zip(steps, replay.predicted, replay.scores if use_scores else repeat(None)):
-        for layer in range(ahead):
-            inserted = prefetch_many(predicted[layer])
-            if bandwidth is not None and inserted:
-                pending.update(dict.fromkeys(inserted))
-        for layer, keys in enumerate(step):
-            if step_scores is not None:
-                on_step(layer, step_scores[layer])
-            if pending and not pending.keys().isdisjoint(keys):
-                for key in keys:
-                    if key in pending:
-                        del pending[key]  # still on the link: finished on demand, a stall
-                        late += 1
-            # access (pinned), issue the prefetch `ahead` layers on, release
-            _, inserted = access_and_prefetch(keys, predicted[layer + ahead] if layer + ahead < n_layers else ())
-            if bandwidth is not None:
-                if inserted:
-                    pending.update(dict.fromkeys(inserted))
-                if len(pending) <= bandwidth:  # the link moves while the layer computes
-                    pending.clear()
-                else:
-                    for _ in range(bandwidth):
-                        pending.popitem(last=False)
-    return late
 
 
 def expert_frequencies(topk_ids: np.ndarray, n_experts: int) -> np.ndarray:

@@ -57,9 +57,9 @@ def test_batch_steps_group_sequences_and_drop_finished_ones():
 def test_batch_access_set_is_the_union_of_the_batch():
     topk = np.array([[[0, 1]], [[1, 2]], [[3, 1]]])  # 3 rows, 1 layer, k = 2
     replay = Replay.build(topk, np.array([0, 1, 1]), batch_size=2)
-    assert replay.steps == [[[(0, 0), (0, 1), (0, 2)]], [[(0, 3), (0, 1)]]]
+    assert replay.as_lists()[0] == [[[(0, 0), (0, 1), (0, 2)]], [[(0, 3), (0, 1)]]]
     assert replay.max_layer_keys == 3
-    assert replay.future() == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 1)]
+    assert replay.future().tolist() == [[0, 0], [0, 1], [0, 2], [0, 3], [0, 1]]
     with pytest.raises(CapacityError, match="minimum is 3 slots"):
         simulate(replay, 2, make_policy("lru"))
 
@@ -102,33 +102,34 @@ def test_counts_add_up_with_prefetching(trace, name, per_layer, batch_size):
 @pytest.mark.parametrize("per_layer", [False, True])
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_bulk_paths_equal_the_public_calls_one_layer_step_at_a_time(trace, name, per_layer, batch_size):
-    """What `simulate` drives (`access_steps`; `prefetch_many` + `access_and_prefetch`) against
-    the runtime's calls (`on_step`, `access_many`, `prefetch_many`, `unpin_many`) made one
-    layer-step at a time: the same evictions in the same order, the same counts."""
+    """What `simulate` drives (the compiled `ExpertCache.replay`) against the runtime's calls
+    (`on_step`, `access_many`, `prefetch_many`, `unpin_many`) made one layer-step at a time:
+    the same counts and the same experts resident at the end."""
     router = {"topt_ids": trace["topt_ids"], "topt_logits": trace["topt_logits"], "batch_size": batch_size}
     capacity = 6 if per_layer else 16
 
-    def new_cache(replay, evicted):
+    def new_cache(replay, **numbering):
         policy = make_policy(name, **policy_kwargs(name, replay, trace))
-        return ExpertCache(capacity, policy, per_layer=per_layer, on_evict=evicted.append)
+        return ExpertCache(capacity, policy, per_layer=per_layer, **numbering)
 
     demand = Replay.build(trace["topk_ids"], trace["seq_id"], **router)
-    bulk_evicted, call_evicted = [], []
-    bulk, calls = new_cache(demand, bulk_evicted), new_cache(demand, call_evicted)
+    bulk, calls = new_cache(demand, n_layers=demand.n_layers, n_experts=demand.n_experts), new_cache(demand)
     uses_scores = bulk.policy.uses_scores
-    bulk.access_steps(demand.steps, demand.scores if uses_scores else None)
-    for step, step_scores in zip(demand.steps, demand.scores):
+    bulk.replay(demand.n_layers, demand.keys, demand.offsets, demand.scores if uses_scores else None)
+    steps, scores, _ = demand.as_lists()
+    for step, step_scores in zip(steps, scores):
         for layer, keys in enumerate(step):
             if uses_scores:
                 calls.on_step(layer, step_scores[layer])
             calls.access_many(keys)
-    assert bulk_evicted and bulk_evicted == call_evicted
-    assert bulk.stats == calls.stats
+    assert bulk.stats.evictions > 0 and bulk.stats == calls.stats
+    assert bulk.resident() == calls.resident()
 
     replay = Replay.build(trace["topk_ids"], trace["seq_id"], predicted_scores=trace["predicted_scores"],
                           prefetch_k=3, **router)
-    calls = new_cache(replay, [])
-    for step, predicted, step_scores in zip(replay.steps, replay.predicted, replay.scores):
+    calls = new_cache(replay)
+    steps, scores, predictions = replay.as_lists()
+    for step, predicted, step_scores in zip(steps, predictions, scores):
         calls.prefetch_many(predicted[0])
         for layer, keys in enumerate(step):
             if uses_scores:
@@ -232,7 +233,7 @@ def test_router_scores_are_softmax_over_top_t_summed_over_the_batch():
     topt_ids = np.array([[[0, 1]], [[1, 2]]])
     topt_logits = np.array([[[np.log(3.0), 0.0]], [[0.0, 0.0]]])
     replay = Replay.build(topk, np.array([0, 1]), batch_size=2, topt_ids=topt_ids, topt_logits=topt_logits)
-    assert replay.scores[0][0] == pytest.approx({0: 0.75, 1: 0.25 + 0.5, 2: 0.5})
+    assert replay.as_lists()[1][0][0] == pytest.approx({0: 0.75, 1: 0.25 + 0.5, 2: 0.5})
 
 
 def test_expert_frequencies():

@@ -4,6 +4,7 @@ import random
 import sys
 import threading
 
+import numpy as np
 import pytest
 
 from cache import (
@@ -176,7 +177,7 @@ def test_two_threads_hammering_keep_the_invariants():
     assert s.accesses == 20_000 * 3 and s.hits + s.misses == s.accesses
     assert s.prefetch_hits <= s.prefetch_inserts
     assert cache.pinned() == {}
-    assert list(cache.policy._orders[None]) and set(cache.policy._orders[None]) == cache.resident()
+    assert int(cache.state.heap_size.sum()) == len(cache) == len(cache.resident())  # heaps hold the residents
 
 
 def test_prefetch_can_pin_the_slot_while_the_loader_fills_it():
@@ -204,53 +205,69 @@ def test_prefetch_many_never_evicts_a_key_of_the_same_call():
     assert cache.resident() == {B, D} and cache.pinned() == {B: 1, D: 1}  # only the inserted
 
 
-def test_access_steps_worked_by_hand():
+def key_steps(steps, n_experts):
+    """Nested [step][layer] keys as the flat (ids, offsets) arrays `ExpertCache.replay` takes."""
+    flat = [keys for step in steps for keys in step]
+    ids = np.array([l * n_experts + e for keys in flat for l, e in keys], np.int64)
+    return ids, np.r_[0, np.cumsum([len(keys) for keys in flat])].astype(np.int64)
+
+
+def test_replay_worked_by_hand():
     """LRU, 3 slots in all. Keys a, b, c of layer 0 and x, y of layer 1.
     t0: L0 [a b] miss miss; L1 [x] miss (full; LRU order a b x).
     t1: L0 [a c] a hits; c misses and evicts b, since a (first) is used by the same call; order
         x a c. L1 [y] misses, evicts x; order a c y.
-    t2: L0 [b a] b misses, evicts c (a is the call's); order y b a. L1 [x] misses, evicts y."""
+    t2: L0 [b a] b misses, evicts c (a is the call's); order y b a. L1 [x] misses, evicts y.
+    Three new keys then evict the rest in LRU order: b, a, x."""
     a, b, c, x, y = (0, 0), (0, 1), (0, 2), (1, 0), (1, 1)
     steps = [[[a, b], [x]], [[a, c], [y]], [[b, a], [x]]]
+    replayed = ExpertCache(3, LRU(), n_layers=3, n_experts=3)
+    assert replayed.replay(2, *key_steps(steps, 3)) == 0  # no prefetching: nothing late
     evicted = []
-    cache = ExpertCache(3, LRU(), on_evict=evicted.append)
-    assert cache.access_steps(steps) == 7
-    assert evicted == [b, x, c, y]
-    assert cache.resident() == {a, b, x} and list(cache.policy._orders[None]) == [b, a, x]
-    s = cache.stats
-    assert (s.accesses, s.hits, s.misses, s.evictions) == (9, 2, 7, 4)
-
-    one_by_one = ExpertCache(3, LRU())  # the same calls, one layer-step at a time
+    one_by_one = ExpertCache(3, LRU(), on_evict=evicted.append)  # the same calls, one layer-step at a time
     assert sum(one_by_one.access_many(keys) for step in steps for keys in step) == 7
-    assert one_by_one.stats == s and list(one_by_one.policy._orders[None]) == [b, a, x]
+    assert evicted == [b, x, c, y]
+    for cache in (replayed, one_by_one):
+        s = cache.stats
+        assert (s.accesses, s.hits, s.misses, s.evictions) == (9, 2, 7, 4)
+        assert cache.resident() == {a, b, x}
+    replayed.on_evict = evicted.append
+    for new in [(2, 0), (2, 1), (2, 2)]:
+        replayed.access(new)
+    assert evicted[4:] == [b, a, x]
 
 
-def test_access_steps_gives_each_layer_its_router_scores_before_its_accesses():
+def test_replay_gives_each_layer_its_router_scores_before_its_accesses():
     """MRS (alpha .5, p = 1), 2 slots in all. t0: S(0,0) = .5, S(1,0) = .1. t1 L0: S(0,0) = .25,
     S(0,1) = .5; (0,1) evicts (1,0) (.1). t1 L1: (1,1) evicts (0,0) (.25). Had layer 1's t1 scores
     (which raise S(1,0) to .55) come before layer 0's accesses, (0,1) would have evicted (0,0)."""
     steps = [[[(0, 0)], [(1, 0)]], [[(0, 1)], [(1, 1)]]]
-    scores = [[{0: 1.0}, {0: 0.2}], [{1: 1.0}, {0: 1.0}]]
-    evicted = []
-    cache = ExpertCache(2, MRS(alpha=0.5, p=1), on_evict=evicted.append)
-    assert cache.access_steps(steps, scores) == 4
-    assert evicted == [(1, 0), (0, 0)]
+    score_keys, score_offsets = key_steps([[[(0, 0)], [(1, 0)]], [[(0, 1)], [(1, 0)]]], 2)
+    scores = (score_keys, np.array([1.0, 0.2, 1.0, 1.0]), score_offsets)
+    cache = ExpertCache(2, MRS(alpha=0.5, p=1), n_layers=2, n_experts=2)
+    cache.replay(2, *key_steps(steps, 2), scores=scores)
+    assert cache.stats.misses == 4
+    assert cache.resident() == {(0, 1), (1, 1)}
+    assert cache.policy.score((0, 0)) == pytest.approx(0.25) and cache.policy.score((1, 0)) == pytest.approx(0.55)
 
 
-def test_access_and_prefetch_worked_by_hand():
-    """LRU, 3 slots. a, b, c of layer 0; x, y of layer 1.
+def test_access_then_prefetch_worked_by_hand():
+    """LRU, 3 slots; the runtime's layer-step: access and pin, prefetch ahead, unpin.
+    a, b, c of layer 0; x, y of layer 1.
     1. [a] + [b c]: a misses; b, c prefetched; order a b c.
     2. [b] + [x y]: b hits its prefetch; order a c b. x evicts a, y evicts c (unused: wasted).
     3. [x c] + [a]: x hits its prefetch; c misses and evicts b (x is the call's); order y x c.
-       a evicts y (unused: wasted), not x or c, which the call uses.
+       a evicts y (unused: wasted), not x or c, which the layer uses.
     4. [a] + [x]: a hits its prefetch; all resident, nothing moves."""
     a, b, c, x, y = (0, 0), (0, 1), (0, 2), (1, 0), (1, 1)
     evicted = []
     cache = ExpertCache(3, LRU(), on_evict=evicted.append)
-    assert cache.access_and_prefetch([a], [b, c]) == (1, [b, c])
-    assert cache.access_and_prefetch([b], [x, y]) == (0, [x, y])
-    assert cache.access_and_prefetch([x, c], [a]) == (1, [a])
-    assert cache.access_and_prefetch([a], [x]) == (0, [])
+    results = []
+    for keys, ahead in [([a], [b, c]), ([b], [x, y]), ([x, c], [a]), ([a], [x])]:
+        misses = cache.access_many(keys, pin=True)
+        results.append((misses, cache.prefetch_many(ahead)))
+        cache.unpin_many(keys)
+    assert results == [(1, [b, c]), (0, [x, y]), (1, [a]), (0, [])]
     assert evicted == [a, c, b, y]
     assert cache.resident() == {x, c, a} and cache.pinned() == {}
     s = cache.stats
@@ -258,9 +275,11 @@ def test_access_and_prefetch_worked_by_hand():
     assert (s.prefetch_inserts, s.prefetch_hits, s.wasted_prefetches, s.evictions) == (5, 3, 2, 4)
 
 
-def test_access_and_prefetch_spares_the_accessed_keys():
+def test_a_prefetch_spares_the_pinned_keys_of_the_layer():
     """FIFO would evict A (first in), but A is being used: the prefetch of C evicts B."""
     cache = ExpertCache(2, make_policy("fifo"))
     cache.access_many([A, B])
-    assert cache.access_and_prefetch([A], [C]) == (0, [C])
+    cache.access_many([A], pin=True)
+    assert cache.prefetch_many([C]) == [C]
+    cache.unpin_many([A])
     assert cache.resident() == {A, C} and cache.pinned() == {}
