@@ -283,3 +283,17 @@ def test_a_prefetch_spares_the_pinned_keys_of_the_layer():
     assert cache.prefetch_many([C]) == [C]
     cache.unpin_many([A])
     assert cache.resident() == {A, C} and cache.pinned() == {}
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_a_cache_told_nothing_of_the_model_grows_and_decides_the_same(per_layer):
+    """Without n_layers/n_experts the cache numbers keys as they come and grows its arrays (here
+    past 64 keys and 1 layer); its decisions equal those of a cache numbered up front."""
+    rng = random.Random(5)
+    calls = [[(layer, e) for e in rng.sample(range(6), 2)] for _ in range(400) for layer in (rng.randrange(40),)]
+    grown = ExpertCache(3 if per_layer else 24, make_policy("lfu"), per_layer=per_layer)
+    numbered = ExpertCache(3 if per_layer else 24, make_policy("lfu"), per_layer=per_layer, n_layers=40, n_experts=6)
+    for keys in calls:
+        assert grown.access_many(keys) == numbered.access_many(keys)
+    assert grown.stats == numbered.stats and grown.stats.evictions > 0
+    assert grown.resident() == numbered.resident()
