@@ -13,7 +13,7 @@ from offload_runtime.store import ExpertStore
 from predictor.artifact import load_predictor
 from predictor.base import ExpertPredictor
 from prescient.fingerprint import fingerprint_model
-from prescient.loading import load_model
+from prescient.loading import load_without_experts
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
     `generate(...)` works as usual. `model.offload_runtime` holds the runtime: `stats()`, and
     `close()`, which stops its threads; or run the model inside `with model.offload_runtime:`.
     """
-    model, layers = load_model(model_dir, dtype=torch.float32)
+    model, layers = load_without_experts(model_dir, dtype=torch.float32)  # experts stay on disk
     fingerprint = fingerprint_model(model, layers)
     if isinstance(predictor, ExpertPredictor):
         fingerprint.require_same(predictor.meta.fingerprint, f"predictor {predictor.kind!r}")
@@ -45,8 +45,9 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
     except BaseException:
         expert_store.close()
         raise
-    # What stays resident (attention, routers, norms, shared experts) is copied out of the
-    # memory-mapped checkpoint, so the mapping goes and dropping the page cache really drops it.
+    # What stays resident (attention, routers, norms, shared experts) moves to the device; on the
+    # fallback path (a full load) this also copies it out of the memory-mapped checkpoint, so the
+    # mapping goes and dropping the page cache really drops it.
     for tensor in [*model.parameters(), *model.buffers()]:
         tensor.data = tensor.data.to(device, copy=True)
     log.info("offloaded %d MoE layers: %d of %d experts fit the budget (%.1f MiB of slots)", len(layers),

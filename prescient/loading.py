@@ -7,8 +7,13 @@ import logging
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
+from accelerate.utils import set_module_tensor_to_device
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig, PreTrainedModel,
+)
+from transformers.core_model_loading import revert_weight_conversion
 
 from prescient.arch import MoELayer, find_moe_layers
 from prescient.errors import ModelFilesError
@@ -42,6 +47,15 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def check_model_dir(path: Path) -> list[Path]:
+    """A local model directory's weight files; clear errors for what is missing or corrupt."""
+    if not path.exists():
+        raise ModelFilesError(f"model directory {path} does not exist")
+    if not (path / "config.json").exists():
+        raise ModelFilesError(f"{path} has no config.json; expected a Hugging Face model directory")
+    return weight_files(path)
+
+
 def model_class(config) -> type:
     return AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
 
@@ -51,9 +65,7 @@ def load_model(model: str | Path, dtype: torch.dtype | None = None, **kwargs) ->
     anything else is taken as a hub name (needs the network)."""
     path = Path(model)
     if path.exists():
-        if not (path / "config.json").exists():
-            raise ModelFilesError(f"{path} has no config.json; expected a Hugging Face model directory")
-        weight_files(path)
+        check_model_dir(path)
     elif str(model).startswith((".", "/")) or path.suffix:
         raise ModelFilesError(f"model directory {path} does not exist")
     try:
@@ -63,6 +75,55 @@ def load_model(model: str | Path, dtype: torch.dtype | None = None, **kwargs) ->
     loaded = model_class(config).from_pretrained(model, dtype=dtype or "auto", **kwargs)
     loaded.eval()
     return loaded, find_moe_layers(loaded)
+
+
+def load_without_experts(model_dir: str | Path, dtype: torch.dtype) -> tuple[PreTrainedModel, list[MoELayer]]:
+    """The model from a local directory with every tensor but the routed experts read from its
+    safetensors files; the experts stay on the meta device (shapes and dtypes only), for an
+    offloaded experts module to replace. Memory then holds the other weights alone, never the
+    whole model. Where transformers converts more than the experts' tensors on loading (rather
+    than only renaming them), this falls back to `load_model`, with a warning."""
+    path = Path(model_dir)
+    weights = check_model_dir(path)
+    config = AutoConfig.from_pretrained(path)
+    with init_empty_weights(include_buffers=False):
+        model = model_class(config).from_config(config, dtype=dtype)
+    layers = find_moe_layers(model)
+    expert_ids = {id(param) for layer in layers for param in layer.experts.parameters()}
+    wanted = {name: tensor for name, tensor in model.state_dict(keep_vars=True).items() if id(tensor) not in expert_ids}
+    checkpoint_name = {id(tensor): name for name, tensor in revert_weight_conversion(model, dict(wanted)).items()}
+    if any(id(tensor) not in checkpoint_name for tensor in wanted.values()):
+        log.warning("%s: transformers converts more than the experts on loading; loading the whole model", path)
+        return load_model(path, dtype=dtype)
+    files = {key: file for file in weights for key in _keys(file)}
+    for name, tensor in wanted.items():
+        key = next((k for k in _candidates(checkpoint_name[id(tensor)]) if k in files), None)
+        if key is None:
+            continue  # tied to another tensor, or a buffer the model computes itself: checked below
+        with safe_open(str(files[key]), framework="pt") as handle:
+            value = handle.get_tensor(key)
+        if tuple(value.shape) != tuple(tensor.shape):
+            raise ModelFilesError(f"{key} in {files[key].name} has shape {list(value.shape)}, the model expects "
+                                  f"{list(tensor.shape)}")
+        set_module_tensor_to_device(model, name, "cpu", value=value, dtype=tensor.dtype)
+    model.tie_weights()
+    missing = [name for name, param in model.named_parameters() if param.device.type == "meta" and id(param) not in expert_ids]
+    if missing:
+        raise ModelFilesError(f"{path} lacks weights the model needs: {missing[:5]}")
+    if (path / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    model.eval()
+    return model, layers
+
+
+def _keys(file: Path) -> list[str]:
+    with safe_open(str(file), framework="pt") as handle:
+        return list(handle.keys())
+
+
+def _candidates(key: str) -> tuple[str, ...]:
+    """A checkpoint may name tensors with or without the base model's prefix."""
+    return key, key.split(".", 1)[-1], f"model.{key}"
 
 
 def load_tokenizer(model: str | Path):
