@@ -259,19 +259,18 @@ class ExpertCache:
         The same as the per-call API driven step by step. Returns the late prefetches."""
         empty_i, empty_f = np.zeros(1, np.int64), np.zeros(0, np.float64)
         score_keys, score_values, score_offsets = scores if scores is not None else (empty_i, empty_f, empty_i)
-        buffer = max(int(np.diff(offsets).max(initial=0)), 1)
+        largest = max(int(np.diff(offsets).max(initial=0)), 1)  # the most keys one call inserts
+        if predicted is not None:
+            largest = max(largest, int(np.diff(predicted[1]).max(initial=0)))
+        inserted, evicted = np.empty(largest, np.int64), np.empty(largest, np.int64)
         with self._lock:
-            inserted, evicted = np.empty(buffer, np.int64), np.empty(buffer, np.int64)
             if predicted is None:
-                late, off = 0, loops.replay_demand(self.state.struct, n_layers, keys, offsets, score_keys, score_values,
-                                                    score_offsets, scores is not None, inserted, evicted)
+                late, off = 0, loops.replay_demand(self.state.struct, n_layers, keys, offsets, score_keys,
+                                                   score_values, score_offsets, scores is not None, inserted, evicted)
             else:
-                predicted_keys, predicted_offsets = predicted
-                buffer = max(buffer, int(np.diff(predicted_offsets).max(initial=0)))
-                inserted, evicted = np.empty(buffer, np.int64), np.empty(buffer, np.int64)
                 late, off = loops.replay_prefetch(
                     self.state.struct, n_layers, keys, offsets, score_keys, score_values, score_offsets,
-                    scores is not None, predicted_keys, predicted_offsets, ahead,
+                    scores is not None, predicted[0], predicted[1], ahead,
                     -1 if bandwidth is None else bandwidth, inserted, evicted)
             if off >= 0:
                 raise self.policy.off_sequence(int(off), self._keys[keys[off]])

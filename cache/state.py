@@ -1,8 +1,8 @@
 """The cache's state as flat arrays, which the compiled kernels (`cache.kernel`) work on.
 
-It is a numba StructRef: compiled functions pass it as one reference (a tuple of arrays would
-cost a reference count per array on every call). From Python its fields read as numpy arrays
-that share its memory.
+`StateArrays` holds the numpy arrays, which Python code reads and writes in place, and `struct`, a
+numba StructRef over the same memory that compiled functions pass as one reference (a tuple of
+arrays would cost a reference count per array on every call).
 
 Keys `(layer, expert)` are numbered densely (`ExpertCache` owns the numbering); every per-key
 field is an array indexed by that id. A policy's order is a rank per key, compared as
