@@ -3,7 +3,8 @@
 The inference thread submits each forward's new input ids (the whole prompt at prefill, the
 sampled tokens at each decode step) and goes on; this thread feeds them to the predictor, token
 by token (causal, incremental), and publishes one hash table per forward: per MoE layer, the
-predicted expert scores summed over the forward's tokens. The inference thread only polls: a
+predicted expert scores summed over the forward's tokens. Each token stream (an encoder-decoder
+has two: the encoder's prompt and the decoder's tokens) keeps its own predictor state. The inference thread only polls: a
 table not ready when a layer needs it is late, and that layer proceeds with demand loads.
 
 Requests queue without bound, so the inference thread never waits on the predictor; a predictor
@@ -49,21 +50,20 @@ class HashBuilder:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._closed = False
-        self._state: Any = None  # the predictor's decode state (None is a valid state)
-        self._started = False
+        self._states: dict[int, Any] = {}  # per stream, the predictor's decode state (None is a valid state)
         self._thread = threading.Thread(target=self._run, name="hash-builder", daemon=True)
         self._thread.start()
 
     def submit(self, step: int, input_ids: torch.Tensor, new_sequence: bool,
-               attention_mask: torch.Tensor | None = None) -> None:
-        """Queue forward `step`'s new ids ([B, T]); `attention_mask` ([B, T], 0 = padding) keeps
-        padding out of the table (a padded row's state still steps over it: the predictor steps all
-        rows at once). `new_sequence` starts a fresh predictor state."""
+               attention_mask: torch.Tensor | None = None, stream: int = 0) -> None:
+        """Queue forward `step`'s new ids ([B, T]) of token `stream`; `attention_mask` ([B, T],
+        0 = padding) keeps padding out of the table (a padded row's state still steps over it: the
+        predictor steps all rows at once). `new_sequence` starts the stream's state afresh."""
         self._raise_pending()
         if self._closed:
             raise HashBuilderError("the hash-building thread is closed")
         mask = None if attention_mask is None else attention_mask.detach().to("cpu")
-        self._requests.put((step, input_ids.detach().to("cpu"), new_sequence, mask))
+        self._requests.put((step, input_ids.detach().to("cpu"), new_sequence, mask, stream))
 
     def poll(self, step: int) -> HashTable | None:
         """The table of forward `step` if it is ready now, else None; never waits."""
@@ -86,15 +86,16 @@ class HashBuilder:
             raise HashBuilderError(f"the hash-building thread failed: {self._error!r}") from self._error
 
     @torch.inference_mode()
-    def _predict(self, input_ids: torch.Tensor, new_sequence: bool,
-                 mask: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-        if new_sequence or not self._started:
-            self._state, self._started = self.predictor.start(input_ids.shape[0]), True
+    def _predict(self, input_ids: torch.Tensor, new_sequence: bool, mask: torch.Tensor | None,
+                 stream: int) -> tuple[torch.Tensor, int]:
+        if new_sequence or stream not in self._states:
+            self._states[stream] = self.predictor.start(input_ids.shape[0])
+        state = self._states[stream]
         if mask is not None:
             mask = mask[:, -input_ids.shape[1]:].float()
         scores = None
         for position in range(input_ids.shape[1]):  # causal, incremental: each token seen once
-            step_scores = self.predictor.step(self._state, input_ids[:, position]).float()  # [B, L, E]
+            step_scores = self.predictor.step(state, input_ids[:, position]).float()  # [B, L, E]
             if mask is not None:
                 step_scores = step_scores * mask[:, position, None, None]
             summed = step_scores.sum(0)
@@ -107,9 +108,9 @@ class HashBuilder:
             request = self._requests.get()
             if request is None or self._closed:
                 return
-            step, input_ids, new_sequence, mask = request
+            step, input_ids, new_sequence, mask, stream = request
             try:
-                scores, tokens = self._predict(input_ids, new_sequence, mask)
+                scores, tokens = self._predict(input_ids, new_sequence, mask, stream)
             except BaseException as exc:  # raised in the inference thread by submit() / poll()
                 log.error("hash-building thread failed at forward %d: %r", step, exc)
                 self._error = exc

@@ -1,11 +1,12 @@
 """OffloadRuntime: a transformers MoE model whose routed experts live in a slow tier.
 
-Per forward of the model, a pre-hook hands its new input ids to the hash-building thread.
-Per MoE layer (inference thread), in `use(layer, experts)`:
+Per forward of a stack (the model; an encoder-decoder's encoder and decoder apart, see
+`prescient.arch.moe_stacks`), a pre-hook hands its new input ids, as that stack's token stream,
+to the hash-building thread. Per MoE layer (inference thread), in `use(layer, experts)`:
   1. the layer's selected experts are accessed in the `ExpertCache` and pinned; misses get a
      slot and a demand load (the transfer engine serves demand loads first)
   2. with a predictor: the forward's hash table, once ready, is turned into prefetches of the
-     predicted experts of the layers after this one, nearest layer first, as far as the slots
+     predicted experts of the stack's layers after this one, nearest layer first, as far as the slots
      not in use allow (one prefetch call never evicts a key of its own, so a prefetch never
      evicts another wanted one); each layer tops this up
   3. every selected expert is waited for; the model's own expert math runs on the slots
@@ -36,8 +37,8 @@ from offload_runtime.offloaded_experts import offload_experts
 from offload_runtime.slots import SlotPool
 from offload_runtime.store import ExpertStore
 from offload_runtime.transfer import Ticket, TransferEngine
-from predictor.base import ExpertPredictor, PredictorError
-from prescient.arch import MoELayer, is_encoder_decoder
+from predictor.base import ExpertPredictor
+from prescient.arch import MoELayer, is_encoder_decoder, moe_stacks
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ _STEP_PRIORITY = 2.0**24  # a newer forward's prefetches go before an older one'
 
 @dataclass
 class RuntimeStats:
-    forwards: int
+    forwards: int  # of the stacks: an encoder-decoder's encoder and decoder forwards count apart
     accesses: int
     hits: int
     misses: int
@@ -75,9 +76,11 @@ class OffloadRuntime:
     def __init__(self, model: nn.Module, layers: list[MoELayer], store: ExpertStore, pool: SlotPool,
                  policy: str = "lru", predictor: ExpertPredictor | None = None,
                  prefetch_per_layer: int | None = None) -> None:
-        if predictor is not None and is_encoder_decoder(model):
-            raise PredictorError("predictor-driven prefetch is not supported for encoder-decoder models yet "
-                                 "(the encoder pass does not go through the model's forward); load without one")
+        if predictor is not None and is_encoder_decoder(model) \
+                and not predictor.meta.training.get("settings", {}).get("decoder_reads_row_token"):
+            log.warning("predictor %r was not trained on a trace whose decoder rows are the steps reading the "
+                        "row's token (a trace made before that convention): its decoder-layer guesses are one "
+                        "token off; trace again and retrain", predictor.kind)
         self.model, self.layers, self.store, self.pool = model, layers, store, pool
         self.top_k = layers[0].top_k
         self.n_experts = layers[0].num_experts
@@ -90,6 +93,7 @@ class OffloadRuntime:
         self.late_tables = 0
         self.tables_on_time = 0
         self._step = -1
+        self._layers = range(len(layers))  # the MoE layers of the running stack
         self._wanted: list[list[Key]] | None = None  # this forward's predicted keys, per layer
         self._table_counted = False
         self._prefetched_after = -1  # last layer whose prefetches were issued this forward
@@ -97,7 +101,8 @@ class OffloadRuntime:
         self._tickets: dict[Key, Ticket] = {}
         for layer in layers:  # the resident expert tensors are dropped with the old module
             layer.block.experts = layer.experts = offload_experts(layer, pool.buffers, self)
-        self._handles = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
+        self._handles = [stack.module.register_forward_pre_hook(self._on_forward(stream, stack.layers), with_kwargs=True)
+                         for stream, stack in enumerate(moe_stacks(model, layers))]
         if getattr(self.policy, "uses_scores", False):
             self._handles += [layer.router.register_forward_hook(self._router_scores(layer)) for layer in layers]
         self.engine = TransferEngine(store, pool)
@@ -110,18 +115,22 @@ class OffloadRuntime:
 
     # -- hooks ------------------------------------------------------------------------------
 
-    def _on_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Each forward of the model: a new step; hand its new input ids to the hash builder."""
-        self._step += 1
-        self._wanted, self._table_counted, self._prefetched_after, self._rank = None, False, -1, 0
-        if self.builder is None:
-            return
-        input_ids = kwargs["input_ids"] if "input_ids" in kwargs else (args[0] if args else None)
-        if input_ids is None:  # inputs_embeds: nothing to hash, this forward's table never comes
-            return
-        cache = kwargs.get("past_key_values")
-        new_sequence = cache is None or cache.get_seq_length() == 0
-        self.builder.submit(self._step, input_ids, new_sequence, kwargs.get("attention_mask"))
+    def _on_forward(self, stream: int, layers: range):
+        """Each forward of a stack: a new step over its layers; hand its new input ids to the hash
+        builder as token stream `stream`."""
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self._step += 1
+            self._layers = layers
+            self._wanted, self._table_counted, self._prefetched_after, self._rank = None, False, -1, 0
+            if self.builder is None:
+                return
+            input_ids = kwargs["input_ids"] if "input_ids" in kwargs else (args[0] if args else None)
+            if input_ids is None:  # inputs_embeds: nothing to hash, this forward's table never comes
+                return
+            cache = kwargs.get("past_key_values")
+            new_sequence = cache is None or cache.get_seq_length() == 0
+            self.builder.submit(self._step, input_ids, new_sequence, kwargs.get("attention_mask"), stream)
+        return hook
 
     def _router_scores(self, layer: MoELayer):
         """MRS: the layer's router probabilities, summed over the forward's tokens, reach the
@@ -232,11 +241,13 @@ class OffloadRuntime:
         self._rank += len(inserted)
 
     def _predicted_keys(self, table: HashTable) -> list[list[Key]]:
-        """Per layer, the experts to prefetch, best first: `prefetch_per_layer` per token of the
-        forward (a prompt uses many experts per layer), those scored above zero."""
+        """Per layer of the running stack (other layers: none), the experts to prefetch, best
+        first: `prefetch_per_layer` per token of the forward (a prompt uses many experts per
+        layer), those scored above zero."""
         count = min(self.n_experts, self.prefetch_per_layer * max(table.tokens, 1))
         top = torch.topk(table.scores, count, dim=-1)
         return [[(layer, int(e)) for s, e in zip(values.tolist(), experts.tolist()) if s > 0]
+                if layer in self._layers else []
                 for layer, (values, experts) in enumerate(zip(top.values, top.indices))]
 
     # -- reporting and shutdown -------------------------------------------------------------

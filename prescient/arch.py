@@ -149,3 +149,24 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
 
 def is_encoder_decoder(model: nn.Module) -> bool:
     return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+@dataclass(frozen=True)
+class MoEStack:
+    """A module whose forward runs a contiguous range of the MoE layers over a token stream of
+    its own: the whole model for a decoder; the encoder (the prompt) and the decoder (the
+    start token, then each generated token) of an encoder-decoder."""
+
+    module: nn.Module
+    layers: range  # indices into find_moe_layers' list
+
+
+def moe_stacks(model: nn.Module, layers: list[MoELayer]) -> list[MoEStack]:
+    """The stacks that run `layers`, in forward order."""
+    if not is_encoder_decoder(model):
+        return [MoEStack(model, range(len(layers)))]
+    in_encoder = {id(module) for module in model.get_encoder().modules()}
+    n_encoder = sum(id(layer.block) in in_encoder for layer in layers)
+    if any(id(layer.block) in in_encoder for layer in layers[n_encoder:]):
+        raise NotAMoEModelError(f"{type(model).__name__}: encoder MoE layers do not all come before the decoder's")
+    return [MoEStack(model.get_encoder(), range(n_encoder)), MoEStack(model.get_decoder(), range(n_encoder, len(layers)))]

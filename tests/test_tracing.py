@@ -86,10 +86,11 @@ def deepseek_choice(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk
 def plain_router_logits(model, tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
     """[n, L, E] router logits of the plain model on one unpadded window."""
     ids = tokens.unsqueeze(0)
-    if model.config.is_encoder_decoder:  # the decoder reads the window shifted right, starting with pad
-        decoder_ids = torch.cat([torch.tensor([[pad_id]]), ids[:, :-1]], dim=1)
+    if model.config.is_encoder_decoder:  # the decoder reads pad (its start token), then the window
+        decoder_ids = torch.cat([torch.tensor([[pad_id]]), ids], dim=1)
         out = model(input_ids=ids, decoder_input_ids=decoder_ids, output_router_logits=True)
-        per_layer = [*out.encoder_router_logits, *out.decoder_router_logits]
+        decoder_rows = [r.reshape(len(tokens) + 1, -1)[1:] for r in out.decoder_router_logits]
+        per_layer = [*out.encoder_router_logits, *decoder_rows]
     else:
         per_layer = model(input_ids=ids, output_router_logits=True).router_logits
     return torch.stack([r.reshape(len(tokens), -1) for r in per_layer], dim=1).float()

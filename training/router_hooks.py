@@ -36,12 +36,17 @@ class RouterRecorder:
                 handle.remove()
 
     def stacked(self, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [B, S, L, E], selected [B, S, L, k]) of the last forward."""
+        """(logits [B, S, L, E], selected [B, S, L, k]) of the last forward: each layer's last S
+        positions (a decoder that also read a start token has S + 1)."""
         missing = [i for i, t in enumerate(self.logits) if t is None]
         if missing:
             raise RuntimeError(f"MoE layers {missing} did not run in the last forward")
-        logits = torch.stack([t.reshape(batch, seq, -1) for t in self.logits], dim=2)
-        selected = torch.stack([t.reshape(batch, seq, -1) for t in self.selected], dim=2)
+
+        def last(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(batch, -1, t.shape[-1])[:, -seq:]
+
+        logits = torch.stack([last(t) for t in self.logits], dim=2)
+        selected = torch.stack([last(t) for t in self.selected], dim=2)
         self.logits = [None] * len(self.layers)
         self.selected = [None] * len(self.layers)
         return logits, selected

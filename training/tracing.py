@@ -6,10 +6,12 @@ windows make one shard (see `prescient.traces` for the format). A rerun with the
 settings resumes after the last complete shard, with the same batches, so its rows are
 those of an uninterrupted run.
 
-An encoder-decoder (Switch Transformers) reads the window with its encoder and the same
-window shifted right with its decoder. A row's decoder layers are therefore those of the
-decoder step that predicts the row's token (its input is the token before, or the
-decoder start token at position 0); its encoder layers are those of the token itself.
+An encoder-decoder (Switch Transformers) reads the window with its encoder, and the decoder
+start token followed by the window with its decoder. A row's encoder and decoder layers are
+both those of the step that reads the row's token (the decoder's step on the start token is
+not a row), so a predictor fed a token stream learns one thing for both: what the layers
+reading a token pick. When serving, the encoder stream is the prompt and the decoder stream the
+start token and then each generated token. The manifest says so in `settings["decoder_reads_row_token"]`.
 """
 
 from __future__ import annotations
@@ -66,12 +68,12 @@ def decoder_start_id(config) -> int:
 
 
 def model_inputs(model, ids: torch.Tensor, mask: torch.Tensor) -> dict:
-    """Forward kwargs; an encoder-decoder also gets the same text, shifted right, as decoder input."""
+    """Forward kwargs; an encoder-decoder's decoder reads the start token, then the same text."""
     inputs = {"input_ids": ids, "attention_mask": mask}
     if is_encoder_decoder(model):
         start = torch.full_like(ids[:, :1], decoder_start_id(model.config))
-        inputs["decoder_input_ids"] = torch.cat([start, ids[:, :-1]], dim=1)
-        inputs["decoder_attention_mask"] = mask
+        inputs["decoder_input_ids"] = torch.cat([start, ids], dim=1)
+        inputs["decoder_attention_mask"] = torch.cat([torch.ones_like(mask[:, :1]), mask], dim=1)
     return inputs
 
 
@@ -158,7 +160,8 @@ def trace_model(model_dir: str | Path, dataset: str, out: str | Path, split: str
     manifest = TraceManifest(
         fingerprint=fingerprint, dataset=dataset, split=split, top_t=min(top_t, fingerprint.n_experts),
         settings={"model": str(model_dir), "max_tokens": max_tokens, "seq_len": seq_len,
-                  "shard_sequences": shard_sequences, "text_field": text_field},
+                  "shard_sequences": shard_sequences, "text_field": text_field,
+                  **({"decoder_reads_row_token": True} if is_encoder_decoder(model) else {})},
     )
     previous = _resume_point(out, manifest)
     if previous is not None and previous.complete:

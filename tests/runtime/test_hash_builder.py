@@ -77,6 +77,22 @@ def test_one_table_per_forward_with_causal_state_and_padding():
         builder.close()
 
 
+def test_each_token_stream_keeps_its_own_state():
+    """An encoder-decoder's encoder (stream 0) and decoder (stream 1) interleave; each goes on
+    from its own last token."""
+    builder = HashBuilder(CountingPredictor())
+    try:
+        builder.submit(0, torch.tensor([[0, 0, 0]]), new_sequence=True, stream=0)  # a prompt of 3
+        builder.submit(1, torch.tensor([[0]]), new_sequence=True, stream=1)  # the decoder's start token
+        builder.submit(2, torch.tensor([[0]]), new_sequence=False, stream=1)  # its second token
+        builder.submit(3, torch.tensor([[0]]), new_sequence=False, stream=0)  # the encoder's fourth
+        seen = [wait_table(builder, step).scores[0].argmax().item() for step in range(4)]
+        assert seen == [0, 0, 1, 3]  # step 0 sums counts 0, 1, 2 with ties: argmax is the first
+        assert wait_table(builder, 0).scores[0].tolist() == [1.0, 1.0, 1.0, 0.0]
+    finally:
+        builder.close()
+
+
 def test_slow_predictor_tables_come_late_and_in_order():
     gate = threading.Event()
     builder = HashBuilder(CountingPredictor(gate=gate), keep=8)

@@ -15,6 +15,7 @@ import torch
 from offload_runtime import generate_cli
 from offload_runtime.loader import load_offloaded
 from predictor import FrequencyPredictor, PredictorMeta, TokenTablePredictor, save_predictor
+from prescient.arch import moe_stacks
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_model, load_tokenizer
 
@@ -107,7 +108,8 @@ def wait_for_tables(model) -> None:
             assert time.monotonic() < deadline, f"no hash table for forward {runtime.step} within 10 s"
             time.sleep(0.001)
 
-    model.register_forward_pre_hook(hook, with_kwargs=True)
+    for stack in moe_stacks(model, runtime.layers):
+        stack.module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 @pytest.mark.parametrize(("arch", "kind", "budget", "policy", "synced"), [
@@ -135,6 +137,59 @@ def test_generate_with_predictor(tiny_moe_dir, tmp_path, arch, kind, budget, pol
         assert stats.tables_on_time == stats.forwards
         assert stats.prefetch_inserts > 0 and stats.prefetch_loads > 0 and stats.prefetch_hits > 0
     assert 0.0 <= stats.prefetch_accuracy <= 1.0
+
+
+class StreamRecordingPredictor(TokenTablePredictor):
+    """A token table that remembers, per decoding state it started, the tokens it was fed."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.streams: list[list[list[int]]] = []
+
+    def start(self, batch_size: int) -> list[list[int]]:
+        self.streams.append([])
+        return self.streams[-1]
+
+    def step(self, state: list[list[int]], token_ids: torch.Tensor) -> torch.Tensor:
+        state.append(token_ids.tolist())
+        return super().step(None, token_ids)
+
+
+def test_switch_predictor_reads_the_prompt_for_the_encoder_and_the_decoder_tokens_for_the_decoder(tiny_moe_dir):
+    """The encoder's forward hashes the prompt and prefetches encoder layers; each decoder
+    forward hashes the token the decoder reads (the start token, then each generated one) and
+    prefetches decoder layers."""
+    path = tiny_moe_dir("switch_transformers")
+    inputs = encode(path, encoder_decoder=True)
+    plain, layers = load_model(path, dtype=torch.float32)
+    want = generate(plain, inputs, new_tokens=5)
+    fingerprint = fingerprint_model(plain, layers)
+    counts = torch.randint(0, 5, (fingerprint.vocab_size, fingerprint.n_moe_layers, fingerprint.n_experts),
+                           generator=torch.Generator().manual_seed(0)).float()
+    meta = PredictorMeta("token-table", fingerprint, training={"settings": {"decoder_reads_row_token": True}})
+    predictor = StreamRecordingPredictor(counts, meta)
+    model = load_offloaded(path, predictor=predictor, policy="lru", budget=0.5)
+    wait_for_tables(model)
+    runtime = model.offload_runtime
+    n_encoder = len(moe_stacks(model, runtime.layers)[0].layers)
+    prefetched, prefetch = [], runtime.prefetch  # (forward, layer) of each prefetched expert
+
+    def recording_prefetch(keys, priority=0.0):
+        inserted = prefetch(keys, priority)
+        prefetched.extend((runtime.step, layer) for layer, _ in inserted)
+        return inserted
+
+    runtime.prefetch = recording_prefetch
+    with runtime:
+        out = generate(model, inputs, new_tokens=5)
+    assert torch.equal(out, want)
+    assert len(predictor.streams) == 2 and 0 < n_encoder < len(runtime.layers)
+    assert predictor.streams[0] == inputs["input_ids"].T.tolist()  # the prompt, position by position
+    assert predictor.streams[1] == out[:, :-1].T.tolist()  # the start token, then every token but the last
+    assert {forward for forward, _ in prefetched} > {0}  # the encoder's forward and decoder forwards
+    assert all((layer < n_encoder) == (forward == 0) for forward, layer in prefetched)
+    stats = runtime.stats()
+    assert stats.forwards == 6 and stats.tables_on_time == 6 and stats.prefetch_hits > 0
 
 
 def test_generate_cli_prints_and_writes_json(tiny_moe_dir, tmp_path, capsys):
