@@ -4,7 +4,7 @@ cache policy, beside the all-resident model and accelerate's disk offload.
     prescient bench --model DIR --json OUT.json --plot OUT.png [--budgets 0.25,0.5,1.0] \
         [--predictors none,freq,corr,oracle,sida=PATH] [--policies lru,lfu,fifo,mrs] \
         [--grid default|full | --runs PRED:POLICY@BUDGET,...] [--train-trace DIR] \
-        [--new-tokens N] [--prompts K] [--prompt-tokens T] [--in-process]
+        [--new-tokens N] [--prompts K] [--prompt-tokens T] [--sample SEED] [--in-process]
 
 How each number is measured is in `METHOD` (also written into the JSON as `method`).
 
@@ -14,7 +14,8 @@ method, baselines {all_resident, accelerate_disk}, runs [records], hash_thread_c
 complete. A record: label, kind, [predictor, policy, budget], tokens_per_s, peak_rss_mb,
 hit_rate, stall_seconds, bytes_moved, late_tables, exact, decode_tokens, decode_seconds,
 prefill_seconds, load_seconds, rss_after_load_mb, load_peak_rss_mb, peak_rss_scope, stats
-(the runtime's, over the decode windows), and error where a run failed.
+(the runtime's, over the decode windows), and error where a run failed. The all_resident baseline
+also holds token_ids: the reference every run is compared with.
 
 Wired into `prescient.cli` with `add_parser(sub)` and `run(args)`. The runs and their grids are in
 `bench_runtime_grid`, a job's model in `bench_runtime_load`, one measurement in its own process in
@@ -46,7 +47,10 @@ log = logging.getLogger(__name__)
 METHOD = {
     "prompts": "the first K+1 texts of the corpus split with at least T tokens, cut to T tokens; the first is a "
                "warm-up generated untimed before the K timed ones in every run (the cache carries over from prompt "
-               "to prompt, as when serving); batch size 1, greedy, exactly N new tokens",
+               "to prompt, as when serving); batch size 1, exactly N new tokens",
+    "decoding": "greedy; or, with settings.sample_seed, sampled under the model's generation settings (do_sample) "
+                "from a torch seed made of sample_seed and the prompt's ids, so every run draws the same numbers "
+                "for a prompt and exact runs generate the same tokens",
     "tokens_per_s": "a streamer notes the time of each new token; a prompt's decode time runs from its first token "
                     "(end of prefill) to its last, so prefill is excluded; tokens/s = sum(N-1) / sum(decode time) "
                     "over the timed prompts; runtime stats cover the same decode windows",
@@ -106,6 +110,7 @@ def bench_runtime(
     train_trace: str | Path | None = None,
     baselines: tuple[str, ...] = BASELINES,
     baseline_tokens: int = 4,
+    sample_seed: int | None = None,
     hash_cost_predictor: str | None = None,
     threads: int | None = None,
     store: str = "disk",
@@ -119,7 +124,8 @@ def bench_runtime(
     of the module doc, also written to `json_path` after every run (`complete` turns true at
     the end). Prompts: the first `timed_prompts` + 1 of `texts` with `prompt_tokens` tokens
     (the first is the warm-up). `predictors`: name -> artifact path, or None for a built-in
-    (freq, token, corr: fit on `train_trace`; oracle; none)."""
+    (freq, token, corr: fit on `train_trace`; oracle; none). `sample_seed`: sampled decoding
+    (see METHOD["decoding"]) instead of greedy."""
     from transformers import AutoConfig
 
     from prescient.fingerprint import ModelFingerprint
@@ -140,12 +146,12 @@ def bench_runtime(
     work.mkdir(parents=True, exist_ok=True)
     base = Job("offloaded", str(model_dir), ids[1:], new_tokens, warmup=ids[:1], warmup_tokens=warmup_tokens,
                pad_token_id=tokenizer.pad_token_id, threads=threads, store=store, drop_page_cache=drop_page_cache,
-               work_dir=str(work))
+               work_dir=str(work), sample_seed=sample_seed)
     result: dict[str, Any] = {
         "settings": {"budgets": sorted({r.budget for r in runs}), "policies": sorted({r.policy for r in runs}),
                      "predictors": {k: v and str(v) for k, v in predictors.items()}, "new_tokens": new_tokens,
                      "timed_prompts": timed_prompts, "prompt_tokens": prompt_tokens, "warmup_tokens": warmup_tokens,
-                     "baseline_tokens": baseline_tokens, "train_trace": train_trace and str(train_trace),
+                     "baseline_tokens": baseline_tokens, "sample_seed": sample_seed, "train_trace": train_trace and str(train_trace),
                      "store": store, "drop_page_cache": drop_page_cache, "isolated_processes": isolate,
                      "headline_budget": HEADLINE_BUDGET},
         "machine": machine_info(threads), "model": {"dir": str(model_dir)},
@@ -170,7 +176,8 @@ def bench_runtime(
             reference = ref["token_ids"]
             fingerprint = ModelFingerprint.from_dict(ref.pop("fingerprint"))
             if "all_resident" in baselines:
-                result["baselines"]["all_resident"] = record_of(None, "all_resident", dict(ref), reference)
+                result["baselines"]["all_resident"] = {**record_of(None, "all_resident", dict(ref), reference),
+                                                       "token_ids": reference}
             bar.update()
             paths = {"oracle": str(oracle_trace), **_artifacts(predictors, fingerprint, train_trace, work)}
             if "accelerate_disk" in baselines:
@@ -270,6 +277,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--prompts", type=int, default=2, help="timed prompts (one more is the warm-up)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="tokens per prompt")
     p.add_argument("--warmup-tokens", type=int, default=4, help="new tokens of the untimed warm-up prompt")
+    p.add_argument("--sample", type=int, default=None, metavar="SEED",
+                   help="sampled decoding under the model's generation settings, seeded per prompt by SEED "
+                        "(default: greedy)")
     p.add_argument("--dataset", default="stdlib-code", help="corpus the prompts come from")
     p.add_argument("--split", default="validation")
     p.add_argument("--baselines", default=",".join(BASELINES), help=f"comma list of {', '.join(BASELINES)}")
@@ -302,7 +312,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = bench_runtime(
         args.model, texts, predictors=predictors, runs=runs, timed_prompts=args.prompts,
         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, warmup_tokens=args.warmup_tokens,
-        train_trace=args.train_trace, baselines=baselines, baseline_tokens=args.baseline_tokens,
+        train_trace=args.train_trace, baselines=baselines, baseline_tokens=args.baseline_tokens, sample_seed=args.sample,
         hash_cost_predictor=hash_cost, threads=args.threads, store=args.store, drop_page_cache=not args.keep_page_cache,
         isolate=not args.in_process, work_dir=args.work_dir, json_path=args.json, plot_path=args.plot,
     )

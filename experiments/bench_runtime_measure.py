@@ -75,11 +75,18 @@ def _reset_peak() -> bool:
         return False
 
 
-def _generate(model: nn.Module, ids: list[int], new_tokens: int, pad: int | None, streamer=None) -> list[int]:
+def generate_ids(model: nn.Module, ids: list[int], new_tokens: int, job: Job, streamer=None) -> list[int]:
+    """Exactly `new_tokens` new ids after prompt `ids`: greedy, or with `job.sample_seed` sampled
+    under the model's generation settings from a torch seed made of that seed and the prompt, so
+    that every run draws the same numbers for a prompt and, computing the same logits, the same
+    tokens."""
     input_ids = torch.tensor([ids])
+    if job.sample_seed is not None:
+        torch.manual_seed(hash((job.sample_seed, *ids)) & 0xFFFF_FFFF)  # ints hash alike in every process
     with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad, streamer=streamer)
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                             do_sample=job.sample_seed is not None, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, pad_token_id=job.pad_token_id, streamer=streamer)
     return out[0, len(ids):].tolist()
 
 
@@ -111,7 +118,7 @@ def _record_routes(model: nn.Module, job: Job, out: Path) -> list[list[int]]:
         with recorder.recording():
             for seq, (ids, new_tokens) in enumerate(sequences):
                 parts.clear()
-                generated.append(_generate(model, ids, new_tokens, job.pad_token_id))
+                generated.append(generate_ids(model, ids, new_tokens, job))
                 rows = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
                 rows["position"] = torch.arange(len(rows["token_id"]), dtype=torch.int32)
                 columns.append(rows)
@@ -158,11 +165,11 @@ def _measure(job: Job) -> dict[str, Any]:
         load_peak, after_load = _status_mb("VmHWM"), _status_mb("VmRSS")
         reset = _reset_peak()
         for ids in job.warmup:
-            _generate(model, ids, job.warmup_tokens, job.pad_token_id)
+            generate_ids(model, ids, job.warmup_tokens, job)
         token_ids, decode_s, prefill_s, snapshots = [], 0.0, 0.0, []
         for ids in job.prompts:
             clock = _DecodeClock(runtime)
-            token_ids.append(_generate(model, ids, job.new_tokens, job.pad_token_id, clock))
+            token_ids.append(generate_ids(model, ids, job.new_tokens, job, clock))
             prefill_s += clock.times[1] - clock.times[0]
             decode_s += clock.times[len(token_ids[-1])] - clock.times[1]
             snapshots.append(clock.stats)

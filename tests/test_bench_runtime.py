@@ -107,6 +107,24 @@ def test_two_runs_baselines_oracle_and_hash_cost(tiny_moe_dir, text_corpus, tmp_
     assert ratio["vs_none_lru"] == 1.0 and ratio["vs_all_resident"] > 0 and ratio["vs_accelerate_disk"] > 0
 
 
+def test_sampled_decoding_draws_alike_in_every_run(tiny_moe_dir, text_corpus, tmp_path):
+    """With a sample seed every run samples the same tokens as the all-resident model, the oracle
+    (recorded while sampling) knows every prefix, and the tokens are not the greedy ones."""
+    model = tiny_moe_dir("qwen3_moe")
+    result = bench.bench_runtime(
+        model, corpus_texts(text_corpus), predictors={"oracle": None}, runs=parse_runs("oracle:lru@0.5"),
+        new_tokens=6, baseline_tokens=3, sample_seed=7, isolate=False)
+    assert result["settings"]["sample_seed"] == 7
+    run, = result["runs"]
+    assert run["exact"] and result["baselines"]["accelerate_disk"]["exact"]
+    assert run["stats"]["tables_on_time"] + run["stats"]["late_tables"] == run["stats"]["forwards"]
+    greedy = bench.bench_runtime(model, corpus_texts(text_corpus), predictors={"none": None},
+                                 runs=parse_runs("none:lru@0.5"), new_tokens=6, baselines=("all_resident",),
+                                 isolate=False)
+    sampled_ids = result["baselines"]["all_resident"]["token_ids"]
+    assert greedy["runs"][0]["exact"] and greedy["baselines"]["all_resident"]["token_ids"] != sampled_ids
+
+
 def test_command_line_runs_each_configuration_in_a_fresh_process(tiny_moe_dir, text_corpus, tmp_path):
     """Three processes besides this one; corr is fit on a train trace; a run that fails (its
     artifact lost its tensors) is recorded with the error and the others go on."""
