@@ -4,7 +4,7 @@ cache policy, beside the all-resident model and accelerate's disk offload.
     prescient bench --model DIR --json OUT.json --plot OUT.png [--budgets 0.25,0.5,1.0] \
         [--predictors none,freq,corr,oracle,sida=PATH] [--policies lru,lfu,fifo,mrs] \
         [--grid default|full | --runs PRED:POLICY@BUDGET,...] [--train-trace DIR] \
-        [--new-tokens N] [--prompts K] [--prompt-tokens T] [--sample SEED] [--in-process]
+        [--new-tokens N] [--prompts K] [--prompt-tokens T] [--sample SEED] [--transfer-workers N] [--in-process]
 
 How each number is measured is in `METHOD` (also written into the JSON as `method`).
 
@@ -111,6 +111,7 @@ def bench_runtime(
     baselines: tuple[str, ...] = BASELINES,
     baseline_tokens: int = 4,
     sample_seed: int | None = None,
+    transfer_workers: int = 2,
     hash_cost_predictor: str | None = None,
     threads: int | None = None,
     store: str = "disk",
@@ -146,12 +147,13 @@ def bench_runtime(
     work.mkdir(parents=True, exist_ok=True)
     base = Job("offloaded", str(model_dir), ids[1:], new_tokens, warmup=ids[:1], warmup_tokens=warmup_tokens,
                pad_token_id=tokenizer.pad_token_id, threads=threads, store=store, drop_page_cache=drop_page_cache,
-               work_dir=str(work), sample_seed=sample_seed)
+               work_dir=str(work), sample_seed=sample_seed, transfer_workers=transfer_workers)
     result: dict[str, Any] = {
         "settings": {"budgets": sorted({r.budget for r in runs}), "policies": sorted({r.policy for r in runs}),
                      "predictors": {k: v and str(v) for k, v in predictors.items()}, "new_tokens": new_tokens,
                      "timed_prompts": timed_prompts, "prompt_tokens": prompt_tokens, "warmup_tokens": warmup_tokens,
-                     "baseline_tokens": baseline_tokens, "sample_seed": sample_seed, "train_trace": train_trace and str(train_trace),
+                     "baseline_tokens": baseline_tokens, "sample_seed": sample_seed,
+                     "transfer_workers": transfer_workers, "train_trace": train_trace and str(train_trace),
                      "store": store, "drop_page_cache": drop_page_cache, "isolated_processes": isolate,
                      "headline_budget": HEADLINE_BUDGET},
         "machine": machine_info(threads), "model": {"dir": str(model_dir)},
@@ -286,6 +288,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--baseline-tokens", type=int, default=4, help="new tokens of the accelerate_disk run")
     p.add_argument("--hash-cost", default="auto",
                    help="predictor of hash_thread_cost; auto: sida if given, else skipped; off: skipped")
+    p.add_argument("--transfer-workers", type=int, default=2, help="expert copies that run at once")
     p.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
     p.add_argument("--store", choices=("disk", "host"), default="disk", help="where the offloaded experts live")
     p.add_argument("--keep-page-cache", action="store_true", help="disk store: leave read pages in the page cache")
@@ -313,6 +316,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.model, texts, predictors=predictors, runs=runs, timed_prompts=args.prompts,
         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, warmup_tokens=args.warmup_tokens,
         train_trace=args.train_trace, baselines=baselines, baseline_tokens=args.baseline_tokens, sample_seed=args.sample,
+        transfer_workers=args.transfer_workers,
         hash_cost_predictor=hash_cost, threads=args.threads, store=args.store, drop_page_cache=not args.keep_page_cache,
         isolate=not args.in_process, work_dir=args.work_dir, json_path=args.json, plot_path=args.plot,
     )

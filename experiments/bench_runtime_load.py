@@ -39,6 +39,7 @@ class Job:
     drop_page_cache: bool = True
     work_dir: str | None = None  # accelerate's offload folder is made below it
     trace_out: str | None = None  # all_resident: write the router choices of every prompt here
+    transfer_workers: int = 2
     sample_seed: int | None = None  # None: greedy; else sampled, see `bench_runtime_measure.generate_ids`
 
 
@@ -134,7 +135,7 @@ def load_job(job: Job, stack: ExitStack) -> tuple[nn.Module, Any, dict[str, Any]
                      else load_predictor(job.predictor_path))
         predictor = _IgnoredTables(predictor) if job.ignore_tables else predictor
     model = load_offloaded(job.model_dir, predictor=predictor, policy=job.policy, budget=job.budget,
-                           store=job.store, drop_page_cache=job.drop_page_cache)
+                           store=job.store, drop_page_cache=job.drop_page_cache, transfer_workers=job.transfer_workers)
     runtime = stack.enter_context(model.offload_runtime)
     layers, store = runtime.layers, runtime.store
     return model, runtime, {"model_info": {

@@ -75,7 +75,7 @@ class RuntimeStats:
 class OffloadRuntime:
     def __init__(self, model: nn.Module, layers: list[MoELayer], store: ExpertStore, pool: SlotPool,
                  policy: str = "lru", predictor: ExpertPredictor | None = None,
-                 prefetch_per_layer: int | None = None) -> None:
+                 prefetch_per_layer: int | None = None, transfer_workers: int = 2) -> None:
         if predictor is not None and is_encoder_decoder(model) \
                 and not predictor.meta.training.get("settings", {}).get("decoder_reads_row_token"):
             log.warning("predictor %r was not trained on a trace whose decoder rows are the steps reading the "
@@ -105,7 +105,7 @@ class OffloadRuntime:
                          for stream, stack in enumerate(moe_stacks(model, layers))]
         if getattr(self.policy, "uses_scores", False):
             self._handles += [layer.router.register_forward_hook(self._router_scores(layer)) for layer in layers]
-        self.engine = TransferEngine(store, pool)
+        self.engine = TransferEngine(store, pool, workers=transfer_workers)
         self.builder = HashBuilder(predictor) if predictor is not None else None
 
     @property
