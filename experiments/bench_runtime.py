@@ -111,7 +111,7 @@ def bench_runtime(
     baselines: tuple[str, ...] = BASELINES,
     baseline_tokens: int = 4,
     sample_seed: int | None = None,
-    transfer_workers: int = 2,
+    transfer_workers: int = 1,
     hash_cost_predictor: str | None = None,
     threads: int | None = None,
     store: str = "disk",
@@ -288,7 +288,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--baseline-tokens", type=int, default=4, help="new tokens of the accelerate_disk run")
     p.add_argument("--hash-cost", default="auto",
                    help="predictor of hash_thread_cost; auto: sida if given, else skipped; off: skipped")
-    p.add_argument("--transfer-workers", type=int, default=2, help="expert copies that run at once")
+    p.add_argument("--transfer-workers", type=int, default=1, help="expert copies that run at once")
     p.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
     p.add_argument("--store", choices=("disk", "host"), default="disk", help="where the offloaded experts live")
     p.add_argument("--keep-page-cache", action="store_true", help="disk store: leave read pages in the page cache")

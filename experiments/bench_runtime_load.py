@@ -39,7 +39,7 @@ class Job:
     drop_page_cache: bool = True
     work_dir: str | None = None  # accelerate's offload folder is made below it
     trace_out: str | None = None  # all_resident: write the router choices of every prompt here
-    transfer_workers: int = 2
+    transfer_workers: int = 1
     sample_seed: int | None = None  # None: greedy; else sampled, see `bench_runtime_measure.generate_ids`
 
 

@@ -37,7 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--store", choices=("disk", "host"), default="disk", help="where the experts live")
     p.add_argument("--drop-page-cache", action="store_true", help="disk store: drop read pages from the page cache")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--transfer-workers", type=int, default=2, help="expert copies that run at once")
+    p.add_argument("--transfer-workers", type=int, default=1, help="expert copies that run at once")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--json", default=None, metavar="OUT", help="write ids, text, stats and settings here")

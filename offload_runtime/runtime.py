@@ -75,7 +75,7 @@ class RuntimeStats:
 class OffloadRuntime:
     def __init__(self, model: nn.Module, layers: list[MoELayer], store: ExpertStore, pool: SlotPool,
                  policy: str = "lru", predictor: ExpertPredictor | None = None,
-                 prefetch_per_layer: int | None = None, transfer_workers: int = 2) -> None:
+                 prefetch_per_layer: int | None = None, transfer_workers: int = 1) -> None:
         if predictor is not None and is_encoder_decoder(model) \
                 and not predictor.meta.training.get("settings", {}).get("decoder_reads_row_token"):
             log.warning("predictor %r was not trained on a trace whose decoder rows are the steps reading the "
