@@ -315,8 +315,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = bench_runtime(
         args.model, texts, predictors=predictors, runs=runs, timed_prompts=args.prompts,
         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, warmup_tokens=args.warmup_tokens,
-        train_trace=args.train_trace, baselines=baselines, baseline_tokens=args.baseline_tokens, sample_seed=args.sample,
-        transfer_workers=args.transfer_workers,
+        train_trace=args.train_trace, baselines=baselines, baseline_tokens=args.baseline_tokens,
+        sample_seed=args.sample, transfer_workers=args.transfer_workers,
         hash_cost_predictor=hash_cost, threads=args.threads, store=args.store, drop_page_cache=not args.keep_page_cache,
         isolate=not args.in_process, work_dir=args.work_dir, json_path=args.json, plot_path=args.plot,
     )

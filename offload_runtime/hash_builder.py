@@ -4,8 +4,9 @@ The inference thread submits each forward's new input ids (the whole prompt at p
 sampled tokens at each decode step) and goes on; this thread feeds them to the predictor, token
 by token (causal, incremental), and publishes one hash table per forward: per MoE layer, the
 predicted expert scores summed over the forward's tokens. Each token stream (an encoder-decoder
-has two: the encoder's prompt and the decoder's tokens) keeps its own predictor state. The inference thread only polls: a
-table not ready when a layer needs it is late, and that layer proceeds with demand loads.
+has two: the encoder's prompt and the decoder's tokens) keeps its own predictor state. The
+inference thread only polls: a table not ready when a layer needs it is late, and that layer
+proceeds with demand loads.
 
 Requests queue without bound, so the inference thread never waits on the predictor; a predictor
 slower than the model falls behind and its tables arrive late. A failure of the predictor stops

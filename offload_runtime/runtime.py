@@ -101,7 +101,8 @@ class OffloadRuntime:
         self._tickets: dict[Key, Ticket] = {}
         for layer in layers:  # the resident expert tensors are dropped with the old module
             layer.block.experts = layer.experts = offload_experts(layer, pool.buffers, self)
-        self._handles = [stack.module.register_forward_pre_hook(self._on_forward(stream, stack.layers), with_kwargs=True)
+        self._handles = [stack.module.register_forward_pre_hook(self._on_forward(stream, stack.layers),
+                                                                with_kwargs=True)
                          for stream, stack in enumerate(moe_stacks(model, layers))]
         if getattr(self.policy, "uses_scores", False):
             self._handles += [layer.router.register_forward_hook(self._router_scores(layer)) for layer in layers]

@@ -169,4 +169,5 @@ def moe_stacks(model: nn.Module, layers: list[MoELayer]) -> list[MoEStack]:
     n_encoder = sum(id(layer.block) in in_encoder for layer in layers)
     if any(id(layer.block) in in_encoder for layer in layers[n_encoder:]):
         raise NotAMoEModelError(f"{type(model).__name__}: encoder MoE layers do not all come before the decoder's")
-    return [MoEStack(model.get_encoder(), range(n_encoder)), MoEStack(model.get_decoder(), range(n_encoder, len(layers)))]
+    return [MoEStack(model.get_encoder(), range(n_encoder)),
+            MoEStack(model.get_decoder(), range(n_encoder, len(layers)))]
