@@ -32,8 +32,8 @@ def _lines(ax, runs: list[dict[str, Any]], metric: str) -> None:
     """One line per predictor+policy: colour by predictor, style by policy."""
     colors = {p: f"C{i % 10}" for i, p in enumerate(dict.fromkeys(r["predictor"] for r in runs))}
     for predictor, policy in dict.fromkeys((r["predictor"], r["policy"]) for r in runs):
-        points = sorted((r["budget"], _value(r, metric)) for r in runs
-                        if (r["predictor"], r["policy"]) == (predictor, policy) and _value(r, metric) is not None)
+        mine = [(r["budget"], _value(r, metric)) for r in runs if (r["predictor"], r["policy"]) == (predictor, policy)]
+        points = sorted((budget, value) for budget, value in mine if value is not None)
         if points:
             ax.plot(*zip(*points), marker="o", ls=STYLES.get(policy, "-."), color=colors[predictor],
                     label=f"{predictor}+{policy}")

@@ -85,6 +85,8 @@ class Ticket:
 
 class TransferEngine:
     def __init__(self, store: ExpertSource, pool: SlotPool, workers: int = 1, join_timeout: float = 10.0) -> None:
+        if workers < 1:  # no worker: every wait would block for ever
+            raise TransferError(f"the transfer engine needs at least one worker, not {workers}")
         self.store = store
         self.pool = pool
         self.join_timeout = join_timeout

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -190,6 +191,17 @@ def test_switch_predictor_reads_the_prompt_for_the_encoder_and_the_decoder_token
     assert all((layer < n_encoder) == (forward == 0) for forward, layer in prefetched)
     stats = runtime.stats()
     assert stats.forwards == 6 and stats.tables_on_time == 6 and stats.prefetch_hits > 0
+
+
+def test_switch_predictor_from_an_old_convention_trace_is_warned_about(tiny_moe_dir, caplog):
+    path = tiny_moe_dir("switch_transformers")
+    plain, layers = load_model(path, dtype=torch.float32)
+    fingerprint = fingerprint_model(plain, layers)
+    counts = torch.ones(fingerprint.n_moe_layers, fingerprint.n_experts)
+    predictor = FrequencyPredictor(counts, PredictorMeta("frequency", fingerprint, training={"settings": {}}))
+    with caplog.at_level(logging.WARNING):
+        load_offloaded(path, predictor=predictor, budget=0.5).offload_runtime.close()
+    assert "one token off" in caplog.text
 
 
 def test_generate_cli_prints_and_writes_json(tiny_moe_dir, tmp_path, capsys):

@@ -48,6 +48,11 @@ class GatedStore:
         return [key for what, key in self.log if what == "start"]
 
 
+def test_an_engine_without_workers_is_refused():
+    with pytest.raises(TransferError, match="at least one worker"):
+        engine_for(GatedStore(), workers=0)
+
+
 def engine_for(store, slots: int = 8, workers: int = 1, **kwargs) -> TransferEngine:
     return TransferEngine(store, SlotPool(SPEC, slots, num_layers=2, num_experts=8), workers=workers, **kwargs)
 
