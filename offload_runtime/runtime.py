@@ -128,7 +128,8 @@ class OffloadRuntime:
             input_ids = kwargs["input_ids"] if "input_ids" in kwargs else (args[0] if args else None)
             if input_ids is None:  # inputs_embeds: nothing to hash, this forward's table never comes
                 return
-            cache = kwargs.get("past_key_values")
+            # transformers 5.24 renamed the forward's `past_key_values` to `cache`
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
             new_sequence = cache is None or cache.get_seq_length() == 0
             self.builder.submit(self._step, input_ids, new_sequence, kwargs.get("attention_mask"), stream)
         return hook
