@@ -6,7 +6,7 @@ else of this project.
 
 from cache.errors import CacheError, CacheFullError, CapacityError, PolicyError, UnknownPolicyError
 from cache.expert_cache import CacheStats, ExpertCache
-from cache.policies import FIFO, LFU, LRU, MRS, POLICIES, Belady, StaticHot, make_policy
+from cache.policies import FIFO, LFU, LRU, MRS, POLICIES, Belady, StaticHot, make_policy, make_serving_policy
 from cache.policy import EvictionPolicy, Key
 from cache.simulator import Replay, SimResult, batch_rows, batch_steps, expert_frequencies, simulate
 
@@ -33,5 +33,6 @@ __all__ = [
     "batch_steps",
     "expert_frequencies",
     "make_policy",
+    "make_serving_policy",
     "simulate",
 ]

@@ -1,12 +1,12 @@
 """Exceptions of the cache package, each with a message that says what to do."""
 
+from prescient.errors import CapacityError, PrescientError
 
-class CacheError(Exception):
+__all__ = ["CacheError", "CacheFullError", "CapacityError", "PolicyError", "UnknownPolicyError"]
+
+
+class CacheError(PrescientError):
     """Base class of every error the cache package raises on purpose."""
-
-
-class CapacityError(CacheError, ValueError):
-    """A capacity is too small for the cache to serve one layer at all."""
 
 
 class CacheFullError(CacheError, RuntimeError):
@@ -18,4 +18,5 @@ class UnknownPolicyError(CacheError, ValueError):
 
 
 class PolicyError(CacheError):
-    """A policy is misused: shared by two caches, or fed accesses it was not built for."""
+    """A policy is misused: shared by two caches, fed accesses it was not built for, or asked to
+    serve when it needs what only a trace knows."""

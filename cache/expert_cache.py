@@ -257,26 +257,53 @@ class ExpertCache:
         the policy; with `predicted` (key ids, offsets) the predicted keys are prefetched `ahead`
         layers early over a link moving `bandwidth` transfers per layer-step (None: instant).
         The same as the per-call API driven step by step. Returns the late prefetches."""
+        score_arrays, inserted, evicted = self._replay_buffers(offsets, scores, predicted)
+        with self._lock:
+            if predicted is None:
+                late, off = 0, loops.replay_demand(self.state.struct, n_layers, keys, offsets, *score_arrays,
+                                                   scores is not None, inserted, evicted)
+            else:
+                late, off = loops.replay_prefetch(
+                    self.state.struct, n_layers, keys, offsets, *score_arrays, scores is not None,
+                    predicted[0], predicted[1], ahead, -1 if bandwidth is None else bandwidth, inserted, evicted)
+            self._check_replay(keys, off)
+            return int(late)
+
+    def replay_timed(self, n_layers: int, keys: np.ndarray, offsets: np.ndarray, compute_s: float,
+                     transfer_s: float, scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                     predicted: tuple[np.ndarray, np.ndarray] | None = None,
+                     ahead: int = 1) -> tuple[int, np.ndarray, np.ndarray]:
+        """`replay` on a clock: each layer-step computes `compute_s` seconds once its experts are
+        in, each expert's copy takes `transfer_s` on one link, demand loads ahead of prefetches
+        (see `cache.simulator`). The cache's decisions are those of `replay`. Returns (late
+        prefetches, clock [simulated s, link idle at, stall s], loads [demand, prefetch, wasted])."""
+        score_arrays, inserted, evicted = self._replay_buffers(offsets, scores, predicted)
+        predicted_keys, predicted_offsets = predicted if predicted is not None else (
+            np.zeros(0, np.int64), np.zeros(1, np.int64))
+        clock, transfers = np.zeros(3, np.float64), np.zeros(3, np.int64)
+        with self._lock:
+            late, off = loops.replay_timed(
+                self.state.struct, n_layers, keys, offsets, *score_arrays, scores is not None, predicted_keys,
+                predicted_offsets, ahead, float(compute_s), float(transfer_s), inserted, evicted, clock, transfers)
+            self._check_replay(keys, off)
+            return int(late), clock, transfers
+
+    # -- internals (lock held) ---------------------------------------------------------------
+
+    @staticmethod
+    def _replay_buffers(offsets: np.ndarray, scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+                        predicted: tuple[np.ndarray, np.ndarray] | None) -> tuple[tuple, np.ndarray, np.ndarray]:
+        """The score arrays (empty ones without scores) and the buffers of one call's changes."""
         empty_i, empty_f = np.zeros(1, np.int64), np.zeros(0, np.float64)
-        score_keys, score_values, score_offsets = scores if scores is not None else (empty_i, empty_f, empty_i)
+        score_arrays = scores if scores is not None else (empty_i, empty_f, empty_i)
         largest = max(int(np.diff(offsets).max(initial=0)), 1)  # the most keys one call inserts
         if predicted is not None:
             largest = max(largest, int(np.diff(predicted[1]).max(initial=0)))
-        inserted, evicted = np.empty(largest, np.int64), np.empty(largest, np.int64)
-        with self._lock:
-            if predicted is None:
-                late, off = 0, loops.replay_demand(self.state.struct, n_layers, keys, offsets, score_keys,
-                                                   score_values, score_offsets, scores is not None, inserted, evicted)
-            else:
-                late, off = loops.replay_prefetch(
-                    self.state.struct, n_layers, keys, offsets, score_keys, score_values, score_offsets,
-                    scores is not None, predicted[0], predicted[1], ahead,
-                    -1 if bandwidth is None else bandwidth, inserted, evicted)
-            if off >= 0:
-                raise self.policy.off_sequence(int(off), self._keys[keys[off]])
-            return int(late)
+        return score_arrays, np.empty(largest, np.int64), np.empty(largest, np.int64)
 
-    # -- internals (lock held) ---------------------------------------------------------------
+    def _check_replay(self, keys: np.ndarray, off: int) -> None:
+        if off >= 0:
+            raise self.policy.off_sequence(int(off), self._keys[keys[off]])
 
     def _evicted(self, ids: np.ndarray) -> None:
         if self.on_evict is not None:

@@ -143,3 +143,20 @@ def make_policy(name: str, **kwargs: object) -> EvictionPolicy:
             f"unknown cache policy {name!r}; known policies: {', '.join(POLICIES)}"
         ) from None
     return cls(**kwargs)
+
+
+# what the serving runtime cannot give a policy, which a replayed trace can
+_NEEDS_A_TRACE = {
+    "belady": "it needs the future access sequence (the offline bound); compare it with `prescient compare-caches`",
+    "static": "it needs expert frequencies counted on a trace; compare it with `prescient compare-caches`",
+}
+
+
+def make_serving_policy(name: str, top_k: int) -> EvictionPolicy:
+    """A policy the serving runtime can drive, by registry name, for a model routing `top_k`
+    experts per token; a policy that needs a trace is refused with the reason."""
+    key = name.lower()
+    if key in _NEEDS_A_TRACE:
+        raise PolicyError(f"cache policy {name!r} cannot serve: {_NEEDS_A_TRACE[key]}; "
+                          f"serving policies: {', '.join(p for p in POLICIES if p not in _NEEDS_A_TRACE)}")
+    return make_policy(key, **({"top_k": top_k} if key == "mrs" else {}))

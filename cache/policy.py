@@ -7,15 +7,24 @@ A policy object serves one cache: `attach` binds it, and a policy that knows key
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
 
 from cache.errors import PolicyError
 
-if TYPE_CHECKING:
-    from cache.expert_cache import ExpertCache
-
 Key = tuple[int, int]
 """(layer, expert)."""
+
+
+class PolicyHost(Protocol):
+    """What a policy sees of the cache it serves (`ExpertCache`): the key numbering and the state
+    its ranks are written into."""
+
+    state: Any
+
+    def key_ids(self, keys: Sequence[Key] | np.ndarray) -> np.ndarray: ...
 
 
 class EvictionPolicy:
@@ -38,14 +47,14 @@ class EvictionPolicy:
     p: int = 0
 
     def __init__(self) -> None:
-        self.cache: ExpertCache | None = None
+        self.cache: PolicyHost | None = None
 
     @property
     def default_rank(self) -> float:
         """The insertion rank of a key the policy was told nothing about."""
         return 0.0
 
-    def attach(self, cache: ExpertCache) -> None:
+    def attach(self, cache: PolicyHost) -> None:
         """Called once by the cache that owns this policy."""
         if self.cache is not None:
             raise PolicyError(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cache.heap import jit
+from cache.heap import inline, jit
 from cache.kernel import load, prefetch_many, use
 from cache.rules import on_router_scores
 
@@ -119,4 +119,169 @@ def replay_prefetch(st, n_layers, keys, offsets, score_keys, score_values, score
                     st.pins[key] -= 1
             if limited:
                 _transfer(bandwidth, pending, serial, queue, link)
+    return late, -1
+
+
+# --- the timed replay: a clock, and one link whose queue serves demand loads first ---------------
+NOW, FREE, STALL = range(3)  # clock[...]: simulated time, when the link is next idle, stall time
+DEMAND, PREFETCH, WASTED_LOADS = range(3)  # loads[...]: started transfers, prefetches moved unused
+CUR, END, TOKEN = range(3)  # a queue segment: its next entry, its end, the token-step that issued it
+
+
+@inline
+def _live(seg, d, q_key, queued, serial):
+    """Segment d's first live entry (its cursor moved past cancelled ones), or its end."""
+    c, end = seg[d, CUR], seg[d, END]
+    while c < end and not (queued[q_key[c]] and serial[q_key[c]] == c):
+        c += 1
+    seg[d, CUR] = c
+    return c
+
+
+@inline
+def _next_prefetch(seg, depth, q_key, q_time, queued, serial, free):
+    """The queued prefetch the link takes when idle at `free`: of those issued by then, the
+    newest token-step's first (the runtime ranks a newer forward's prefetches first, then by
+    issue order); if none was issued by then, the earliest. Drops emptied segments.
+    Returns (entry, segment, depth) with entry -1 when the queue is empty."""
+    earliest, earliest_d = -1, -1
+    d = depth - 1
+    while d >= 0:
+        c = _live(seg, d, q_key, queued, serial)
+        if c == seg[d, END]:  # emptied for good: a segment only grows while it is the top one
+            for i in range(d, depth - 1):
+                seg[i] = seg[i + 1]
+            depth -= 1
+            if earliest_d > d:
+                earliest_d -= 1
+        elif q_time[c] <= free:
+            return c, d, depth
+        else:  # lower segments were issued earlier
+            earliest, earliest_d = c, d
+        d -= 1
+    return earliest, earliest_d, depth
+
+
+@inline
+def _advance(until, transfer_s, seg, tq, q_key, q_time, queued, serial, done, moved, clock, loads):
+    """Start, in the link's order, every queued prefetch the link takes before `until`."""
+    while True:
+        c, d, depth = _next_prefetch(seg, tq[1], q_key, q_time, queued, serial, clock[FREE])
+        tq[1] = depth
+        if c < 0:
+            return
+        start = max(clock[FREE], q_time[c])
+        if start >= until:
+            return
+        key = q_key[c]
+        queued[key] = False
+        done[key] = clock[FREE] = start + transfer_s
+        moved[key] = True
+        loads[PREFETCH] += 1
+        seg[d, CUR] = c + 1
+
+
+@inline
+def _evicted(evicted, n_evicted, queued, moved, loads):
+    """Evicted keys leave the queue (a started copy completes: wasted if it was never used)."""
+    for k in range(n_evicted):
+        key = evicted[k]
+        queued[key] = False
+        if moved[key]:
+            moved[key] = False
+            loads[WASTED_LOADS] += 1
+
+
+@inline
+def _issue(st, wanted, token, issued, seg, tq, q_key, q_time, queued, serial, moved, loads, inserted, evicted):
+    """Prefetch `wanted` at time `issued`: the inserted keys join token-step `token`'s segment."""
+    n_inserted, n_evicted = prefetch_many(st, wanted, False, inserted, evicted)
+    _evicted(evicted, n_evicted, queued, moved, loads)
+    if n_inserted == 0:
+        return
+    tail, depth = tq[0], tq[1]
+    if depth == 0 or seg[depth - 1, TOKEN] != token:
+        seg[depth, CUR], seg[depth, END], seg[depth, TOKEN] = tail, tail, token
+        depth += 1
+    for k in range(n_inserted):
+        key = inserted[k]
+        q_key[tail], q_time[tail] = key, issued
+        serial[key] = tail  # an entry is live while its key is queued and its serial names it
+        queued[key] = True
+        tail += 1
+    seg[depth - 1, END] = tail
+    tq[0], tq[1] = tail, depth
+
+
+@jit
+def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_offsets, use_scores,
+                 predicted, predicted_offsets, ahead, compute_s, transfer_s, inserted, evicted, clock, loads):
+    """`replay_prefetch` (or `replay_demand`, with no predicted keys) on a clock: each layer-step
+    computes `compute_s` once its experts are in; each transfer takes `transfer_s` on one link
+    (see `cache.simulator`). Fills `clock` and `loads`; returns (late prefetches, -1 or the
+    access number of a key off Belady's sequence)."""
+    n_keys = len(st.order)
+    queued = np.zeros(n_keys, np.bool_)  # prefetched, slot taken, copy not started
+    serial = np.zeros(n_keys, np.int64)
+    done = np.zeros(n_keys, np.float64)  # when the key's last started copy ends
+    moved = np.zeros(n_keys, np.bool_)  # copied by a prefetch, not used since
+    q_key = np.empty(len(predicted) + 1, np.int64)  # prefetches in issue order
+    q_time = np.empty(len(predicted) + 1, np.float64)
+    seg = np.zeros((len(predicted) + 1, 3), np.int64)  # a stack of per-token-step queue segments
+    tq = np.zeros(2, np.int64)  # entries issued, segments on the stack
+    waits = np.empty(len(inserted), np.int64)
+    prefetching = len(predicted) > 0
+    late = 0
+    for t in range((len(offsets) - 1) // n_layers):
+        base = t * n_layers
+        for layer in range(ahead if prefetching else 0):
+            wanted = predicted[predicted_offsets[base + layer]:predicted_offsets[base + layer + 1]]
+            _issue(st, wanted, t, clock[NOW], seg, tq, q_key, q_time, queued, serial, moved, loads, inserted, evicted)
+        for layer in range(n_layers):
+            j = base + layer
+            now = clock[NOW]
+            _advance(now, transfer_s, seg, tq, q_key, q_time, queued, serial, done, moved, clock, loads)
+            if use_scores:
+                on_router_scores(st, layer, score_keys[score_offsets[j]:score_offsets[j + 1]],
+                                 score_values[score_offsets[j]:score_offsets[j + 1]])
+            step = keys[offsets[j]:offsets[j + 1]]
+            n_waits = 0
+            for key in step:
+                if queued[key]:  # its layer waits for it: a demand load now, ahead of the prefetches
+                    queued[key] = False
+                    waits[n_waits] = key
+                    n_waits += 1
+            n_inserted, n_evicted, _ = load(st, step, True, inserted, evicted)
+            _evicted(evicted, n_evicted, queued, moved, loads)
+            free = max(clock[FREE], now)  # behind the copy in flight, if any
+            for k in range(n_inserted):
+                free += transfer_s
+                done[inserted[k]] = free
+            for k in range(n_waits):
+                free += transfer_s
+                done[waits[k]] = free
+            if n_inserted + n_waits:
+                clock[FREE] = free
+                loads[DEMAND] += n_inserted + n_waits
+            ready = now
+            for key in step:
+                if done[key] > now:
+                    ready = max(ready, done[key])
+                    late += 1
+            late -= n_inserted  # the misses are stalls, not late prefetches
+            clock[STALL] += ready - now
+            off = use(st, step)
+            if off >= 0:
+                return late, offsets[j] + off
+            for key in step:
+                moved[key] = False
+            if prefetching and layer + ahead < n_layers:
+                for key in step:  # the layer's experts stay pinned while it prefetches
+                    st.pins[key] += 1
+                wanted = predicted[predicted_offsets[j + ahead]:predicted_offsets[j + ahead + 1]]
+                _issue(st, wanted, t, ready, seg, tq, q_key, q_time, queued, serial, moved, loads, inserted, evicted)
+                for key in step:
+                    st.pins[key] -= 1
+            clock[NOW] = ready + compute_s
+    _advance(clock[NOW], transfer_s, seg, tq, q_key, q_time, queued, serial, done, moved, clock, loads)
     return late, -1

@@ -16,6 +16,20 @@ and transferred, the experts are released.
 A stall is an access whose expert was not ready when its layer started: a miss, or a hit on a
 prefetched slot whose transfer had not finished (`late_prefetches`); a late transfer is finished
 on demand during the stall. Demand loads happen in stall time and do not use the prefetch link.
+
+Timed (`timing=LinkTiming(...)`, instead of `transfer_per_step`): the same cache decisions on a
+clock. A layer-step starts when the previous one ends; it computes `layer_compute_s` once all its
+experts are in. One link moves one expert at a time in `expert_bytes / link_bytes_per_s`, and a
+copy once started runs to its end; its queue is the runtime's transfer engine's: demand loads
+first, in request order, then prefetches, the newest token-step's first, each step's in issue
+order (the best first). A prefetch is issued when its layer-step's compute starts (those of a
+token's first `horizon` layers when the token starts) and cannot start earlier. When a layer-step
+starts, its misses are demand loads behind the copy in flight and the demand loads queued before
+them, a prefetch still queued for it becomes a demand load, and one in flight is waited for: the
+layer stalls until its last expert is in (a late prefetch counts the remaining time as stall).
+An evicted key's queued copy is cancelled; a prefetch copied and evicted before any use is
+wasted. Reported: simulated seconds, stall seconds, bytes moved and bytes wasted, per generated
+token (trace row), and tokens/s (`SimResult.timed`).
 """
 
 from __future__ import annotations
@@ -29,6 +43,8 @@ import numpy as np
 from cache.errors import CapacityError
 from cache.expert_cache import ExpertCache
 from cache.policy import EvictionPolicy
+from cache.replay import DEMAND, NOW, PREFETCH, STALL, WASTED_LOADS
+from cache.timing import LinkTiming, TimedStats, TimingError
 
 
 @dataclass
@@ -48,6 +64,7 @@ class Replay:
     scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # keys, values, offsets
     predicted: tuple[np.ndarray, np.ndarray] | None = None  # keys, offsets
     score_top: int | None = None  # scores keep only each step's score_top highest (None: all)
+    n_tokens: int | None = None  # trace rows replayed (None: n_steps · batch_size)
 
     @property
     def n_steps(self) -> int:
@@ -56,6 +73,11 @@ class Replay:
     @property
     def n_accesses(self) -> int:
         return len(self.keys)
+
+    @property
+    def tokens(self) -> int:
+        """Generated tokens the replay stands for: the trace rows."""
+        return self.n_tokens if self.n_tokens is not None else self.n_steps * self.batch_size
 
     @cached_property
     def max_layer_keys(self) -> int:
@@ -132,7 +154,7 @@ class Replay:
         if predicted_scores is not None:
             predicted = _predicted_keys(np.asarray(predicted_scores), top_k if prefetch_k is None else prefetch_k,
                                         rows, n_experts)
-        return cls(n_layers, n_experts, top_k, batch_size, keys, offsets, scores, predicted, score_top)
+        return cls(n_layers, n_experts, top_k, batch_size, keys, offsets, scores, predicted, score_top, n)
 
 
 def batch_rows(seq_id: np.ndarray, batch_size: int) -> np.ndarray:
@@ -249,6 +271,7 @@ class SimResult:
     wasted_prefetches: int
     evictions: int
     seconds: float
+    timed: TimedStats | None = None  # with a LinkTiming: the clock, bytes moved and wasted
 
     @property
     def hit_rate(self) -> float:
@@ -259,7 +282,10 @@ class SimResult:
         return self.stalls / self.accesses if self.accesses else 0.0
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate, "stall_rate": self.stall_rate}
+        """Every field, the rates, and, when timed, `TimedStats.to_dict`'s figures."""
+        counts = {k: v for k, v in asdict(self).items() if k != "timed"}
+        timed = self.timed.to_dict() if self.timed is not None else {}
+        return {**counts, "hit_rate": self.hit_rate, "stall_rate": self.stall_rate, **timed}
 
 
 def simulate(
@@ -269,10 +295,12 @@ def simulate(
     per_layer: bool = False,
     horizon: int | None = None,
     transfer_per_step: int | None = None,
+    timing: LinkTiming | None = None,
 ) -> SimResult:
     """Replay through a fresh ExpertCache(capacity, policy). Prefetches when the replay holds
     predictions. `policy` must be a new object (a policy serves one cache). Policies with
-    `uses_scores` get the replay's router scores before each layer-step."""
+    `uses_scores` get the replay's router scores before each layer-step. With `timing` the
+    replay runs on a clock (the module doc); `transfer_per_step` is the count-only link."""
     if replay.max_layer_keys > capacity:
         where = "per layer" if per_layer else "in all"
         raise CapacityError(
@@ -292,16 +320,24 @@ def simulate(
         raise ValueError(f"horizon must be >= 1 or None, got {horizon}")
     if transfer_per_step is not None and transfer_per_step < 0:
         raise ValueError(f"transfer_per_step must be >= 0 or None, got {transfer_per_step}")
+    if timing is not None and not isinstance(timing, LinkTiming):
+        raise TimingError(f"timing must be a LinkTiming(layer_compute_s, expert_bytes, link_bytes_per_s), "
+                          f"got {type(timing).__name__}")
+    if timing is not None and transfer_per_step is not None:
+        raise ValueError("give timing (the timed link) or transfer_per_step (the count-only link), not both")
 
     cache = ExpertCache(capacity, policy, per_layer=per_layer, n_layers=replay.n_layers, n_experts=replay.n_experts)
+    replayed = {"scores": replay.scores if policy.uses_scores else None, "predicted": replay.predicted,
+                "ahead": replay.n_layers if horizon is None else min(horizon, replay.n_layers)}
     started = time.perf_counter()
-    late = cache.replay(
-        replay.n_layers, replay.keys, replay.offsets,
-        scores=replay.scores if policy.uses_scores else None,
-        predicted=replay.predicted,
-        ahead=replay.n_layers if horizon is None else min(horizon, replay.n_layers),
-        bandwidth=transfer_per_step,
-    )
+    timed = None
+    if timing is None:
+        late = cache.replay(replay.n_layers, replay.keys, replay.offsets, bandwidth=transfer_per_step, **replayed)
+    else:
+        late, clock, loads = cache.replay_timed(replay.n_layers, replay.keys, replay.offsets,
+                                                timing.layer_compute_s, timing.transfer_s, **replayed)
+        timed = TimedStats(timing, replay.tokens, float(clock[NOW]), float(clock[STALL]),
+                           int(loads[DEMAND]), int(loads[PREFETCH]), int(loads[WASTED_LOADS]))
     seconds = time.perf_counter() - started
     s = cache.stats
     return SimResult(
@@ -321,6 +357,7 @@ def simulate(
         wasted_prefetches=s.wasted_prefetches,
         evictions=s.evictions,
         seconds=seconds,
+        timed=timed,
     )
 
 

@@ -18,7 +18,6 @@ The JSON is rewritten after every run, so an interrupted benchmark keeps what it
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import time
@@ -27,8 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from prescient.atomic import write_json_atomic
+from prescient.errors import PrescientError
 
 log = logging.getLogger(__name__)
+
+
+class BenchBatchError(PrescientError):
+    """A batch benchmark was asked for with a malformed policy."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ def parse_grid(text: str) -> list[BatchPolicy]:
             n, mu, rw = item.split(":")
             out.append(BatchPolicy(int(n), int(mu), float(rw)))
         except ValueError:
-            raise SystemExit(f"cannot read policy {item!r}; write N:MICRO_BATCH:RESIDENT, e.g. 16:4:0.5") from None
+            raise BenchBatchError(f"cannot read policy {item!r}; write N:MICRO_BATCH:RESIDENT, e.g. 16:4:0.5") from None
     return out
 
 
@@ -77,7 +81,7 @@ def store_read_bandwidth(model_dir: str, store: str, drop_page_cache: bool) -> f
     """Bytes/s of the expert store reading one layer's experts into slots, the way a decode
     step streams them (a test on one sequential file overstates it here: expert reads are
     split by tensor and jump around the file)."""
-    from offload_runtime.loader import load_offloaded
+    from offload_runtime.engine.loader import load_offloaded
 
     model = load_offloaded(model_dir, policy="fifo", budget=1 / 4, store=store, drop_page_cache=drop_page_cache)
     runtime = model.offload_runtime
@@ -142,8 +146,8 @@ def measure_resident(model, prompts: list[list[int]], gen_len: int) -> dict[str,
 
 def measure_pipe(model_dir: str, prompts: list[list[int]], gen_len: int, policy: BatchPolicy, overlap: bool,
                  reference: list[list[int]], hot, store: str, drop_page_cache: bool) -> dict[str, Any]:
-    from offload_runtime.cgopipe import CGOPipe, budget_fraction
-    from offload_runtime.loader import load_offloaded
+    from offload_runtime.cgopipe.pipe import CGOPipe, budget_fraction
+    from offload_runtime.engine.loader import load_offloaded
 
     n_layers, n_experts = len(hot), len(hot[0])
     budget = budget_fraction(policy.resident, n_layers, n_experts)
@@ -164,7 +168,7 @@ def measure_pipe(model_dir: str, prompts: list[list[int]], gen_len: int, policy:
 
 
 def predicted_decode_tokens_per_s(spec, hardware, prompt_len: int, gen_len: int, policy: BatchPolicy) -> float:
-    from offload_runtime.hrm import Policy, Workload, estimate
+    from offload_runtime.planning.hrm import Policy, Workload, estimate
 
     place = "cpu" if hardware.gpu is None else "gpu"
     hrm_policy = Policy(n_requests=policy.requests, micro_batch=policy.micro_batch, attention_on="cpu",
@@ -180,8 +184,8 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, main: Bat
     import torch
 
     from experiments.machine import machine_info
-    from offload_runtime.hardware import load_profile, measure_profile
-    from offload_runtime.hrm import ModelSpec
+    from offload_runtime.planning.hardware import load_profile, measure_profile
+    from offload_runtime.planning.hrm import ModelSpec
     from prescient.fingerprint import fingerprint_model
     from prescient.loading import load_model, load_tokenizer
 
@@ -271,40 +275,3 @@ def _hot_ranking(fingerprint, trace: str | None) -> list[list[float]]:
     loaded = load_trace(trace)
     fingerprint.require_same(loaded.fingerprint, f"trace {trace}")
     return np.asarray(expert_frequencies(loaded["topk_ids"].numpy(), fingerprint.n_experts)).tolist()
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench-batch", help="CGOPipe batch decoding vs sequential and all-resident; HRM check")
-    p.add_argument("--model", required=True, help="Hugging Face model directory (e.g. the bench reference model)")
-    p.add_argument("--json", required=True, help="results file (rewritten after every run)")
-    p.add_argument("--plot", help="PNG of the results")
-    p.add_argument("--policy", default="64:16:0.5", help="main policy N:MICRO_BATCH:RESIDENT")
-    p.add_argument("--sequential-at", default="32:4:0.5,32:16:0.5",
-                   help="more policies to run the sequential baseline at (beside the main one)")
-    p.add_argument("--grid", default=DEFAULT_GRID, help="policies of the HRM validation, N:MICRO_BATCH:RESIDENT,...")
-    p.add_argument("--gen-len", type=int, default=8, help="tokens generated per request")
-    p.add_argument("--prompt-tokens", default="16,48", help="shortest,longest prompt (spread evenly)")
-    p.add_argument("--hardware", help="hardware profile JSON or preset for the HRM (default: measure this machine)")
-    p.add_argument("--trace", help="trace whose expert frequencies pick the resident (hot) experts")
-    p.add_argument("--store", choices=("disk", "host"), default="disk")
-    p.add_argument("--keep-page-cache", action="store_true", help="disk store: leave read pages in the page cache")
-    p.add_argument("--dataset", default="stdlib-code")
-    p.add_argument("--split", default="validation")
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
-    return p
-
-
-def run(args: argparse.Namespace) -> int:
-    shortest, longest = (int(x) for x in args.prompt_tokens.split(","))
-    (main,) = parse_grid(args.policy)
-    result = bench_batch(args.model, args.json, args.plot, main, parse_grid(args.grid), parse_grid(args.sequential_at),
-                         args.gen_len, shortest, longest,
-                         args.hardware, args.trace, store=args.store, drop_page_cache=not args.keep_page_cache,
-                         dataset=args.dataset, split=args.split, threads=args.threads)
-    print(f"CGOPipe {result['cgopipe_tokens_per_s']:.2f} tokens/s; sequential {result['sequential_tokens_per_s']:.2f} "
-          f"({result['cgopipe_over_sequential']:.2f}x); all resident {result['resident_tokens_per_s']:.2f} "
-          f"({result['cgopipe_over_resident']:.2f}x)")
-    print(f"HRM: Spearman {result['spearman']:.3f} over {result['grid_size']} policies; planner picks "
-          f"{result['planner_choice']}, {result['planner_gap']:.1%} below the best measured ({result['best_measured']})")
-    print(f"every output equal to the plain model: {result['all_exact']}; results in {args.json}")
-    return 0

@@ -6,9 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from predictor.registry import FITTED, canonical_name
+from prescient.budget import Budget
 from prescient.errors import PrescientError
 
-BUILTIN = ("none", "freq", "token", "corr", "oracle")  # besides NAME=PATH artifacts
+SERVABLE = ("freq", "token", "corr", "oracle")  # built-ins a run can serve with (lookahead runs the model twice)
 BASELINES = ("all_resident", "accelerate_disk")
 
 
@@ -43,35 +45,43 @@ def full_grid(budgets: list[float], predictors: list[str], policies: list[str]) 
 
 
 def parse_runs(text: str) -> list[RunSpec]:
-    """`none:lru@0.5,sida:mrs@0.25` -> run specs."""
+    """`none:lru@0.5,sida:mrs@0.25` -> run specs (budgets are fractions of all experts)."""
     runs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         head, _, budget = item.partition("@")
         predictor, _, policy = head.partition(":")
         try:
-            value = float(budget)
-        except ValueError:
-            value = None
-        if not (predictor and policy) or value is None:
-            raise BenchError(f"--runs entry {item!r} is not PREDICTOR:POLICY@BUDGET (e.g. sida:mrs@0.5)")
-        runs.append(RunSpec(predictor, policy, value))
+            if not (predictor and policy and budget):
+                raise ValueError("a part is missing")
+            runs.append(RunSpec(canonical_name(predictor), policy, fraction(Budget.parse(budget))))
+        except (ValueError, BenchError) as exc:  # CapacityError is a ValueError
+            raise BenchError(f"--runs entry {item!r} is not PREDICTOR:POLICY@BUDGET (e.g. sida:mrs@0.5): "
+                             f"{exc}") from None
     return runs
+
+
+def fraction(budget: Budget) -> float:
+    """A budget the runtime benchmark can plot: a fraction of all experts."""
+    if budget.unit != "fraction":
+        raise BenchError(f"budget {budget} is not a fraction of all experts; the benchmark compares fractions "
+                         "(0.25, 50%)")
+    return budget.amount
 
 
 def check_grid(runs: list[RunSpec], predictors: dict[str, str | None], train_trace: str | Path | None) -> None:
     """Fail before any work on an unknown predictor, policy or budget, or a fit without a trace."""
-    from cache import POLICIES
+    from cache import CacheError, make_serving_policy
 
     for name, path in predictors.items():
-        if path is None and name not in BUILTIN:
-            raise BenchError(f"unknown predictor {name!r}; use {', '.join(BUILTIN)} or NAME=PATH (an artifact)")
-        if path is None and name in ("freq", "token", "corr") and train_trace is None:
+        if path is None and name != "none" and name not in SERVABLE:
+            raise BenchError(f"unknown predictor {name!r}; use none, {', '.join(SERVABLE)} or NAME=PATH (an artifact)")
+        if path is None and name in FITTED and train_trace is None:
             raise BenchError(f"predictor {name!r} is fit on a trace: pass --train-trace DIR (make one with "
                              "`prescient trace --model DIR --dataset stdlib-code --split train --out DIR`)")
     for spec in runs:
         if spec.predictor not in predictors:
             raise BenchError(f"run {spec.label} uses predictor {spec.predictor!r}, which --predictors does not name")
-        if spec.policy.lower() not in POLICIES:
-            raise BenchError(f"run {spec.label}: unknown policy {spec.policy!r}; known: {', '.join(POLICIES)}")
-        if not 0 < spec.budget <= 1:
-            raise BenchError(f"run {spec.label}: budget {spec.budget} is not a fraction in (0, 1]")
+        try:
+            make_serving_policy(spec.policy, top_k=1)
+        except CacheError as exc:
+            raise BenchError(f"run {spec.label}: unknown policy or one that cannot serve: {exc}") from None

@@ -115,7 +115,7 @@ def _load_accelerate(job: Job, stack: ExitStack) -> nn.Module:
 def load_job(job: Job, stack: ExitStack) -> tuple[nn.Module, Any, dict[str, Any]]:
     """The job's model, its offload runtime (None for the baselines; closed by `stack`), and what
     the job reports about it."""
-    from offload_runtime.loader import load_offloaded
+    from offload_runtime.engine.loader import load_offloaded
     from predictor.artifact import load_predictor
     from predictor.baselines import OraclePredictor
     from prescient.arch import find_moe_layers

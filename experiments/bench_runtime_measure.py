@@ -22,7 +22,7 @@ from experiments.bench_runtime_load import Job, load_job
 
 # imported once by the forkserver, so that each run's process starts with them (and the model's own module)
 PRELOAD = ["torch", "transformers.modeling_utils", "transformers.generation.utils", "accelerate",
-           "offload_runtime.loader", __name__]
+           "offload_runtime.engine.loader", __name__]
 _DELTAS = ("forwards", "accesses", "hits", "misses", "prefetch_inserts", "prefetch_hits", "wasted_prefetches",
            "evictions", "bytes_moved", "loads", "demand_loads", "prefetch_loads", "stall_seconds", "late_tables",
            "tables_on_time")

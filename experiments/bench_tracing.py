@@ -1,6 +1,6 @@
 """Tracing throughput against a plain forward pass of the same batches.
 
-    python -m experiments.bench_tracing --model DIR --json OUT [--dataset stdlib-code] [--tokens 16384]
+    prescient bench-tracing --model DIR --json OUT [--dataset stdlib-code] [--tokens 16384]
 
 Both sides run the same model over the same padded batches of the same windows. "plain" is
 the model's forward and nothing else; "traced" is `training.tracing.trace_windows`: the same
@@ -11,7 +11,6 @@ are reported, of wall time and of this process's CPU time (steadier on a shared 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import platform
@@ -22,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from prescient.atomic import write_json_atomic
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_model, load_tokenizer
 from prescient.traces import TraceManifest, TraceWriter
@@ -58,8 +56,8 @@ def timed(fn, *args) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def run(model_dir: str, dataset: str, split: str, tokens: int, seq_len: int, batch_size: int,
-        shard_sequences: int, top_t: int, repeats: int) -> dict:
+def bench_tracing(model_dir: str, dataset: str, split: str, tokens: int, seq_len: int, batch_size: int,
+                  shard_sequences: int, top_t: int, repeats: int) -> dict:
     model, layers = load_model(model_dir, dtype=torch.float32)
     tokenizer = load_tokenizer(model_dir)
     fingerprint = fingerprint_model(model, layers)
@@ -98,33 +96,3 @@ def run(model_dir: str, dataset: str, split: str, tokens: int, seq_len: int, bat
                     "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
                     "load_avg_1m": os.getloadavg()[0]},
     }
-
-
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="Hugging Face MoE model directory")
-    parser.add_argument("--json", required=True, help="where to write the results")
-    parser.add_argument("--dataset", default="stdlib-code")
-    parser.add_argument("--split", default="validation")
-    parser.add_argument("--tokens", type=int, default=16_384)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--shard-sequences", type=int, default=256, help="as `prescient trace`")
-    parser.add_argument("--top-t", type=int, default=30)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    result = run(args.model, args.dataset, args.split, args.tokens, args.seq_len, args.batch_size,
-                 args.shard_sequences, args.top_t, args.repeats)
-    write_json_atomic(args.json, result)
-    log.info("%d tokens: plain %.0f tok/s, traced %.0f tok/s, overhead %.1f%% (CPU time %.1f%%)", result["tokens"],
-             result["plain_tokens_per_s"], result["traced_tokens_per_s"], result["overhead_pct"],
-             result["cpu_overhead_pct"])
-    return result
-
-
-if __name__ == "__main__":
-    main()

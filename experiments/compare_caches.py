@@ -34,24 +34,21 @@ stall_rate and every `SimResult` field), `timing`.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 from cache import POLICIES, Replay, expert_frequencies, make_policy, simulate
 from cache.errors import CapacityError as CacheCapacityError
-from experiments.evaluate import FITTED, correlation_scores, oracle_scores, sequence_scores
-from predictor.artifact import artifact_paths, load_predictor
-from predictor.base import ExpertPredictor, TokenwisePredictor
-from predictor.baselines import OraclePredictor
-from predictor.correlation import CorrelationTable
-from prescient.atomic import write_atomic, write_json_atomic
+from cache.timing import LinkTiming
+from experiments.predictor_scores import trace_scores
+from predictor.base import ExpertPredictor, PredictorError
+from predictor.registry import resolve_predictor
+from prescient.atomic import write_atomic
+from prescient.budget import Budget
 from prescient.errors import CapacityError, PrescientError
 from prescient.traces import Trace, load_trace
 
@@ -60,7 +57,6 @@ log = logging.getLogger(__name__)
 DEFAULT_POLICIES = ("lru", "lfu", "fifo", "mrs", "static", "belady")
 DEFAULT_CAPACITIES = (0.125, 0.25, 0.5, 0.75)
 DEFAULT_BATCH_SIZES = (1, 8)
-NAMED_PREDICTORS = (*FITTED, "oracle")
 SAME_TRACE = "same trace (optimistic)"
 
 
@@ -78,69 +74,41 @@ def check_policies(policies: tuple[str, ...]) -> tuple[str, ...]:
     return names
 
 
-def capacity_slots(capacity: float | int, total: int) -> int:
-    """Slots for a capacity given as a fraction of all `total` experts (float) or a count (int)."""
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, float)):
+def capacity_slots(capacity: Budget | float | int, total: int) -> int:
+    """Slots for a capacity: a Budget, a fraction of all `total` experts (float) or a count (int)."""
+    if isinstance(capacity, bool) or not isinstance(capacity, (Budget, int, float)):
         raise CompareCachesError(f"capacity {capacity!r} is neither a fraction nor a slot count")
-    if isinstance(capacity, float):
-        if not 0.0 < capacity <= 1.0:
-            raise CompareCachesError(f"capacity fraction {capacity} must be in (0, 1] (of all {total} experts)")
-        return max(1, round(capacity * total))
-    if not 1 <= capacity <= total:
-        raise CompareCachesError(f"capacity {capacity} slots must be in 1..{total} (all experts)")
-    return capacity
+    try:
+        budget = Budget(capacity, "slots") if isinstance(capacity, int) else Budget.of(capacity)
+        slots = budget.slots(total)  # a byte budget has no expert size to divide by here
+    except CapacityError as exc:
+        raise CompareCachesError(f"capacity {capacity}: {exc}") from None
+    if budget.unit == "fraction":
+        return max(1, slots)
+    if slots > total:
+        raise CompareCachesError(f"capacity {slots} slots must be in 1..{total} (all experts)")
+    return slots
+
+
+def capacity_value(capacity: Budget | float | int) -> float | int:
+    """A capacity as the JSON records it: a fraction, or a slot count."""
+    if not isinstance(capacity, Budget):
+        return capacity
+    return capacity.amount if capacity.unit == "fraction" else int(capacity.amount)
 
 
 def build_predictor(spec: str | Path | ExpertPredictor, trace: Trace, fit: Trace,
                     fit_on: str) -> tuple[str, ExpertPredictor, dict[str, Any]]:
-    """(name, predictor, where it came from) for a named baseline, an artifact path or an object."""
-    fp = trace.fingerprint
+    """(name, predictor, where it came from) for a built-in name, an artifact path or an object."""
     if isinstance(spec, ExpertPredictor):
-        fp.require_same(spec.meta.fingerprint, "the predictor")
-        return spec.kind, spec, {"fit_on": spec.meta.training or None}
+        pred, source = resolve_predictor(spec.kind, spec, evaluated=trace, fit=fit, fit_on=fit_on)
+        return spec.kind, pred, source
     name = str(spec)
-    if name in FITTED:
-        return name, FITTED[name](fit), {"fit_on": fit_on}
-    if name == "oracle":
-        return name, OraclePredictor(trace), {"fit_on": "the replayed trace (the router's own choices)"}
-    if not artifact_paths(name)[1].exists():
-        raise CompareCachesError(f"predictor {name!r} is neither a predictor artifact nor one of "
-                                 f"{', '.join(NAMED_PREDICTORS)}")
-    pred = load_predictor(name, fingerprint=fp)  # FingerprintMismatchError names both models
-    return Path(name).stem, pred, {"artifact": name, "fit_on": pred.meta.training or None}
-
-
-def stepwise_scores(pred: ExpertPredictor, trace: Trace) -> torch.Tensor:
-    """Decode every traced sequence token by token (`start`/`step`): each token is seen once."""
-    fp = trace.fingerprint
-    out = torch.empty(len(trace), fp.n_moe_layers, fp.n_experts)
-    with torch.inference_mode():
-        for rows in tqdm(trace.sequences(), desc="predict (step by step)", unit="seq", leave=False):
-            state = pred.start(1)
-            for row in rows.tolist():
-                out[row] = pred.step(state, trace["token_id"][row : row + 1])[0].float()
-    return out
-
-
-def predicted_scores(pred: ExpertPredictor, trace: Trace, horizon: int | None) -> tuple[np.ndarray, dict[str, Any]]:
-    """Scores [N, L, E] for every trace row, as the predictor would produce them while decoding."""
-    if isinstance(pred, OraclePredictor):
-        scores, info = oracle_scores(pred, trace), {"sees": "the router's true choices", "causal": False}
-    elif isinstance(pred, CorrelationTable) and horizon == 1:
-        scores = correlation_scores(pred, trace)
-        info = {"sees": "layer 0: the token; layer l+1: the router's true experts at layer l", "causal": True}
-    elif isinstance(pred, TokenwisePredictor):
-        with torch.inference_mode():
-            scores = pred.predict(trace["token_id"][None])[0]
-        info = {"sees": "the token alone", "causal": True}
-    elif pred.meta.hparams.get("bidirectional", False):
-        scores = stepwise_scores(pred, trace)
-        info = {"sees": "the sequence up to the token (stepped: a bidirectional hash never sees ahead)",
-                "causal": True}
-    else:
-        scores = sequence_scores(pred, trace, "predict")
-        info = {"sees": "the sequence up to the token", "causal": True}
-    return scores.float().numpy(), info
+    try:
+        pred, source = resolve_predictor(name, None, evaluated=trace, fit=fit, fit_on=fit_on)
+    except PredictorError as exc:  # an unknown name: the comparison's own error, named as such
+        raise CompareCachesError(str(exc)) from None
+    return (name if "artifact" not in source else Path(name).stem), pred, source
 
 
 # --- the comparison ----------------------------------------------------------------------------
@@ -155,10 +123,14 @@ def compare_caches(
     transfer_per_step: int | None = None,
     prefetch_k: int | None = None,
     progress: bool = True,
+    timing: LinkTiming | None = None,
 ) -> dict[str, Any]:
     """Replay the trace at `trace_dir` through every (batch size, policy, capacity), on demand
-    and, with `predictor` (a name of NAMED_PREDICTORS, an artifact path or a built predictor),
-    with prefetching. Returns the JSON of the module doc."""
+    and, with `predictor` (a built-in name, an artifact path or a built predictor),
+    with prefetching. Returns the JSON of the module doc. With `timing` every run is timed
+    (`cache.simulator`'s time-true model, instead of `transfer_per_step`'s count-only link) and
+    its record gains simulated seconds, stall seconds, bytes moved and wasted per token and
+    tokens/s (`cache.timing.TimedStats`); `settings.link_timing` holds the parameters."""
     start = time.perf_counter()
     policies = check_policies(tuple(policies))
     if not batch_sizes or any(b < 1 for b in batch_sizes):
@@ -167,6 +139,8 @@ def compare_caches(
         raise CompareCachesError(f"horizon must be >= 1 layer (or None: all layers), got {horizon}")
     if transfer_per_step is not None and transfer_per_step < 0:
         raise CompareCachesError(f"transfer_per_step must be >= 0 experts (or None: instant), got {transfer_per_step}")
+    if timing is not None and transfer_per_step is not None:
+        raise CompareCachesError("give timing (the time-true link) or transfer_per_step (the count-only link), not both")
     trace = load_trace(trace_dir)
     fp = trace.fingerprint
     total = fp.n_moe_layers * fp.n_experts
@@ -190,14 +164,16 @@ def compare_caches(
     if predictor is not None:
         name, pred, source = build_predictor(predictor, trace, fit, fit_on)
         began = time.perf_counter()
-        scores, info = predicted_scores(pred, trace, horizon)
+        scores, info = trace_scores(pred, trace, name, decoding=True, true_previous_layer=horizon == 1)
+        scores = scores.numpy()
         result["predictor"] = {"name": name, "kind": pred.kind, **source, **info,
                                "seconds": round(time.perf_counter() - began, 3)}
         result["predictor_fit_on"] = source["fit_on"]
     result["settings"] = {
-        "policies": list(policies), "capacities": list(capacities), "capacity_slots": slots,
+        "policies": list(policies), "capacities": [capacity_value(c) for c in capacities], "capacity_slots": slots,
         "total_experts": total, "budget": "global", "batch_sizes": list(batch_sizes),
         "horizon": horizon, "transfer_per_step": transfer_per_step,
+        "link_timing": timing.to_dict() if timing is not None else None,
         "prefetch_k": prefetch_k if prefetch_k is not None else fp.top_k,
         "mrs": {"alpha": 0.5, "p": 2 * fp.top_k},
     }
@@ -220,7 +196,7 @@ def compare_caches(
                 f"capacity {given} ({n} of {total} expert slots) cannot hold one layer-step's experts at "
                 f"batch size {smallest}: the minimum is {need[smallest]} slots (a fraction of "
                 f"{need[smallest] / total:.4g}); raise --capacity or lower --batch-size")
-    result["skipped"] = [{"batch_size": b, "capacity": n, "capacity_given": given, "min_capacity": need[b]}
+    result["skipped"] = [{"batch_size": b, "capacity": n, "capacity_given": capacity_value(given), "min_capacity": need[b]}
                          for b in batch_sizes for given, n in zip(capacities, slots) if n < need[b]]
     for skip in result["skipped"]:
         log.warning("skipping capacity %s (%d slots) at batch size %d: a layer-step there needs up to %d slots",
@@ -236,10 +212,10 @@ def compare_caches(
                   "static": {"frequencies": frequencies}}.get(policy, {})
         try:
             sim = simulate(replay, n, make_policy(policy, **kwargs), horizon=horizon if prefetch else None,
-                           transfer_per_step=transfer_per_step if prefetch else None)
+                           transfer_per_step=transfer_per_step if prefetch else None, timing=timing)
         except CacheCapacityError as exc:  # reach the user through the CLI's error handling
             raise CapacityError(str(exc)) from exc
-        record = {"policy": policy, "capacity": n, "capacity_fraction": n / total, "capacity_given": given,
+        record = {"policy": policy, "capacity": n, "capacity_fraction": n / total, "capacity_given": capacity_value(given),
                   "batch_size": b, "prefetch": prefetch, "hit_rate": sim.hit_rate, "stall_rate": sim.stall_rate}
         result["runs"].append({**record, **{k: v for k, v in sim.to_dict().items() if k not in record},
                                "policy_class": sim.policy, "trace_fingerprint": fp.weights_hash})
@@ -333,57 +309,3 @@ def plot_compare_caches(result: dict[str, Any], path: str | Path) -> Path:
     write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
     plt.close(fig)
     return Path(path)
-
-
-# --- command line ------------------------------------------------------------------------------
-def parse_capacity(text: str) -> float | int:
-    """"0.25" or "1" -> a fraction of all experts; "48" -> a slot count."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"capacity {text!r} is neither a fraction nor a slot count") from None
-    return value if "." in text or value <= 1 else int(value)
-
-
-def _list(text: str, parse) -> tuple:
-    return tuple(parse(part.strip()) for part in text.split(",") if part.strip())
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("compare-caches", help="replay a trace through cache policies, with and without "
-                                                     "predictor prefetch (JSON + PNG)")
-    p.add_argument("--trace", required=True, help="router trace to replay (held-out split)")
-    p.add_argument("--predictor",
-                   help=f"prefetch with a predictor artifact PATH or one of {', '.join(NAMED_PREDICTORS)}")
-    p.add_argument("--train-trace", help="trace the named predictors and static-hot are fit on (default: --trace)")
-    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help=f"comma list of {', '.join(POLICIES)}")
-    p.add_argument("--capacity", default=",".join(map(str, DEFAULT_CAPACITIES)),
-                   help="comma list: fractions of all L*E experts (0.25), or slot counts (48)")
-    p.add_argument("--batch-size", default=",".join(map(str, DEFAULT_BATCH_SIZES)), help="comma list of batch sizes")
-    p.add_argument("--horizon", default="1", help="prefetch this many layers ahead, or 'all' (at the token's start)")
-    p.add_argument("--transfer-per-step", type=int, default=None,
-                   help="experts the link moves per layer compute (default: transfers are instant)")
-    p.add_argument("--prefetch-k", type=int, default=None,
-                   help="predicted experts prefetched per row and layer (default: the model's top-k)")
-    p.add_argument("--json", required=True, help="results file")
-    p.add_argument("--plot", help="PNG of hit and stall rates against capacity")
-    return p
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Compare, print the table, write the JSON (and the PNG); returns the result."""
-    try:
-        capacities = _list(args.capacity, parse_capacity)
-        batch_sizes = _list(args.batch_size, int)
-        horizon = None if args.horizon.strip().lower() == "all" else int(args.horizon)
-    except (argparse.ArgumentTypeError, ValueError) as exc:
-        raise CompareCachesError(f"bad --capacity, --batch-size or --horizon: {exc}") from None
-    result = compare_caches(args.trace, _list(args.policies, str), capacities, batch_sizes, args.predictor,
-                            args.train_trace, horizon, args.transfer_per_step, args.prefetch_k)
-    print(format_table(result))
-    write_json_atomic(args.json, result)
-    log.info("results written to %s", args.json)
-    if args.plot:
-        plot_compare_caches(result, args.plot)
-        log.info("plot written to %s", args.plot)
-    return result

@@ -7,8 +7,8 @@
     DIR/compare-caches.{json,png}  cache policies with and without SiDA prefetch
     DIR/generate.json         greedy generation through the offloading runtime, with its stats
 
-Each step runs the same `prescient` command a user would, and is skipped when its output is
-already there, so a second run is quick.
+Each step calls the library function behind the `prescient` command a user would run, and is
+skipped when its output is already there, so a second run is quick.
 """
 
 from __future__ import annotations
@@ -19,8 +19,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from prescient.atomic import write_json_atomic
-from prescient.cli import run_command
+from experiments.compare_caches import compare_caches, plot_compare_caches
+from experiments.evaluate import evaluate_predictors
+from experiments.evaluate_plot import plot_evaluation
+from offload_runtime.engine.generate import generate_offloaded
+from prescient.atomic import write_json_atomic, write_results
+from training.predictor_cli import train_predictor
 from training.reference_model import build_reference_model
 from training.tracing import trace_model
 
@@ -45,25 +49,24 @@ def demo_steps(out: Path) -> list[tuple[str, Path | None, Callable[[], object]]]
         steps.append((f"trace {split}", None,
                       lambda split=split, tokens=tokens: trace_model(model, DATASET, traces / split, split=split,
                                                                      max_tokens=tokens)))
+    # early stopping and checkpoint choice see a held-out tenth of the train trace, never the
+    # validation trace the evaluation step reports on
     steps += [
-        ("train SiDA predictor", sida.with_suffix(".json"), lambda: run_command([
-            # early stopping and checkpoint choice see a held-out tenth of the train trace, never
-            # the validation trace the evaluation step reports on
-            "train", "--config", str(CONFIGS / "predictor" / "sida.yaml"), "--data.trace_dir", str(train),
-            "--trainer.default_root_dir", str(out / "predictor"),
-            "--trainer.logger.init_args.save_dir", str(out / "predictor"), "--trainer.max_time", TRAIN_LIMIT,
-            "--export", str(sida)])),
-        ("evaluate predictors", out / "evaluate.json", lambda: run_command([
-            "evaluate", "--trace", str(val), "--train-trace", str(train), "--model", str(model),
-            "--predictors", f"sida={sida},corr,token,freq,lookahead,oracle",
-            "--json", str(out / "evaluate.json"), "--plot", str(out / "evaluate.png")])),
-        ("compare cache policies", out / "compare-caches.json", lambda: run_command([
-            "compare-caches", "--trace", str(val), "--train-trace", str(train), "--predictor", str(sida),
-            "--policies", "lru,lfu,fifo,mrs,static,belady", "--capacity", "0.25,0.5", "--batch-size", "1,8",
-            "--json", str(out / "compare-caches.json"), "--plot", str(out / "compare-caches.png")])),
-        ("generate through the offloading runtime", out / "generate.json", lambda: run_command([
-            "generate", "--model", str(model), "--predictor", str(sida), "--policy", "mrs", "--budget", "0.5",
-            "--prompt", PROMPT, "--max-new-tokens", "48", "--json", str(out / "generate.json")])),
+        ("train SiDA predictor", sida.with_suffix(".json"), lambda: train_predictor(
+            CONFIGS / "predictor" / "sida.yaml", train, sida, **{
+                "trainer.default_root_dir": out / "predictor", "trainer.logger.init_args.save_dir": out / "predictor",
+                "trainer.max_time": TRAIN_LIMIT})),
+        ("evaluate predictors", out / "evaluate.json", lambda: write_results(
+            evaluate_predictors(val, {"sida": sida, **dict.fromkeys(("corr", "token", "freq", "lookahead", "oracle"))},
+                                model_dir=model, train_trace=train),
+            out / "evaluate.json", out / "evaluate.png", plot_evaluation)),
+        ("compare cache policies", out / "compare-caches.json", lambda: write_results(
+            compare_caches(val, ("lru", "lfu", "fifo", "mrs", "static", "belady"), (0.25, 0.5), (1, 8),
+                           predictor=sida, train_trace=train),
+            out / "compare-caches.json", out / "compare-caches.png", plot_compare_caches)),
+        ("generate through the offloading runtime", out / "generate.json", lambda: write_results(
+            generate_offloaded(model, PROMPT, 48, predictor=sida, policy="mrs", budget=0.5),
+            out / "generate.json")),
     ]
     return steps
 

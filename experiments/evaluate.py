@@ -45,23 +45,18 @@ JSON (`evaluate_predictors`; `run` adds "cross_dataset" when --cross is given):
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from predictor.artifact import load_predictor
-from predictor.base import ExpertPredictor, PredictorError, TokenwisePredictor
-from predictor.baselines import FrequencyPredictor, OraclePredictor, TokenTablePredictor
-from predictor.correlation import CorrelationTable
-from predictor.lookahead import GateLookahead
+from experiments.predictor_scores import trace_scores
+from predictor.base import ExpertPredictor
 from predictor.metrics import recall_at
-from prescient.atomic import write_json_atomic
+from predictor.registry import builtin, check_name, resolve_predictor
 from prescient.errors import PrescientError
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_model
@@ -70,13 +65,6 @@ from prescient.traces import Trace, load_trace
 log = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 8, 32)
-SEQUENCE_BATCH = 16  # equal-length windows run through a sequence predictor at once
-FITTED: dict[str, Callable[[Trace], ExpertPredictor]] = {
-    "freq": FrequencyPredictor.from_trace,
-    "token": TokenTablePredictor.from_trace,
-    "corr": CorrelationTable.from_trace,
-}
-BUILTIN = (*FITTED, "oracle", "lookahead")
 Spec = str | Path | ExpertPredictor | None  # None: a built-in name; a path: an artifact
 
 
@@ -84,96 +72,15 @@ class EvaluationError(PrescientError):
     """An evaluation was asked for with missing or malformed inputs."""
 
 
-# --- scores [N, L, E] aligned with the trace's rows ---------------------------------------
-def _equal_length_batches(trace: Trace) -> list[torch.Tensor]:
-    """Row indices [b, T] of up to SEQUENCE_BATCH traced sequences of the same length."""
-    by_length: dict[int, list[torch.Tensor]] = {}
-    for rows in trace.sequences():
-        by_length.setdefault(len(rows), []).append(rows)
-    return [torch.stack(group[i : i + SEQUENCE_BATCH])
-            for group in by_length.values() for i in range(0, len(group), SEQUENCE_BATCH)]
-
-
-def sequence_scores(pred: ExpertPredictor, trace: Trace, desc: str) -> torch.Tensor:
-    """`pred.predict` over each traced sequence (a window from its first token)."""
-    fp = trace.fingerprint
-    out = torch.empty(len(trace), fp.n_moe_layers, fp.n_experts)
-    batches = _equal_length_batches(trace)
-    with torch.inference_mode():
-        for rows in tqdm(batches, desc=desc, unit="batch", leave=False):
-            out[rows] = pred.predict(trace["token_id"][rows]).float()
-    return out
-
-
-def correlation_scores(table: CorrelationTable, trace: Trace) -> torch.Tensor:
-    """Layer 0 from the table's per-token guess (as `predict`); layer l+1 from the experts the
-    router truly selected at layer l (and l−1 with path length 2), token by token."""
-    true = trace["topk_ids"].long()
-    layers = [table.predict(trace["token_id"][None])[0, :, 0]]
-    for layer in range(table.n_layers - 1):
-        if table.path_length == 2 and layer >= 1:
-            per_token = torch.vmap(lambda s, p, l=layer: table.next_layer_scores(l, s[None], p[None]))
-            layers.append(per_token(true[:, layer], true[:, layer - 1]))
-        else:
-            layers.append(torch.vmap(lambda s, l=layer: table.next_layer_scores(l, s[None]))(true[:, layer]))
-    return torch.stack(layers, dim=1)
-
-
-def oracle_scores(oracle: OraclePredictor, trace: Trace) -> torch.Tensor:
-    """The router's own choices, looked up by trace coordinates."""
-    return torch.cat([oracle.rows(int(trace["seq_id"][rows[0]]), torch.arange(len(rows)))
-                      for rows in trace.sequences()])
-
-
-def score_predictor(pred: ExpertPredictor, trace: Trace, name: str) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Scores of a built predictor, and what it saw to make them."""
-    if isinstance(pred, OraclePredictor):
-        return oracle_scores(pred, trace), {"sees": "the router's true choices", "causal": False,
-                                            "uses_true_previous_layer": False}
-    if isinstance(pred, CorrelationTable):
-        return correlation_scores(pred, trace), {
-            "sees": "layer 0: the token; layer l+1: the router's true experts at layer l",
-            "causal": True, "uses_true_previous_layer": True}
-    if isinstance(pred, TokenwisePredictor):
-        return pred.predict(trace["token_id"][None])[0].float(), {
-            "sees": "the token alone", "causal": True, "uses_true_previous_layer": False}
-    bidirectional = bool(pred.meta.hparams.get("bidirectional", False))
-    info = {"sees": "the whole window, future tokens included" if bidirectional
-            else "the window up to and including the token",
-            "causal": not bidirectional, "uses_true_previous_layer": False}
-    if isinstance(pred, GateLookahead):
-        info["note"] = ("layer 0 is layer 0's own router on its own input (exact); "
-                        "layers 1.. are the next router on the previous MoE layer's input")
-    return sequence_scores(pred, trace, f"predict {name}"), info
-
-
-def build_predictor(name: str, spec: Spec, trace: Trace, fit: Trace, fit_on: str,
-                    model_dir: str | Path | None) -> tuple[ExpertPredictor, dict[str, Any]]:
-    """The predictor `name`/`spec` stands for, and where it came from."""
-    fp = trace.fingerprint
-    if isinstance(spec, ExpertPredictor):
-        fp.require_same(spec.meta.fingerprint, f"predictor {name!r}")
-        return spec, {"fit_on": spec.meta.training or None}
-    if spec is not None:
-        pred = load_predictor(spec, fingerprint=fp)  # FingerprintMismatchError names both models
-        return pred, {"artifact": str(spec), "fit_on": pred.meta.training or None}
-    if name in FITTED:
-        return FITTED[name](fit), {"fit_on": fit_on}
-    if name == "oracle":
-        return OraclePredictor(trace), {"fit_on": "the evaluated trace (the router's own choices)"}
-    model, _ = load_model(model_dir, dtype=torch.float32)  # lookahead; names checked by check_specs
-    pred = GateLookahead(model)
-    pred.meta.fingerprint.require_same(fp, "the evaluated trace")
-    return pred, {"model": str(model_dir), "fit_on": None}
-
-
 def check_specs(predictors: dict[str, Spec], model_dir: str | Path | None) -> None:
     """Fail before any work on an unknown name or a lookahead without a model."""
+    if not predictors:
+        raise EvaluationError("no predictors to evaluate: name at least one (e.g. --predictors freq,token)")
     for name, spec in predictors.items():
-        if spec is None and name not in BUILTIN:
-            raise PredictorError(f"unknown predictor {name!r}; known names: {', '.join(BUILTIN)}, "
-                                 "or NAME=PATH for a predictor artifact")
-    if "lookahead" in predictors and predictors["lookahead"] is None and model_dir is None:
+        if spec is None:
+            check_name(name)
+    if any(spec is None and getattr(builtin(name), "needs", None) == "model" for name, spec in predictors.items()) \
+            and model_dir is None:
         raise EvaluationError("the lookahead predictor runs the live model: pass --model DIR")
 
 
@@ -255,8 +162,8 @@ def evaluate_predictors(
     }
     for name, spec in tqdm(predictors.items(), desc="predictors", unit="pred"):
         began = time.perf_counter()
-        pred, source = build_predictor(name, spec, trace, fit, fit_on, model_dir)
-        scores, info = score_predictor(pred, trace, name)
+        pred, source = resolve_predictor(name, spec, evaluated=trace, fit=fit, fit_on=fit_on, model_dir=model_dir)
+        scores, info = trace_scores(pred, trace, name)
         result["predictors"][name] = {"kind": pred.kind, **source, **info,
                                       **predictor_metrics(scores, trace, batch_sizes)}
         result["timing"]["predictors_s"][name] = round(time.perf_counter() - began, 3)
@@ -295,63 +202,3 @@ def cross_dataset(
                 for metric in ("recall_at_k", "recall_at_2k"):
                     matrix[column][metric].setdefault(train_ds, {})[eval_ds] = res["predictors"][column][metric]
     return matrix
-
-
-# --- command line --------------------------------------------------------------------------
-def parse_predictors(text: str) -> dict[str, str | None]:
-    """`sida=PATH,corr,token` -> {"sida": "PATH", "corr": None, "token": None}."""
-    specs: dict[str, str | None] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, _, path = item.partition("=")
-        specs[name] = path or None
-    return specs
-
-
-def parse_cross(text: str) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
-    """`code=TRAIN:EVAL:ARTIFACT,docs=...` -> (traces, predictor paths) for `cross_dataset`."""
-    traces, artifacts = {}, {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, _, paths = item.partition("=")
-        parts = paths.split(":")
-        if not name or len(parts) != 3 or not all(parts):
-            raise EvaluationError(f"--cross entry {item!r} is not DATASET=TRAIN_TRACE:EVAL_TRACE:ARTIFACT")
-        traces[name], artifacts[name] = (parts[0], parts[1]), parts[2]
-    return traces, artifacts
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("evaluate", help="compare expert predictors on a router trace (JSON + PNG)")
-    p.add_argument("--trace", help="trace to evaluate on (held-out split)")
-    p.add_argument("--train-trace", help="trace the freq/token/corr baselines are fit on (default: --trace)")
-    p.add_argument("--model", help="model directory; needed by lookahead and checked by --cross")
-    p.add_argument("--predictors", default="freq,token,corr,oracle",
-                   help=f"comma list of {', '.join(BUILTIN)} or NAME=ARTIFACT (e.g. sida=runs/sida)")
-    p.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)), help="for batch precision/recall")
-    p.add_argument("--cross", help="DATASET=TRAIN_TRACE:EVAL_TRACE:ARTIFACT,... : cross-dataset recall matrix")
-    p.add_argument("--json", required=True, help="results file")
-    p.add_argument("--plot", help="PNG of the results")
-    return p
-
-
-def run(args: argparse.Namespace) -> None:
-    if not args.trace and not args.cross:
-        raise EvaluationError("nothing to evaluate: pass --trace DIR, --cross ..., or both")
-    result: dict[str, Any] = {}
-    if args.trace:
-        batch_sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b)
-        result = evaluate_predictors(args.trace, parse_predictors(args.predictors), args.model,
-                                     args.train_trace, batch_sizes)
-    if args.cross:
-        result["cross_dataset"] = cross_dataset(args.model, *parse_cross(args.cross))
-    write_results(result, args.json, args.plot)
-
-
-def write_results(result: dict[str, Any], json_path: str | Path, plot_path: str | Path | None = None) -> None:
-    """The JSON, and the PNG when `plot_path` is given; both written atomically."""
-    write_json_atomic(json_path, result)
-    log.info("results written to %s", json_path)
-    if plot_path:
-        from experiments.evaluate_plot import plot_evaluation  # matplotlib only when plotting
-
-        plot_evaluation(result, plot_path)
-        log.info("plot written to %s", plot_path)

@@ -99,3 +99,12 @@ def load_predictor(path: str | Path, fingerprint: ModelFingerprint | None = None
     except (SafetensorError, OSError) as exc:
         raise PredictorArtifactError(f"{weights_path} is corrupt ({exc}); export the predictor again") from exc
     return cls.from_artifact(meta, tensors)
+
+
+def check_tracing_convention(meta: PredictorMeta, encoder_decoder: bool) -> None:
+    """Warn when an encoder-decoder's predictor was trained on a trace made before decoder rows
+    were the steps that read the row's token: its decoder-layer guesses are one token off."""
+    if encoder_decoder and not meta.training.get("settings", {}).get("decoder_reads_row_token"):
+        log.warning("predictor %r was not trained on a trace whose decoder rows are the steps reading the "
+                    "row's token (a trace made before that convention): its decoder-layer guesses are one "
+                    "token off; trace again and retrain", meta.kind)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -43,3 +46,14 @@ def write_atomic(target: str | os.PathLike, write: Callable[[Path], None]) -> Pa
 def write_json_atomic(target: str | os.PathLike, obj: Any) -> Path:
     """Write `obj` as indented JSON, atomically."""
     return write_atomic(target, lambda p: p.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n"))
+
+
+def write_results(result: Any, json_path: str | os.PathLike, plot_path: str | os.PathLike | None = None,
+                  plot: Callable[[Any, str | os.PathLike], object] | None = None) -> None:
+    """An experiment's JSON, and its PNG drawn by `plot(result, path)` when `plot_path` is given;
+    both written atomically."""
+    write_json_atomic(json_path, result)
+    log.info("results written to %s", json_path)
+    if plot_path and plot is not None:
+        plot(result, plot_path)
+        log.info("plot written to %s", plot_path)

@@ -33,5 +33,5 @@ class FingerprintMismatchError(PrescientError):
         self.found = found
 
 
-class CapacityError(PrescientError):
-    """A cache capacity or memory budget is too small to run at all."""
+class CapacityError(PrescientError, ValueError):
+    """A cache capacity or memory budget is unreadable, or too small to run at all."""

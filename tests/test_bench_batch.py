@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from experiments.bench_batch import BatchPolicy, bench_batch, parse_grid, spearman
+from experiments.bench_batch import BatchPolicy, BenchBatchError, bench_batch, parse_grid, spearman
 from tests.conftest import save_tiny_model
 
 
@@ -21,7 +21,7 @@ def test_spearman_ranks_with_ties():
 
 def test_grid_parsing():
     assert parse_grid("8:4:0.5, 16:8:0.25") == [BatchPolicy(8, 4, 0.5), BatchPolicy(16, 8, 0.25)]
-    with pytest.raises(SystemExit, match="N:MICRO_BATCH:RESIDENT"):
+    with pytest.raises(BenchBatchError, match="N:MICRO_BATCH:RESIDENT"):
         parse_grid("8:4")
 
 

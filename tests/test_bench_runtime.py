@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli import bench as bench_cli
 from experiments import bench_runtime as bench
 from experiments.bench_runtime_grid import (BASELINES, BenchError, RunSpec, check_grid, default_grid, full_grid,
                                             parse_runs)
@@ -133,14 +134,14 @@ def test_command_line_runs_each_configuration_in_a_fresh_process(tiny_moe_dir, t
     broken.with_suffix(".safetensors").unlink()
     trace = trace_model(model, f"json:{text_corpus}", tmp_path / "trace", split="train", max_tokens=500)
     parser = argparse.ArgumentParser()
-    bench.add_parser(parser.add_subparsers(dest="command"))
+    bench_cli.add_parser(parser.add_subparsers(dest="command"))
     out = tmp_path / "bench.json"
     args = parser.parse_args([
         "bench", "--model", str(model), "--json", str(out), "--predictors", f"none,corr,broken={broken}",
         "--train-trace", str(trace), "--runs", "none:lru@1.0,broken:lru@0.5,corr:fifo@0.5",
         "--baselines", "all_resident", "--dataset", f"json:{text_corpus}", "--split", "train", "--prompts", "1",
         "--new-tokens", "3", "--threads", "1"])
-    result = bench.run(args)
+    result = bench_cli.run(args)
     assert json.loads(out.read_text())["complete"] and result["settings"]["isolated_processes"]
     good = [result["baselines"]["all_resident"], result["runs"][0], result["runs"][2]]
     assert all(r["exact"] and r["peak_rss_scope"] == "after load (VmHWM reset)" for r in good), good

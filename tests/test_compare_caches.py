@@ -11,10 +11,11 @@ import logging
 import pytest
 import torch
 
-from experiments.compare_caches import CompareCachesError, compare_caches, format_table, predicted_scores
+from cli.main import main as cli_main
+from experiments.compare_caches import CompareCachesError, compare_caches, format_table
+from experiments.predictor_scores import trace_scores
 from predictor import PredictorMeta, SiDAHash, SiDAPredictor, SiDASizes, TokenTablePredictor
 from predictor.artifact import load_predictor, save_predictor
-from prescient.cli import main as cli_main
 from prescient.errors import CapacityError, FingerprintMismatchError
 from prescient.fingerprint import ModelFingerprint
 from prescient.traces import TraceManifest, TraceWriter, load_trace
@@ -134,8 +135,8 @@ def test_a_bidirectional_predictor_is_stepped_and_never_sees_ahead(tmp_path):
     prefix = torch.tensor([3, 1, 4, 1, 5])
     one = load_trace(write_trace(tmp_path / "a", tokens=[torch.cat([prefix, torch.tensor([9, 2, 6])])]))
     two = load_trace(write_trace(tmp_path / "b", tokens=[torch.cat([prefix, torch.tensor([8, 8, 0])])]))
-    scores_one, info = predicted_scores(pred, one, horizon=1)
-    scores_two, _ = predicted_scores(pred, two, horizon=1)
+    scores_one, info = trace_scores(pred, one, decoding=True)
+    scores_one, scores_two = scores_one.numpy(), trace_scores(pred, two, decoding=True)[0].numpy()
     assert info["causal"] is True
     torch.testing.assert_close(torch.from_numpy(scores_one[:5]), torch.from_numpy(scores_two[:5]))
     whole = pred.predict(one["token_id"][None])[0]  # bidirectional: the prefix sees the future here

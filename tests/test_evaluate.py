@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli.evaluate import add_parser, run
 from experiments.evaluate import (
     EvaluationError,
-    add_parser,
     batch_set_metrics,
     cross_dataset,
     evaluate_predictors,
-    run,
 )
 from predictor import PredictorError, PredictorMeta, SiDAHash, SiDAPredictor, SiDASizes, TokenTablePredictor
 from predictor.artifact import save_predictor

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from prescient.cli import main
+from cli.main import main
 from prescient.errors import DatasetError, ModelFilesError, NotAMoEModelError, TraceError
 from prescient.loading import load_model
 from prescient.traces import load_trace

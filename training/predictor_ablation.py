@@ -2,8 +2,7 @@
 trace and split, and record validation recall@k / recall@2k as JSON, next to the recall of
 the table baselines (global frequency, per-token table) built from the same training split.
 
-    python -m training.predictor_ablation TRACE runs/ablation.json \
-        [--model_dir MODEL] [--max_steps 600] [--variants '[paper, bce]']
+    prescient ablation TRACE runs/ablation.json [--model MODEL] [--max-steps 600] [--variants paper,bce]
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from dataclasses import asdict
 
 import lightning as L
 import torch
-from jsonargparse import auto_cli
 
 from predictor.base import ExpertPredictor
 from predictor.baselines import FrequencyPredictor, TokenTablePredictor
@@ -122,8 +120,3 @@ def run_ablation(
         log.info("%s: %s", name, results["variants"][name])
         write_json_atomic(out, results)
     return results
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
-    auto_cli(run_ablation)

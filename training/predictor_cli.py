@@ -1,7 +1,6 @@
 """`prescient train`: LightningCLI over `PredictorModule` + `PredictorDataModule`.
 
     prescient train --config configs/predictor/sida.yaml --data.trace_dir DIR [--export PATH]
-    python -m training.predictor_cli --config ... (the same)
 
 Everything the YAML holds can be overridden on the command line (`--model.lr 1e-3`,
 `--trainer.max_epochs 5`, `--trainer.strategy ddp --trainer.devices 2`). Two options of
@@ -63,7 +62,9 @@ def export_best(cli: PredictorCLI, path: str | Path | None) -> Path:
     return target
 
 
-def main(args: list[str] | None = None) -> None:
+def main(args: list[str] | None = None) -> Path:
+    """Run LightningCLI on `args` (the command line's, by default): fit, then export the best
+    checkpoint; returns the artifact path."""
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
     cli = PredictorCLI(
@@ -74,9 +75,14 @@ def main(args: list[str] | None = None) -> None:
         save_config_kwargs={"overwrite": True},
     )
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.ckpt_path)
-    export_best(cli, cli.config.export)
+    return export_best(cli, cli.config.export)
 
 
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
-    main()
+def train_predictor(config: str | Path, trace_dir: str | Path, export: str | Path, **overrides: object) -> Path:
+    """Train from the YAML `config` on `trace_dir` and export to `export`; `overrides` are
+    dotted config keys, as on the command line (`**{"trainer.max_time": "00:00:08:00"}`)."""
+    args = ["--config", str(config), "--data.trace_dir", str(trace_dir), "--export", str(export)]
+    for key, value in overrides.items():
+        args += [f"--{key}", str(value)]
+    return main(args)
+

@@ -3,8 +3,8 @@ row, all L layers' experts predicted) after the attention window has filled. Wal
 median and p99, and the thread's CPU time per step (what a step costs on a core of its
 own; wall time also counts waiting for a busy machine's cores).
 
-    python -m training.predictor_latency [--artifact NAME] [--n_layers 32 --n_experts 8]
-        [--threads 1] [--batch_size 1] [--out runs/latency.json]
+    prescient bench-predictor-latency [--artifact NAME] [--n-layers 32 --n-experts 8]
+        [--threads 1] [--batch-size 1] [--json runs/latency.json]
 
 Without an artifact it times a randomly initialised hash function of the default sizes (the
 weights do not change the cost).
@@ -19,7 +19,6 @@ import time
 from dataclasses import asdict
 
 import torch
-from jsonargparse import auto_cli
 
 from predictor.artifact import load_predictor
 from predictor.base import PredictorMeta
@@ -86,8 +85,3 @@ def measure_step_latency(
     if out:
         write_json_atomic(out, result)
     return result
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
-    auto_cli(measure_step_latency)

@@ -14,8 +14,8 @@ from cache import (
     make_policy,
     simulate,
 )
-from cache.bench_simulator import main as bench_main
-from cache.bench_simulator import synthetic_trace
+from cli.main import run_command
+from experiments.bench_simulator import synthetic_trace
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +244,7 @@ def test_expert_frequencies():
 
 def test_bench_writes_accesses_per_second(tmp_path):
     out = tmp_path / "bench.json"
-    bench_main([str(out), "--tokens", "300", "--layers", "2", "--experts", "8"])
+    run_command(["bench-simulator", str(out), "--tokens", "300", "--layers", "2", "--experts", "8"])
     report = json.loads(out.read_text())
     for name in ("lru", "mrs"):
         assert report["policies"][name]["accesses_per_s"] > 0

@@ -112,7 +112,7 @@ def test_ddp_on_two_cpu_processes(tmp_path, synthetic_trace, tiny_fingerprint):
     args = cli_args(synthetic_trace, tmp_path / "run", "--trainer.max_steps", "3", "--export", str(export),
                     "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "training.predictor_cli", *args], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "cli.main", "train", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert load_predictor(export, fingerprint=tiny_fingerprint).meta.metrics["val/recall_at_k"] > 0

@@ -2,7 +2,7 @@
 
 import pytest
 
-from offload_runtime.batching import BatchingError, min_kv_tokens, partition_requests
+from offload_runtime.cgopipe.batching import BatchingError, min_kv_tokens, partition_requests
 
 
 def test_longest_first_into_the_smallest_micro_batch():

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload_runtime.cgopipe import CGOPipe, Event, budget_fraction
-from offload_runtime.decoder_stack import UnsupportedModelError
-from offload_runtime.loader import load_offloaded
+from offload_runtime.cgopipe.pipe import CGOPipe, Event, budget_fraction
+from offload_runtime.cgopipe.decoder_stack import UnsupportedModelError
+from offload_runtime.engine.loader import load_offloaded
 from predictor import FrequencyPredictor, PredictorMeta
 from prescient.errors import CapacityError, FingerprintMismatchError
 from prescient.fingerprint import fingerprint_model

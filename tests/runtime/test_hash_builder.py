@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from offload_runtime.hash_builder import HashBuilder, HashBuilderError, HashTable
-from offload_runtime.loader import load_offloaded
+from offload_runtime.engine.hash_builder import HashBuilder, HashBuilderError, HashTable
+from offload_runtime.engine.loader import load_offloaded
 from predictor import FrequencyPredictor, PredictorMeta
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_model, load_tokenizer

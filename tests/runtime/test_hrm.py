@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from offload_runtime.hardware import HardwareProfile, Processor
-from offload_runtime.hrm import (ModelSpec, ModelSpecError, Op, Policy, PolicyError, Workload, decode_ops, estimate,
+from offload_runtime.planning.hardware import HardwareProfile, Processor
+from offload_runtime.planning.hrm import (ModelSpec, ModelSpecError, Op, Policy, BatchPolicyError, Workload, decode_ops, estimate,
                                  expected_experts, head_op, predict, roofline, stage_time)
 
 MIXTRAL = Path(__file__).resolve().parents[2] / "configs" / "models" / "mixtral-8x7b"
@@ -98,13 +98,13 @@ def test_resident_experts_shorten_a_link_bound_step():
 
 
 def test_policy_errors():
-    with pytest.raises(PolicyError, match="multiple of μ"):
+    with pytest.raises(BatchPolicyError, match="multiple of μ"):
         Policy(10, 4)
-    with pytest.raises(PolicyError, match="r_c"):
+    with pytest.raises(BatchPolicyError, match="r_c"):
         Policy(4, 2, "cpu", "gpu", r_c=0.5)
-    with pytest.raises(PolicyError, match="no GPU"):
+    with pytest.raises(BatchPolicyError, match="no GPU"):
         estimate(TINY, CPU_ONLY, Workload(4, 4), Policy(4, 2, "cpu", "gpu"))
-    with pytest.raises(PolicyError, match="not modelled"):
+    with pytest.raises(BatchPolicyError, match="not modelled"):
         estimate(TINY, WITH_GPU, Workload(4, 4), Policy(4, 2, "cpu", "cpu"))
 
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload_runtime import generate_cli
-from offload_runtime.loader import load_offloaded
+from cli import generate as generate_cli
+from offload_runtime.engine.loader import load_offloaded
 from predictor import FrequencyPredictor, PredictorMeta, TokenTablePredictor, save_predictor
 from prescient.arch import moe_stacks
+from prescient.budget import Budget
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_model, load_tokenizer
 
@@ -224,6 +225,14 @@ def test_generate_cli_prints_and_writes_json(tiny_moe_dir, tmp_path, capsys):
     assert printed.startswith(record["text"]) and "hit rate" in printed and "late" in printed
 
 
-@pytest.mark.parametrize(("text", "budget"), [("0.5", 0.5), ("1", 1.0), ("4096", 4096), ("512MiB", "512MiB")])
+@pytest.mark.parametrize(("text", "budget"), [("0.5", Budget(0.5, "fraction")), ("50%", Budget(0.5, "fraction")),
+                                              ("1", Budget(1.0, "fraction")), ("12slots", Budget(12, "slots")),
+                                              ("512MiB", Budget(2**29, "bytes"))])
 def test_budget_parsing(text, budget):
-    assert generate_cli.parse_budget(text) == budget and type(generate_cli.parse_budget(text)) is type(budget)
+    assert generate_cli.budget(text) == budget
+
+
+@pytest.mark.parametrize("text", ["48", "4096", "half", "0", "150%"])
+def test_a_budget_without_a_unit_or_out_of_range_is_refused_naming_the_units(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="12slots"):
+        generate_cli.budget(text)

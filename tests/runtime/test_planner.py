@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from offload_runtime.hardware import (PRESETS, HardwareError, HardwareProfile, Processor, load_profile,
+from offload_runtime.planning.hardware import (PRESETS, HardwareError, HardwareProfile, Processor, load_profile,
                                       measure_profile, parse_size)
-from offload_runtime.hrm import ModelSpec, Policy, Workload, predict
-from offload_runtime.planner import Limits, NoFeasiblePolicyError, SearchSpace, evaluate, search
-from offload_runtime import plan_cli
+from offload_runtime.planning.hrm import ModelSpec, Policy, Workload, predict
+from offload_runtime.planning.planner import Limits, NoFeasiblePolicyError, SearchSpace, evaluate, search
+from cli import plan as plan_cli
 
 MIXTRAL = Path(__file__).resolve().parents[2] / "configs" / "models" / "mixtral-8x7b"
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from offload_runtime.hash_builder import HashBuilderError
-from offload_runtime.loader import load_offloaded
-from offload_runtime.store import StoreError
+from offload_runtime.engine.hash_builder import HashBuilderError
+from offload_runtime.engine.loader import load_offloaded
+from offload_runtime.engine.store import StoreError
 from predictor import FrequencyPredictor, PredictorMeta, save_predictor
 from prescient.errors import CapacityError, FingerprintMismatchError
 from prescient.fingerprint import fingerprint_model

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload_runtime.expert_layout import ExpertSpec
-from offload_runtime.slots import SlotError, SlotMap, SlotPool, slots_for_budget
+from offload_runtime.engine.expert_layout import ExpertSpec
+from offload_runtime.engine.slots import SlotError, SlotMap, SlotPool, slots_for_budget
 from prescient.errors import CapacityError
 
 SPEC = ExpertSpec({"gate_up_proj": (8, 4), "down_proj": (4, 4)},

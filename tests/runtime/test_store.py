@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from transformers.core_model_loading import Interleave, Transpose, WeightConverter
 
-from offload_runtime.store import ExpertStore, StoreError
+from offload_runtime.engine.store import ExpertStore, StoreError
 from prescient.arch import MoELayer, find_moe_layers
 from prescient.errors import ModelFilesError
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from offload_runtime.loader import load_offloaded
+from offload_runtime.engine.loader import load_offloaded
 from prescient.loading import load_model, load_tokenizer
 from prescient.traces import read_manifest
 from training.predictor_cli import main

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from offload_runtime.expert_layout import ExpertSpec
-from offload_runtime.slots import SlotPool
-from offload_runtime.store import ExpertStore
-from offload_runtime.transfer import TransferCancelledError, TransferEngine, TransferError
+from offload_runtime.engine.expert_layout import ExpertSpec
+from offload_runtime.engine.slots import SlotPool
+from offload_runtime.engine.store import ExpertStore
+from offload_runtime.engine.transfer import TransferCancelledError, TransferEngine, TransferError
 from prescient.arch import find_moe_layers
 
 SPEC = ExpertSpec({"w": (4, 2)}, {"w": torch.float32})

@@ -1,6 +1,6 @@
 """Simulator throughput on a synthetic trace: expert accesses per second, per policy.
 
-    python -m cache.bench_simulator results/bench_simulator.json [--tokens 50000 --layers 8 ...]
+    prescient bench-simulator results/bench_simulator.json [--tokens 50000 --layers 8 ...]
 
 The trace has skewed expert popularity (Zipf over each layer's experts) and temporal locality
 (with probability `repeat` a layer's router logits are averaged with the previous token's), so
@@ -12,13 +12,8 @@ shared, are `accesses_per_wall_s`); building the Replay from arrays is timed apa
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import os
-import tempfile
 import time
-from pathlib import Path
 
 import numba
 import numpy as np
@@ -51,75 +46,49 @@ def synthetic_trace(
     }
 
 
-def run(args: argparse.Namespace) -> dict:
+def bench_simulator(tokens: int = 50_000, layers: int = 8, experts: int = 64, top_k: int = 2, top_t: int = 8,
+                    seq_len: int = 512, repeat: float = 0.5, capacity: int | None = None, horizon: int = 1,
+                    transfer_per_step: int = 4, seed: int = 0, runs: int = 3) -> dict:
+    """Accesses per second of each policy's replay on a synthetic trace (see the module doc)."""
+    settings = dict(locals())
     trace = synthetic_trace(
-        args.tokens, args.layers, args.experts, args.top_k, args.top_t, args.seq_len, args.repeat, args.seed
+        tokens, layers, experts, top_k, top_t, seq_len, repeat, seed
     )
-    scores = {"topt_ids": trace["topt_ids"], "topt_logits": trace["topt_logits"], "score_top": 2 * args.top_k}
+    scores = {"topt_ids": trace["topt_ids"], "topt_logits": trace["topt_logits"], "score_top": 2 * top_k}
     started = time.process_time()
     demand = Replay.build(trace["topk_ids"], trace["seq_id"], **scores)
     build_s = time.process_time() - started
     prefetching = Replay.build(
         trace["topk_ids"], trace["seq_id"], predicted_scores=trace["predicted_scores"], **scores
     )
-    capacity = args.capacity or args.layers * args.experts // 4
-    runs = {
+    capacity = capacity or layers * experts // 4
+    replays = {
         "lru": (demand, {}),
-        "mrs": (demand, {"top_k": args.top_k}),
+        "mrs": (demand, {"top_k": top_k}),
         "fifo": (demand, {}),
         "lfu": (demand, {}),
         "belady": (demand, {"future": demand.future()}),
         "lru+prefetch": (prefetching, {}),
-        "mrs+prefetch": (prefetching, {"top_k": args.top_k}),
+        "mrs+prefetch": (prefetching, {"top_k": top_k}),
     }
     policies = {}
-    for name, (replay, kwargs) in runs.items():
+    for name, (replay, kwargs) in replays.items():
         wall, cpu = [], []
-        for _ in range(args.runs):
+        for _ in range(runs):
             started = time.process_time()
             result = simulate(
                 replay, capacity, make_policy(name.split("+")[0], **kwargs),
-                horizon=args.horizon if replay.predicted else None,
-                transfer_per_step=args.transfer_per_step if replay.predicted else None,
+                horizon=horizon if replay.predicted else None,
+                transfer_per_step=transfer_per_step if replay.predicted else None,
             )
             cpu.append(result.accesses / (time.process_time() - started))
             wall.append(result.accesses / result.seconds)
         policies[name] = {"accesses_per_s": max(cpu), "accesses_per_wall_s": max(wall), **result.to_dict()}
-        log.info("%-14s %10.0f accesses/s (CPU time, best of %d)  hit rate %.3f", name, max(cpu), args.runs, result.hit_rate)
+        log.info("%-14s %10.0f accesses/s (CPU time, best of %d)  hit rate %.3f", name, max(cpu), runs, result.hit_rate)
     return {
-        "trace": {k: v for k, v in vars(args).items() if k != "out"} | {"accesses": demand.n_accesses, "capacity": capacity},
+        "trace": settings | {"accesses": demand.n_accesses, "capacity": capacity},
         "numba": numba.__version__,
         "replay_build_s": build_s,
         "replay_build_accesses_per_s": demand.n_accesses / build_s,
         "policies": policies,
     }
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path, help="JSON file to write")
-    parser.add_argument("--tokens", type=int, default=50_000)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--top-t", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--repeat", type=float, default=0.5)
-    parser.add_argument("--capacity", type=int, default=None, help="slots in all (default L*E/4)")
-    parser.add_argument("--horizon", type=int, default=1)
-    parser.add_argument("--transfer-per-step", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--runs", type=int, default=3, help="timed runs per policy; the best counts")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    report = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{args.out.name}.", suffix=".tmp", dir=args.out.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(report, f, indent=2)
-    os.replace(tmp, args.out)
-    log.info("wrote %s", args.out)
-
-
-if __name__ == "__main__":
-    main()

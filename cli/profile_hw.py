@@ -1,14 +1,13 @@
 """`prescient profile-hw`: measure this machine as a hardware profile for `prescient plan
 --hardware PROFILE.json` (CPU FLOP/s and memory bandwidth, disk read bandwidth, and the GPU and
-pinned host → device link when CUDA is available).
-
-Wired into `prescient.cli` with `add_parser(sub)` and `run(args)`.
-"""
+pinned host → device link when CUDA is available)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+
+from cli.args import positive_int
 
 log = logging.getLogger(__name__)
 
@@ -16,14 +15,14 @@ log = logging.getLogger(__name__)
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("profile-hw", help="measure this machine as a hardware profile for `prescient plan`")
     p.add_argument("--dir", default=None, help="where to write the temporary disk probe file (default: temp dir)")
-    p.add_argument("--disk-mib", type=int, default=256, help="size of the disk probe file")
+    p.add_argument("--disk-mib", type=positive_int, default=256, help="size of the disk probe file")
     p.add_argument("--json", default=None, metavar="OUT", help="write the profile here")
     return p
 
 
 def run(args: argparse.Namespace) -> dict:
     """Measure, print, write `--json`; returns the profile as a dict."""
-    from offload_runtime.hardware import measure_profile
+    from offload_runtime.planning.hardware import measure_profile
 
     profile = measure_profile(args.dir, disk_bytes=args.disk_mib * 2**20)
     cpu, gpu = profile.cpu, profile.gpu

@@ -1,0 +1,79 @@
+"""`prescient bench`: decode tokens/s and memory of the offloading runtime across budgets,
+predictors and policies, with all-resident and accelerate disk-offload baselines (JSON + PNG);
+see `experiments.bench_runtime`."""
+
+from __future__ import annotations
+
+import argparse
+
+from cli.args import budgets, names, positive_int, predictor_specs
+
+BASELINES = "all_resident,accelerate_disk"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="decode tokens/s and memory of the offloading runtime (JSON + PNG)")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--json", required=True, help="results file (rewritten after every run)")
+    p.add_argument("--plot", help="PNG of the results")
+    p.add_argument("--budgets", type=budgets, default="0.25,0.5,1.0", help="expert memory, as fractions of all experts")
+    p.add_argument("--predictors", type=predictor_specs, default="none,freq,corr,oracle",
+                   help="comma list of none, freq, token, corr, oracle or NAME=ARTIFACT (e.g. sida=runs/sida)")
+    p.add_argument("--policies", type=names, default="lru,lfu,fifo,mrs",
+                   help="policies for sida (default grid) or all (full)")
+    p.add_argument("--grid", choices=("default", "full"), default="default",
+                   help="default: per budget none+lru, each predictor with mrs and lru, sida with every policy; "
+                        "full: budgets x predictors x policies")
+    p.add_argument("--runs", help="these runs instead of a grid: PREDICTOR:POLICY@BUDGET,...")
+    p.add_argument("--train-trace", help="trace that freq / token / corr are fit on")
+    p.add_argument("--new-tokens", type=positive_int, default=12, help="new tokens per timed prompt")
+    p.add_argument("--prompts", type=positive_int, default=2, help="timed prompts (one more is the warm-up)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=16, help="tokens per prompt")
+    p.add_argument("--warmup-tokens", type=positive_int, default=4, help="new tokens of the untimed warm-up prompt")
+    p.add_argument("--sample", type=int, default=None, metavar="SEED",
+                   help="sampled decoding under the model's generation settings, seeded per prompt by SEED "
+                        "(default: greedy)")
+    p.add_argument("--dataset", default="stdlib-code", help="corpus the prompts come from")
+    p.add_argument("--split", default="validation")
+    p.add_argument("--baselines", type=names, default=BASELINES, help=f"comma list of {BASELINES}")
+    p.add_argument("--baseline-tokens", type=positive_int, default=4, help="new tokens of the accelerate_disk run")
+    p.add_argument("--hash-cost", default="auto",
+                   help="predictor of hash_thread_cost; auto: sida if given, else skipped; off: skipped")
+    p.add_argument("--transfer-workers", type=positive_int, default=1, help="expert copies that run at once")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads per run (default: torch's)")
+    p.add_argument("--store", choices=("disk", "host"), default="disk", help="where the offloaded experts live")
+    p.add_argument("--keep-page-cache", action="store_true", help="disk store: leave read pages in the page cache")
+    p.add_argument("--in-process", action="store_true", help="every run in this process (quick checks)")
+    p.add_argument("--work-dir", help="keep fitted predictors and the oracle trace here (default: a temporary dir)")
+    return p
+
+
+def run(args: argparse.Namespace) -> dict:
+    from experiments.bench_runtime import bench_runtime
+    from experiments.bench_runtime_grid import (BASELINES, BenchError, check_grid, default_grid, fraction, full_grid,
+                                                parse_runs)
+    from experiments.bench_runtime_records import summary
+    from predictor.registry import canonical_name
+    from training.corpora import load_corpus
+
+    predictors = {canonical_name(name) if path is None else name: path for name, path in args.predictors.items()}
+    grid = full_grid if args.grid == "full" else default_grid
+    runs = parse_runs(args.runs) if args.runs else grid([fraction(b) for b in args.budgets], list(predictors),
+                                                        list(args.policies))
+    if set(args.baselines) - set(BASELINES):
+        raise BenchError(f"unknown baselines {sorted(set(args.baselines) - set(BASELINES))}; "
+                         f"use {', '.join(BASELINES)}")
+    hash_cost = {"auto": "sida" if "sida" in predictors else None, "off": None}.get(args.hash_cost, args.hash_cost)
+    used = {spec.predictor for spec in runs} | {hash_cost}
+    check_grid(runs, {k: v for k, v in predictors.items() if k in used}, args.train_trace)  # before reading the corpus
+    texts = list(load_corpus(args.dataset, args.split)["text"][: 20 * (args.prompts + 1)])
+    result = bench_runtime(
+        args.model, texts, predictors=predictors, runs=runs, timed_prompts=args.prompts,
+        prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, warmup_tokens=args.warmup_tokens,
+        train_trace=args.train_trace, baselines=tuple(args.baselines), baseline_tokens=args.baseline_tokens,
+        sample_seed=args.sample, transfer_workers=args.transfer_workers,
+        hash_cost_predictor=hash_cost, threads=args.threads, store=args.store, drop_page_cache=not args.keep_page_cache,
+        isolate=not args.in_process, work_dir=args.work_dir, json_path=args.json, plot_path=args.plot,
+    )
+    print(summary(result))
+    return result

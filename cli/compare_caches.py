@@ -1,0 +1,47 @@
+"""`prescient compare-caches`: cache policies replayed on a router trace, with and without
+predictor prefetch (JSON + PNG); see `experiments.compare_caches`."""
+
+from __future__ import annotations
+
+import argparse
+
+from cli.args import budgets, names, positive_int, positive_ints
+from predictor.registry import NAMES_HELP
+
+POLICIES_HELP = "lru, lfu, fifo, mrs, static, belady"
+
+
+def horizon(text: str) -> int | None:
+    return None if text.strip().lower() == "all" else positive_int(text)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("compare-caches", help="replay a trace through cache policies, with and without "
+                                                     "predictor prefetch (JSON + PNG)")
+    p.add_argument("--trace", required=True, help="router trace to replay (held-out split)")
+    p.add_argument("--predictor", help=f"prefetch with a predictor artifact PATH or one of {NAMES_HELP}")
+    p.add_argument("--train-trace", help="trace the named predictors and static-hot are fit on (default: --trace)")
+    p.add_argument("--policies", type=names, default="lru,lfu,fifo,mrs,static,belady",
+                   help=f"comma list of {POLICIES_HELP}")
+    p.add_argument("--capacity", type=budgets, default="0.125,0.25,0.5,0.75",
+                   help="comma list of fractions of all L*E experts (0.25 or 25%%) or slot counts (48slots)")
+    p.add_argument("--batch-size", type=positive_ints, default="1,8", help="comma list of batch sizes")
+    p.add_argument("--horizon", type=horizon, default="1",
+                   help="prefetch this many layers ahead, or 'all' (at the token's start)")
+    p.add_argument("--transfer-per-step", type=int, default=None,
+                   help="experts the link moves per layer compute (default: transfers are instant)")
+    p.add_argument("--prefetch-k", type=positive_int, default=None,
+                   help="predicted experts prefetched per row and layer (default: the model's top-k)")
+    p.add_argument("--json", required=True, help="results file")
+    p.add_argument("--plot", help="PNG of hit and stall rates against capacity")
+    return p
+
+
+def run(args: argparse.Namespace) -> None:
+    from experiments.compare_caches import compare_caches, format_table, plot_compare_caches
+    from prescient.atomic import write_results
+
+    result = compare_caches(args.trace, args.policies, args.capacity, args.batch_size, args.predictor,
+                            args.train_trace, args.horizon, args.transfer_per_step, args.prefetch_k)
+    print(format_table(result))
+    write_results(result, args.json, args.plot, plot_compare_caches)

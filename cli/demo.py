@@ -1,0 +1,17 @@
+"""`prescient demo`: the whole pipeline on the tiny reference model, every result under one folder."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("demo", help="run the whole pipeline on the tiny reference model")
+    p.add_argument("--out", default="runs/demo", help="folder of every result; a second run reuses what is there")
+    return p
+
+
+def run(args: argparse.Namespace) -> None:
+    from experiments.demo import run_demo
+
+    run_demo(args.out)

@@ -1,0 +1,57 @@
+"""`prescient generate`: greedy generation through the offloading runtime; prints the text and
+the runtime statistics, and writes them as JSON with `--json`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from cli.args import budget, positive_int
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("generate", help="generate text with experts offloaded (greedy), print runtime stats")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--predictor", default=None, help="predictor artifact (NAME, NAME.json or NAME.safetensors)")
+    p.add_argument("--policy", default="lru", help="cache policy: lru, lfu, fifo, mrs")
+    p.add_argument("--budget", type=budget, default="0.5",
+                   help="expert memory: a fraction of all experts (0.5 or 50%%), slots (12slots) or bytes (512MiB)")
+    p.add_argument("--store", choices=("disk", "host"), default="disk", help="where the experts live")
+    p.add_argument("--drop-page-cache", action="store_true", help="disk store: drop read pages from the page cache")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--transfer-workers", type=positive_int, default=1, help="expert copies that run at once")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
+    p.add_argument("--json", default=None, metavar="OUT", help="write ids, text, stats and settings here")
+    return p
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Generate, print, write `--json`; returns the JSON record."""
+    from offload_runtime.engine.generate import generate_offloaded
+    from prescient.atomic import write_results
+
+    record = generate_offloaded(args.model, args.prompt, args.max_new_tokens, predictor=args.predictor,
+                                policy=args.policy, budget=args.budget, store=args.store,
+                                drop_page_cache=args.drop_page_cache, device=args.device,
+                                transfer_workers=args.transfer_workers)
+    print(record["text"])
+    print(summary(record))
+    if args.json:
+        write_results(record, args.json)
+    return record
+
+
+def summary(record: dict) -> str:
+    s = record["stats"]
+    speed = f"{record['tokens_per_s']:.1f} tokens/s" if record["tokens_per_s"] else "n/a (fewer than 2 new tokens)"
+    return "\n".join([
+        f"experts: {s['hits']} hits, {s['misses']} misses (hit rate {s['hit_rate']:.1%}) in {s['slots']} slots",
+        f"prefetch: {s['prefetch_inserts']} inserted, accuracy {s['prefetch_accuracy']:.1%}, "
+        f"{s['wasted_prefetches']} wasted",
+        f"moved {s['bytes_moved'] / 2**20:.2f} MiB in {s['loads']} loads; stalled {s['stall_seconds']:.3f} s on loads",
+        f"hash tables: {s['tables_on_time']} on time, {s['late_tables']} late",
+        f"decode: {speed}",
+    ])

@@ -1,0 +1,64 @@
+"""Greedy generation through the offloading runtime, with its statistics and timings: what
+`prescient generate` prints and the demo records."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from prescient.budget import Budget
+
+
+class _Clock:
+    """A generate() streamer that only notes when each put arrives: the prompt, then each token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, _value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        self.times.append(time.perf_counter())
+
+
+def generate_offloaded(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, *,
+                       predictor: str | Path | None = None, policy: str = "lru", budget: Budget | float = 0.5,
+                       store: str = "disk", drop_page_cache: bool = False, device: str = "cpu",
+                       transfer_workers: int = 1) -> dict[str, Any]:
+    """Generate greedily with the experts offloaded; the record holds the settings, the new token
+    ids and text, the runtime's statistics, prefill seconds and decode tokens/s."""
+    import torch
+
+    from offload_runtime.engine.loader import load_offloaded
+    from prescient.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    model = load_offloaded(model_dir, predictor=predictor, policy=policy, budget=budget, store=store,
+                           drop_page_cache=drop_page_cache, device=device, transfer_workers=transfer_workers)
+    with model.offload_runtime as runtime:
+        inputs = tokenizer(prompt, return_tensors="pt").to(device)
+        clock = _Clock()
+        with torch.inference_mode():
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, streamer=clock,
+                                 pad_token_id=tokenizer.pad_token_id)
+        stats = runtime.stats()
+    # a decoder's output repeats the prompt; an encoder-decoder's starts with the decoder start token
+    first = 1 if model.config.is_encoder_decoder else inputs["input_ids"].shape[1]
+    token_ids = out[0, first:].tolist()
+    # clock: prompt put (before prefill), one put per new token, end
+    prefill_s = clock.times[1] - clock.times[0] if len(token_ids) else None
+    decode_s = clock.times[len(token_ids)] - clock.times[1] if len(token_ids) > 1 else None
+    return {
+        "settings": {"model": str(model_dir), "predictor": predictor and str(predictor), "policy": policy,
+                     "budget": Budget.of(budget).as_json(),
+                     "store": store, "drop_page_cache": drop_page_cache, "device": device,
+                     "max_new_tokens": max_new_tokens},
+        "prompt": prompt,
+        "token_ids": token_ids,
+        "text": tokenizer.decode(token_ids, skip_special_tokens=True),
+        "stats": stats.to_dict(),
+        "prefill_seconds": prefill_s,
+        "tokens_per_s": (len(token_ids) - 1) / decode_s if decode_s else None,  # decode only
+    }

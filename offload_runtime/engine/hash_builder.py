@@ -1,0 +1,168 @@
+"""SiDA's hash-building thread: runs the predictor beside the inference thread.
+
+The inference thread submits each forward's new input ids (the whole prompt at prefill, the
+sampled tokens at each decode step) and goes on; this thread feeds them to the predictor, token
+by token (causal, incremental), and publishes one hash table per forward: per MoE layer, the
+predicted expert scores summed over the forward's tokens. Each token stream (an encoder-decoder
+has two: the encoder's prompt and the decoder's tokens) keeps its own predictor state. The
+inference thread only polls: a table not ready when a layer needs it is late, and that layer
+proceeds with demand loads.
+
+Serving decodes many sequences in one batch whose rows come and go: `submit(..., rows=ids)` names
+each row's sequence, and each (stream, sequence) keeps its own batch-1 state, started the first time
+that sequence is seen and stepped over its real tokens only; `forget(ids)` drops the states of
+sequences that ended.
+
+Requests queue without bound, so the inference thread never waits on the predictor; a predictor
+slower than the model falls behind and its tables arrive late. A failure of the predictor stops
+the thread and is raised, as `HashBuilderError`, by every later `submit` or `poll`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from prescient.errors import PrescientError
+
+log = logging.getLogger(__name__)
+
+
+class HashBuilderError(PrescientError, RuntimeError):
+    """The hash-building thread failed (the predictor raised) or was closed; the cause is chained."""
+
+
+@dataclass(frozen=True)
+class _Forget:
+    rows: frozenset
+
+
+@dataclass
+class HashTable:
+    step: int  # forward number it belongs to
+    scores: torch.Tensor  # [L, E]: predicted scores summed over the forward's (unpadded) tokens
+    tokens: int  # how many tokens were summed
+
+
+class HashBuilder:
+    """Owns the predictor's decode state; only its thread touches the predictor."""
+
+    def __init__(self, predictor: Any, keep: int = 4, join_timeout: float = 10.0) -> None:
+        self.predictor = predictor
+        self.keep = keep  # tables kept for polling: the newest `keep` forwards
+        self.join_timeout = join_timeout
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._tables: dict[int, HashTable] = {}
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._states: dict[int, Any] = {}  # per stream, the predictor's decode state (None is a valid state)
+        self._thread = threading.Thread(target=self._run, name="hash-builder", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int, input_ids: torch.Tensor, new_sequence: bool,
+               attention_mask: torch.Tensor | None = None, stream: int = 0,
+               rows: list[Hashable] | None = None) -> None:
+        """Queue forward `step`'s new ids ([B, T]) of token `stream`; `attention_mask` ([B, T],
+        0 = padding) keeps padding out of the table (a padded row's state still steps over it: the
+        predictor steps all rows at once). `new_sequence` starts the stream's state afresh.
+        `rows` (one sequence id per row): per-sequence states instead (see the module doc);
+        `new_sequence` is then ignored."""
+        self._raise_pending()
+        if self._closed:
+            raise HashBuilderError("the hash-building thread is closed")
+        mask = None if attention_mask is None else attention_mask.detach().to("cpu")
+        rows = None if rows is None else list(rows)
+        self._requests.put((step, input_ids.detach().to("cpu"), new_sequence, mask, stream, rows))
+
+    def forget(self, rows: list[Hashable]) -> None:
+        """Drop the per-sequence states of `rows` (queued: only the thread touches states)."""
+        if not self._closed:
+            self._requests.put(_Forget(frozenset(rows)))
+
+    def poll(self, step: int) -> HashTable | None:
+        """The table of forward `step` if it is ready now, else None; never waits."""
+        self._raise_pending()
+        with self._lock:
+            return self._tables.get(step)
+
+    def close(self) -> None:
+        """Drop queued requests and stop the thread (a running prediction finishes). Idempotent;
+        never raises: a failure not yet raised by `submit`/`poll` was logged by the thread."""
+        self._closed = True
+        self._requests.put(None)
+        self._thread.join(self.join_timeout)
+        if self._thread.is_alive():
+            log.warning("hash-building thread still predicting after %.0f s; leaving it (daemon thread)",
+                        self.join_timeout)
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            raise HashBuilderError(f"the hash-building thread failed: {self._error!r}") from self._error
+
+    @torch.inference_mode()
+    def _predict(self, input_ids: torch.Tensor, new_sequence: bool, mask: torch.Tensor | None,
+                 stream: int) -> tuple[torch.Tensor, int]:
+        if new_sequence or stream not in self._states:
+            self._states[stream] = self.predictor.start(input_ids.shape[0])
+        state = self._states[stream]
+        if mask is not None:
+            mask = mask[:, -input_ids.shape[1]:].float()
+        scores = None
+        for position in range(input_ids.shape[1]):  # causal, incremental: each token seen once
+            step_scores = self.predictor.step(state, input_ids[:, position]).float()  # [B, L, E]
+            if mask is not None:
+                step_scores = step_scores * mask[:, position, None, None]
+            summed = step_scores.sum(0)
+            scores = summed if scores is None else scores + summed
+        tokens = int(mask.sum()) if mask is not None else input_ids.numel()
+        return scores, tokens
+
+    @torch.inference_mode()
+    def _predict_rows(self, input_ids: torch.Tensor, mask: torch.Tensor | None, stream: int,
+                      rows: list[Hashable]) -> tuple[torch.Tensor, int]:
+        """Each row with its own sequence's batch-1 state, over the row's real tokens only."""
+        scores, tokens = None, 0
+        for row, sequence in enumerate(rows):
+            key = (stream, sequence)
+            if key not in self._states:
+                self._states[key] = self.predictor.start(1)
+            state = self._states[key]
+            real = range(input_ids.shape[1]) if mask is None else \
+                mask[row, -input_ids.shape[1]:].nonzero().flatten().tolist()
+            for position in real:
+                step_scores = self.predictor.step(state, input_ids[row:row + 1, position]).float().sum(0)
+                scores = step_scores if scores is None else scores + step_scores
+                tokens += 1
+        if scores is None:  # no real token at all
+            scores = torch.zeros(self.predictor.n_layers, self.predictor.n_experts)
+        return scores, tokens
+
+    def _run(self) -> None:
+        while True:
+            request = self._requests.get()
+            if request is None or self._closed:
+                return
+            if isinstance(request, _Forget):
+                self._states = {k: v for k, v in self._states.items()
+                                if not (isinstance(k, tuple) and k[1] in request.rows)}
+                continue
+            step, input_ids, new_sequence, mask, stream, rows = request
+            try:
+                if rows is None:
+                    scores, tokens = self._predict(input_ids, new_sequence, mask, stream)
+                else:
+                    scores, tokens = self._predict_rows(input_ids, mask, stream, rows)
+            except BaseException as exc:  # raised in the inference thread by submit() / poll()
+                log.error("hash-building thread failed at forward %d: %r", step, exc)
+                self._error = exc
+                return
+            with self._lock:
+                self._tables = {s: t for s, t in self._tables.items() if s > step - self.keep}
+                self._tables[step] = HashTable(step, scores, tokens)

@@ -1,0 +1,64 @@
+"""`load_offloaded`: the one-call entry point that returns a servable offloaded model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from cache import make_serving_policy
+from offload_runtime.engine.runtime import OffloadRuntime
+from offload_runtime.engine.slots import SlotPool
+from offload_runtime.engine.store import ExpertStore
+from predictor.artifact import check_tracing_convention, load_predictor
+from predictor.base import ExpertPredictor
+from prescient.arch import is_encoder_decoder
+from prescient.budget import Budget
+from prescient.fingerprint import fingerprint_model
+from prescient.loading import load_without_experts
+
+log = logging.getLogger(__name__)
+
+
+def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredictor | None = None,
+                   policy: str = "lru", budget: Budget | float | int | str = 0.5, store: str = "disk",
+                   drop_page_cache: bool = False, device: str | torch.device = "cpu",
+                   prefetch_per_layer: int | None = None, transfer_workers: int = 1):
+    """A transformers model whose routed experts live in `store` ("disk" or "host") and are
+    loaded into `budget` worth of slots on `device` (a `Budget`; or a fraction of all experts, bytes, or a
+    string like "512MiB"). `predictor` (an artifact path, or a predictor) drives SiDA-style
+    prefetching; one built for another model is a `FingerprintMismatchError`. It prefetches
+    `prefetch_per_layer` experts per layer and predicted token (default: the model's top-k).
+    `transfer_workers` copies run at once (on our CPU machine two made no measurable difference
+    to decode speed from disk; see the README).
+
+    `generate(...)` works as usual. `model.offload_runtime` holds the runtime: `stats()`, and
+    `close()`, which stops its threads; or run the model inside `with model.offload_runtime:`.
+    """
+    model, layers = load_without_experts(model_dir, dtype=torch.float32)  # experts stay on disk
+    eviction = make_serving_policy(policy, layers[0].top_k)  # a bad name fails before any expert is read
+    fingerprint = fingerprint_model(model, layers)
+    if isinstance(predictor, ExpertPredictor):
+        fingerprint.require_same(predictor.meta.fingerprint, f"predictor {predictor.kind!r}")
+    elif predictor is not None:
+        predictor = load_predictor(predictor, fingerprint=fingerprint)
+    if predictor is not None:
+        check_tracing_convention(predictor.meta, is_encoder_decoder(model))
+    expert_store = ExpertStore(model_dir, model, layers, mode=store, drop_page_cache=drop_page_cache)
+    try:
+        pool = SlotPool.for_budget(expert_store.specs, layers[0].num_experts, layers[0].top_k, budget, device)
+        model.offload_runtime = OffloadRuntime(model, layers, expert_store, pool, fingerprint, policy=eviction,
+                                               predictor=predictor, prefetch_per_layer=prefetch_per_layer,
+                                               transfer_workers=transfer_workers)
+    except BaseException:
+        expert_store.close()
+        raise
+    # What stays resident (attention, routers, norms, shared experts) moves to the device; on the
+    # fallback path (a full load) this also copies it out of the memory-mapped checkpoint, so the
+    # mapping goes and dropping the page cache really drops it.
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor.data = tensor.data.to(device, copy=True)
+    log.info("offloaded %d MoE layers: %d of %d experts fit the budget (%.1f MiB of slots)", len(layers),
+             pool.num_slots, len(layers) * layers[0].num_experts, pool.nbytes / 2**20)
+    return model

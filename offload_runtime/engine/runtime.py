@@ -1,0 +1,312 @@
+"""OffloadRuntime: a transformers MoE model whose routed experts live in a slow tier.
+
+Per forward of a stack (the model; an encoder-decoder's encoder and decoder apart, see
+`prescient.arch.moe_stacks`), a pre-hook hands its new input ids, as that stack's token stream,
+to the hash-building thread. Per MoE layer (inference thread), in `use(layer, experts)`:
+  1. the layer's selected experts are accessed in the `ExpertCache` and pinned; misses get a
+     slot and a demand load (the transfer engine serves demand loads first)
+  2. with a predictor: the forward's hash table, once ready, is turned into prefetches of the
+     predicted experts of the stack's layers after this one, nearest layer first, as far as the slots
+     not in use allow (one prefetch call never evicts a key of its own, so a prefetch never
+     evicts another wanted one); each layer tops this up
+  3. every selected expert is waited for; the model's own expert math runs on the slots
+     (see `offloaded_experts`); the experts are unpinned
+The cache decides residency; the slot map mirrors it: an insert takes a slot and requests its
+copy, an eviction cancels a queued copy and frees the slot. A key evicted while its copy runs
+and wanted again waits for that copy before it is requested into another slot.
+
+Serving (`offload_runtime.server`) batches sequences whose rows change from one forward to the
+next: it sets `sequence_ids` (one id per batch row) before each forward, so that the predictor
+keeps one state per sequence, and calls `end_sequences` when they finish. With
+`on_predictor_error = "demand"` a failure of the hash-building thread is logged and counted
+(`predictor_failures`) and the runtime goes on with demand loads alone; by default it is raised.
+
+Threads: the cache, slot map and this object are touched only by the inference thread (hooks
+and experts modules run there); the transfer workers touch the pool and store, the
+hash-building thread only the predictor. `close()` (or `with runtime:`) stops them all.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from concurrent import futures
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from cache import EvictionPolicy, ExpertCache, Key
+from offload_runtime.engine.hash_builder import HashBuilder, HashBuilderError, HashTable
+from offload_runtime.engine.offloaded_experts import offload_experts
+from offload_runtime.engine.slots import SlotPool
+from offload_runtime.engine.store import ExpertStore
+from offload_runtime.engine.transfer import Ticket, TransferEngine
+from predictor.base import ExpertPredictor
+from prescient.arch import MoELayer, moe_stacks
+from prescient.fingerprint import ModelFingerprint
+
+log = logging.getLogger(__name__)
+
+_STEP_PRIORITY = 2.0**24  # a newer forward's prefetches go before an older one's
+
+
+@dataclass
+class RuntimeStats:
+    forwards: int  # of the stacks: an encoder-decoder's encoder and decoder forwards count apart
+    accesses: int
+    hits: int
+    misses: int
+    prefetch_inserts: int
+    prefetch_hits: int
+    wasted_prefetches: int
+    evictions: int
+    prefetch_accuracy: float  # share of prefetched experts that were used before eviction
+    hit_rate: float
+    bytes_moved: int
+    loads: int
+    demand_loads: int
+    prefetch_loads: int
+    stall_seconds: float  # inference thread blocked on loads
+    late_tables: int  # forwards whose hash table was not ready when their first MoE layer ran
+    tables_on_time: int
+    slots: int
+    slot_bytes: int
+    predictor_failures: int = 0  # hash-building thread failures survived (on_predictor_error="demand")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class OffloadRuntime:
+    def __init__(self, model: nn.Module, layers: list[MoELayer], store: ExpertStore, pool: SlotPool,
+                 fingerprint: ModelFingerprint, policy: EvictionPolicy, predictor: ExpertPredictor | None = None,
+                 prefetch_per_layer: int | None = None, transfer_workers: int = 1) -> None:
+        self.model, self.layers, self.store, self.pool = model, layers, store, pool
+        self.fingerprint = fingerprint  # computed once at load; CGOPipe checks predictors against it
+        self.top_k = layers[0].top_k
+        self.n_experts = layers[0].num_experts
+        self.policy = policy
+        self.cache = ExpertCache(pool.num_slots, self.policy, n_layers=len(layers), top_k=self.top_k,
+                                 on_evict=self._on_evict)
+        self.prefetch_per_layer = prefetch_per_layer or self.top_k
+        self.arrival_order = False  # see parts(); CGOPipe turns it on
+        self.late_tables = 0
+        self.tables_on_time = 0
+        self._step = -1
+        self._layers = range(len(layers))  # the MoE layers of the running stack
+        self._wanted: list[list[Key]] | None = None  # this forward's predicted keys, per layer
+        self._table_counted = False
+        self._prefetched_after = -1  # last layer whose prefetches were issued this forward
+        self._rank = 0  # prefetches requested this forward
+        self._tickets: dict[Key, Ticket] = {}
+        self.sequence_ids: list | None = None  # serving: each batch row's sequence id (see the module doc)
+        self.on_predictor_error = "raise"  # or "demand": log, count, and go on without the predictor
+        self.predictor_failures = 0
+        for layer in layers:  # the resident expert tensors are dropped with the old module
+            layer.block.experts = layer.experts = offload_experts(layer, pool.buffers, self)
+        self._handles = [stack.module.register_forward_pre_hook(self._on_forward(stream, stack.layers),
+                                                                with_kwargs=True)
+                         for stream, stack in enumerate(moe_stacks(model, layers))]
+        if getattr(self.policy, "uses_scores", False):
+            self._handles += [layer.router.register_forward_hook(self._router_scores(layer)) for layer in layers]
+        self.engine = TransferEngine(store, pool, workers=transfer_workers)
+        self.builder = HashBuilder(predictor) if predictor is not None else None
+
+    @property
+    def step(self) -> int:
+        """The number of the model's current (or last) forward, from 0; -1 before the first."""
+        return self._step
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _on_forward(self, stream: int, layers: range):
+        """Each forward of a stack: a new step over its layers; hand its new input ids to the hash
+        builder as token stream `stream`."""
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self._step += 1
+            self._layers = layers
+            self._wanted, self._table_counted, self._prefetched_after, self._rank = None, False, -1, 0
+            if self.builder is None:
+                return
+            input_ids = kwargs["input_ids"] if "input_ids" in kwargs else (args[0] if args else None)
+            if input_ids is None:  # inputs_embeds: nothing to hash, this forward's table never comes
+                return
+            # transformers 5.24 renamed the forward's `past_key_values` to `cache`
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            new_sequence = cache is None or cache.get_seq_length() == 0
+            try:
+                self.builder.submit(self._step, input_ids, new_sequence, kwargs.get("attention_mask"), stream,
+                                    rows=self.sequence_ids)
+            except HashBuilderError as exc:
+                self._predictor_failed(exc)
+        return hook
+
+    def _predictor_failed(self, exc: HashBuilderError) -> None:
+        if self.on_predictor_error != "demand":
+            raise exc
+        log.error("%s; serving goes on with demand loads only", exc)
+        self.predictor_failures += 1
+        self.builder.close()
+        self.builder, self._wanted = None, None
+
+    def end_sequences(self, ids: list) -> None:
+        """Serving: the sequences `ids` ended; their predictor states go."""
+        if self.builder is not None:
+            self.builder.forget(ids)
+
+    def _router_scores(self, layer: MoELayer):
+        """MRS: the layer's router probabilities, summed over the forward's tokens, reach the
+        policy before the layer's experts are accessed."""
+        def hook(_module: nn.Module, _inputs: tuple, output) -> None:
+            logits, _ = layer.adapter.routing(layer, output)
+            probs = torch.softmax(logits.reshape(-1, logits.shape[-1]), dim=-1).sum(0)
+            self.cache.on_step(layer.index, probs.tolist())
+        return hook
+
+    def _on_evict(self, key: Key) -> None:
+        self.engine.cancel(key)
+        self.pool.map.release(key)
+
+    # -- the inference thread's calls -------------------------------------------------------
+
+    @contextmanager
+    def use(self, layer: int, experts: list[int], device: torch.device, wait: bool = True) -> Iterator[torch.Tensor]:
+        """Make `experts` of `layer` resident and pinned while the block runs; yields the
+        layer's [E] expert → slot table (-1: no slot). `wait=False`: the copies may still run."""
+        keys = [(layer, e) for e in experts]
+        self.cache.access_many(keys, pin=True)
+        try:
+            for key in keys:
+                if self.pool.map.slot_of(key) is None:
+                    self._load(key, demand=True)
+            if self.builder is not None:
+                self._prefetch_after(layer)
+            for key in keys if wait else ():
+                self.engine.wait(key)
+            yield self.pool.map.table[layer].to(device, copy=True)
+        finally:
+            self.cache.unpin_many(keys)
+
+    def parts(self, layer: int, experts: list[int], device: torch.device) -> Iterator[tuple[list[int], torch.Tensor]]:
+        """`experts` of `layer` in the groups they compute in, each with the slot table while it
+        is resident and pinned. By default: groups of at most the slot count, each made resident
+        in turn. With `arrival_order` (Klotski): all are requested at once, the resident ones
+        compute first, then each as its copy completes."""
+        if not self.arrival_order:
+            room = self.pool.num_slots
+            for start in range(0, len(experts), room):
+                part = experts[start:start + room]
+                with self.use(layer, part, device) as slots:
+                    yield part, slots
+            return
+        with self.use(layer, experts, device, wait=False) as slots:
+            pending = {}
+            for e in experts:
+                future = self._tickets[(layer, e)].future
+                if not future.done():
+                    pending[future] = e
+            group = [e for e in experts if e not in pending.values()]
+            while True:
+                if group:
+                    for e in group:
+                        self.engine.wait((layer, e))  # a CUDA copy's event; re-raises a failed copy
+                    yield group, slots
+                if not pending:
+                    return
+                done = futures.wait(list(pending), return_when=futures.FIRST_COMPLETED).done
+                group = [pending.pop(future) for future in done]
+
+    def prefetch(self, keys: list[Key], priority: float = 0.0) -> list[Key]:
+        """Insert `keys` that are not resident (a prefetch: not an access; none of `keys` is
+        evicted for another) and request their copies in the given order, after every demand
+        load; returns the keys inserted."""
+        inserted = self.cache.prefetch_many(keys)
+        for rank, key in enumerate(inserted):
+            self._load(key, priority=priority - rank)
+        return inserted
+
+    def pin_resident(self, keys: list[Key]) -> None:
+        """Load `keys` and keep them resident for good (pinned: never evicted)."""
+        inserted = self.cache.prefetch_many(keys, pin=True)  # pins what it inserts
+        for key in inserted:
+            self._load(key)
+        for key in set(keys) - set(inserted):  # already resident
+            self.cache.pin(key)
+        for key in keys:
+            self.engine.wait(key)
+
+    def _load(self, key: Key, demand: bool = False, priority: float = 0.0) -> None:
+        """Give inserted `key` a slot and request its copy."""
+        slot = self.pool.map.assign(key)
+        old = self._tickets.get(key)
+        if old is not None and old.slot != slot and not old.future.done():
+            futures.wait([old.future])  # evicted while copying into its old slot: let that copy end
+        self._tickets[key] = self.engine.request(key, slot, priority=priority, demand=demand)
+
+    def _prefetch_after(self, layer: int) -> None:
+        if self._wanted is None:
+            try:
+                table = self.builder.poll(self._step)
+            except HashBuilderError as exc:
+                self._predictor_failed(exc)
+                return
+            if table is not None:
+                self._wanted = self._predicted_keys(table)
+        if not self._table_counted:
+            self._table_counted = True
+            if self._wanted is None:
+                self.late_tables += 1
+            else:
+                self.tables_on_time += 1
+        if self._wanted is None or layer <= self._prefetched_after:
+            return
+        self._prefetched_after = layer
+        wanted = [key for keys in self._wanted[layer + 1:] for key in keys]
+        # the cache spares every key of one prefetch call: a prefetch never evicts another wanted one
+        inserted = self.prefetch(wanted, priority=self._step * _STEP_PRIORITY - self._rank - 1)
+        self._rank += len(inserted)
+
+    def _predicted_keys(self, table: HashTable) -> list[list[Key]]:
+        """Per layer of the running stack (other layers: none), the experts to prefetch, best
+        first: `prefetch_per_layer` per token of the forward (a prompt uses many experts per
+        layer), those scored above zero."""
+        count = min(self.n_experts, self.prefetch_per_layer * max(table.tokens, 1))
+        top = torch.topk(table.scores, count, dim=-1)
+        return [[(layer, int(e)) for s, e in zip(values.tolist(), experts.tolist()) if s > 0]
+                if layer in self._layers else []
+                for layer, (values, experts) in enumerate(zip(top.values, top.indices))]
+
+    # -- reporting and shutdown -------------------------------------------------------------
+
+    def stats(self) -> RuntimeStats:
+        c, t = self.cache.stats, self.engine.stats
+        return RuntimeStats(
+            forwards=self._step + 1, accesses=c.accesses, hits=c.hits, misses=c.misses,
+            prefetch_inserts=c.prefetch_inserts, prefetch_hits=c.prefetch_hits,
+            wasted_prefetches=c.wasted_prefetches, evictions=c.evictions,
+            prefetch_accuracy=c.prefetch_hits / c.prefetch_inserts if c.prefetch_inserts else 0.0,
+            hit_rate=c.hit_rate, bytes_moved=t.bytes_moved, loads=t.loads, demand_loads=t.demand_loads,
+            prefetch_loads=t.prefetch_loads, stall_seconds=round(t.stall_seconds, 4),
+            late_tables=self.late_tables, tables_on_time=self.tables_on_time,
+            slots=self.pool.num_slots, slot_bytes=self.pool.nbytes, predictor_failures=self.predictor_failures,
+        )
+
+    def close(self) -> None:
+        """Stop every thread and close the store; safe to call twice. The model cannot run after."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        try:
+            if self.builder is not None:
+                self.builder.close()
+        finally:
+            self.engine.close()
+            self.store.close()
+
+    def __enter__(self) -> "OffloadRuntime":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,150 @@
+"""SlotPool: the fast tier. A fixed set of expert-sized buffers on the compute device.
+
+One tensor per expert parameter name, shaped [S, ...] (e.g. `gate_up_proj` [S, 2I, H]), so a
+layer's experts module can compute straight on the pool once its expert ids are remapped to slot
+ids (`SlotMap.table`). The pool only provides slots: which experts keep one is decided by
+`cache.ExpertCache` in the runtime; the pool tracks free slots and the key ↔ slot mapping.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from offload_runtime.engine.expert_layout import ExpertSpec, Key
+from prescient.budget import Budget
+from prescient.errors import CapacityError, PrescientError
+
+log = logging.getLogger(__name__)
+
+
+
+class SlotError(PrescientError):
+    """A slot is misused: a key assigned twice, released while absent, no slot free, a write of
+    the wrong expert shape, or layers whose experts differ in shape."""
+
+
+def slots_for_budget(budget: Budget | float | int | str, expert_nbytes: int, total_experts: int,
+                     min_slots: int) -> int:
+    """How many slots a budget buys: a `Budget`, or the Python API's shorthands (a float in (0, 1]
+    is a fraction of all experts, an int is bytes, a string is read by `Budget.parse`). Capped at
+    `total_experts`; below `min_slots` (one layer's top-k) is a CapacityError."""
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        budget = Budget(budget, "bytes")
+    budget = Budget.of(budget)
+    slots = budget.slots(total_experts, expert_nbytes)
+    if slots < min_slots:
+        what = f"{budget} of {total_experts} experts" if budget.unit == "fraction" else str(budget)
+        raise CapacityError(
+            f"budget {what} buys {slots} expert slots; the minimum is one layer's top-k = {min_slots} slots "
+            f"({min_slots * expert_nbytes} bytes, or a fraction of at least {min_slots / total_experts:.4f})"
+        )
+    return min(slots, total_experts)
+
+
+class SlotMap:
+    """Thread-safe key ↔ slot bookkeeping, with a [L, E] table of slot ids (-1: no slot)."""
+
+    def __init__(self, num_slots: int, num_layers: int, num_experts: int) -> None:
+        self.num_slots = num_slots
+        self.table = torch.full((num_layers, num_experts), -1, dtype=torch.long)
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._slot: dict[Key, int] = {}
+        self._key: list[Key | None] = [None] * num_slots
+        self._lock = threading.Lock()
+
+    def assign(self, key: Key) -> int:
+        """Give `key` a free slot and return it."""
+        with self._lock:
+            if key in self._slot:
+                raise SlotError(f"expert {key} already holds slot {self._slot[key]}")
+            if not self._free:
+                raise SlotError(f"no free slot for expert {key}: all {self.num_slots} are taken; release one first")
+            slot = self._free.pop()
+            self._slot[key], self._key[slot] = slot, key
+            self.table[key] = slot
+            return slot
+
+    def release(self, key: Key) -> int:
+        """Free `key`'s slot and return it."""
+        with self._lock:
+            if key not in self._slot:
+                raise SlotError(f"expert {key} holds no slot")
+            slot = self._slot.pop(key)
+            self._key[slot] = None
+            self.table[key] = -1
+            self._free.append(slot)
+            return slot
+
+    def slot_of(self, key: Key) -> int | None:
+        with self._lock:
+            return self._slot.get(key)
+
+    def key_of(self, slot: int) -> Key | None:
+        with self._lock:
+            return self._key[slot]
+
+    @property
+    def free(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def __contains__(self, key: Key) -> bool:
+        with self._lock:
+            return key in self._slot
+
+
+class SlotPool:
+    """`num_slots` expert buffers on `device`, laid out per parameter as [S, *shape]."""
+
+    def __init__(self, spec: ExpertSpec, num_slots: int, num_layers: int, num_experts: int,
+                 device: torch.device | str = "cpu") -> None:
+        if num_slots < 1:
+            raise CapacityError(f"a slot pool needs at least 1 slot, got {num_slots}")
+        self.spec = spec
+        self.device = torch.device(device)
+        self.buffers = spec.empty(num_slots, device=self.device)
+        self.map = SlotMap(num_slots, num_layers, num_experts)
+        log.info("slot pool: %d slots × %.2f MiB on %s", num_slots, spec.nbytes / 2**20, self.device)
+
+    @classmethod
+    def for_budget(cls, specs: Sequence[ExpertSpec], num_experts: int, top_k: int, budget: float | int | str,
+                   device: torch.device | str = "cpu") -> "SlotPool":
+        """A pool for `len(specs)` MoE layers of `num_experts` experts each (one spec per layer,
+        e.g. `ExpertStore.specs`), sized by `budget` (see `slots_for_budget`)."""
+        if any(spec != specs[0] for spec in specs):
+            raise SlotError("the MoE layers' experts differ in shape or dtype, so one slot cannot hold any expert: "
+                            f"{sorted({str(spec) for spec in specs})}")
+        slots = slots_for_budget(budget, specs[0].nbytes, len(specs) * num_experts, top_k)
+        return cls(specs[0], slots, len(specs), num_experts, device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.map.num_slots
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.spec.nbytes
+
+    def view(self, slot: int) -> dict[str, torch.Tensor]:
+        """Slot `slot`'s tensors (views into the pool: writing them writes the slot)."""
+        self._check(slot)
+        return {name: buffer[slot] for name, buffer in self.buffers.items()}
+
+    def write(self, slot: int, tensors: Mapping[str, torch.Tensor], non_blocking: bool = False) -> None:
+        """Copy one expert's tensors (names and shapes of the spec) into `slot`."""
+        self._check(slot)
+        if tensors.keys() != self.buffers.keys():
+            raise SlotError(f"expert tensors {sorted(tensors)} do not match the pool's {sorted(self.buffers)}")
+        for name, tensor in tensors.items():
+            if tuple(tensor.shape) != self.spec.shapes[name]:
+                raise SlotError(f"{name} of shape {list(tensor.shape)} does not fit a slot's "
+                                f"{list(self.spec.shapes[name])}")
+            self.buffers[name][slot].copy_(tensor, non_blocking=non_blocking)
+
+    def _check(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise SlotError(f"slot {slot} is out of range: the pool has {self.num_slots} slots")

@@ -1,0 +1,319 @@
+"""TransferEngine: background workers that copy experts from the store into slots.
+
+One priority queue: demand loads first (in request order), then prefetches by predicted score,
+highest first. `wait(key)` blocks a demand miss until its expert is in its slot (and upgrades a
+queued prefetch of that key to a demand load). A prefetch no longer wanted is cancelled while it
+waits in the queue; one already copying completes. A newer request for a slot supersedes a queued
+one for another key, and never starts while an earlier copy into that slot is running.
+
+On CUDA each worker copies on its own `torch.cuda.Stream`: from the store's pinned host memory
+(host mode) or through a pinned staging buffer (disk mode). The copy waits for an event recorded
+on the requester's stream at `request` time (so it cannot overwrite a slot that compute enqueued
+before still reads), records an event after itself, and `wait` makes the caller's current stream
+wait on that event: the host only waits for the copy to be enqueued. On CPU the worker copies.
+
+A worker's error is kept and raised in the caller by the next `request` or `wait`, never lost.
+`close()` cancels queued work, lets running copies finish, and joins the threads.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import torch
+
+from offload_runtime.engine.expert_layout import Key
+from offload_runtime.engine.slots import SlotPool
+from prescient.errors import PrescientError
+
+log = logging.getLogger(__name__)
+
+
+class TransferError(PrescientError):
+    """A transfer failed, timed out, or the engine is misused or closed."""
+
+
+class TransferCancelledError(TransferError):
+    """`wait` on a transfer that was cancelled (superseded, stale, or the engine closed)."""
+
+
+class ExpertSource(Protocol):
+    """What the engine needs of a store (`ExpertStore` is one)."""
+
+    def read(self, key: Key, out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]: ...
+
+    def resident(self, key: Key) -> dict[str, torch.Tensor] | None: ...
+
+
+@dataclass
+class TransferStats:
+    loads: int = 0  # completed copies = demand_loads + prefetch_loads
+    demand_loads: int = 0  # requested as demand, or prefetches a `wait` upgraded while queued
+    prefetch_loads: int = 0
+    bytes_moved: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    stall_seconds: float = 0.0  # time callers spent blocked in `wait`
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One requested copy of expert `key` into `slot`; `future` completes when it is done (on
+    CUDA: enqueued; `event` then marks its end on the copy stream)."""
+
+    key: Key
+    slot: int
+    demand: bool
+    priority: float
+    after: Any = None  # CUDA event on the requester's stream; the copy waits for it
+    event: Any = None  # CUDA event recorded after the copy
+    future: Future = field(default_factory=Future)
+    entry: int = -1  # sequence number of its live queue entry
+
+    def ready(self) -> bool:
+        return self.future.done() and not self.future.cancelled() and self.future.exception() is None and (
+            self.event is None or self.event.query())
+
+
+class TransferEngine:
+    def __init__(self, store: ExpertSource, pool: SlotPool, workers: int = 1, join_timeout: float = 10.0) -> None:
+        if workers < 1:  # no worker: every wait would block for ever
+            raise TransferError(f"the transfer engine needs at least one worker, not {workers}")
+        self.store = store
+        self.pool = pool
+        self.join_timeout = join_timeout
+        self._cuda = pool.device.type == "cuda"
+        self._cond = threading.Condition()
+        self._queue: list[tuple[int, float, int, Ticket]] = []
+        self._seq = itertools.count()
+        self._tickets: dict[Key, Ticket] = {}
+        self._queued_in: dict[int, Ticket] = {}  # slot → its newest queued ticket
+        self._busy: set[int] = set()  # slots being copied into
+        self._deferred: list[Ticket] = []  # popped while their slot was busy
+        self._failed: list[Ticket] = []  # failures not yet raised in a caller
+        self._stats = TransferStats()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._run, name=f"expert-transfer-{i}", daemon=True)
+                         for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    # -- caller side -------------------------------------------------------------------------
+
+    def request(self, key: Key, slot: int, priority: float = 0.0, demand: bool = False) -> Ticket:
+        """Queue a copy of `key` into `slot`. A key already queued or copying into the same
+        slot returns its ticket (raised to demand or to the higher priority)."""
+        after = torch.cuda.current_stream(self.pool.device).record_event() if self._cuda else None
+        with self._cond:
+            self._raise_failure()
+            if self._closed:
+                raise TransferError(f"cannot load expert {key}: the transfer engine is closed")
+            old = self._tickets.get(key)
+            if old is not None and not old.future.done():
+                if old.slot != slot:
+                    raise TransferError(f"expert {key} is already loading into slot {old.slot}; cancel it "
+                                        f"before asking for slot {slot}")
+                if not old.future.running() and (demand > old.demand or priority > old.priority):
+                    old.demand, old.priority = old.demand or demand, max(priority, old.priority)
+                    self._push(old)
+                return old
+            stale = self._queued_in.get(slot)
+            if stale is not None:
+                self._cancel(stale)
+            ticket = Ticket(key, slot, demand, priority, after=after)
+            self._tickets[key] = self._queued_in[slot] = ticket
+            self._push(ticket)
+            return ticket
+
+    def wait(self, key: Key, timeout: float | None = None) -> None:
+        """Block until `key`'s requested copy is done; on CUDA, make the current stream wait for
+        it. Raises TransferError if it failed, TransferCancelledError if it was cancelled."""
+        start = time.perf_counter()
+        with self._cond:
+            self._raise_failure()
+            ticket = self._tickets.get(key)
+            if ticket is None:
+                raise TransferError(f"expert {key} was never requested; call request() first")
+            if not ticket.demand and not ticket.future.done() and not ticket.future.running():
+                ticket.demand = True
+                self._push(ticket)
+        try:
+            ticket.future.result(timeout)
+        except CancelledError:
+            raise TransferCancelledError(f"the load of expert {key} into slot {ticket.slot} was cancelled") from None
+        except TimeoutError:
+            raise TransferError(f"expert {key} was not loaded within {timeout} s") from None
+        except Exception as exc:
+            with self._cond:
+                if ticket in self._failed:
+                    self._failed.remove(ticket)
+            raise TransferError(f"loading expert {key} into slot {ticket.slot} failed: {exc}") from exc
+        finally:
+            with self._cond:
+                self._stats.stall_seconds += time.perf_counter() - start
+        if ticket.event is not None:
+            torch.cuda.current_stream(self.pool.device).wait_event(ticket.event)
+
+    def ready(self, key: Key) -> bool:
+        """Whether `key`'s last requested copy has finished, without blocking."""
+        with self._cond:
+            ticket = self._tickets.get(key)
+        return ticket is not None and ticket.ready()
+
+    def cancel(self, key: Key) -> bool:
+        """Drop `key`'s queued copy; False if there is none (never requested, running, done)."""
+        with self._cond:
+            ticket = self._tickets.get(key)
+            return ticket is not None and self._cancel(ticket)
+
+    def cancel_stale(self, keep: Iterable[Key]) -> list[Key]:
+        """Drop every queued prefetch whose key is not in `keep`; return the dropped keys."""
+        keep = set(keep)
+        with self._cond:
+            stale = [t for key, t in self._tickets.items() if key not in keep and not t.demand]
+            return [t.key for t in stale if self._cancel(t)]
+
+    @property
+    def stats(self) -> TransferStats:
+        with self._cond:
+            return replace(self._stats)
+
+    @property
+    def queued(self) -> int:
+        """Copies waiting to start."""
+        with self._cond:
+            return sum(not t.future.done() and not t.future.running() for t in self._tickets.values())
+
+    def close(self) -> None:
+        """Cancel queued copies, let running ones finish, stop the workers. Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            for ticket in list(self._tickets.values()):
+                self._cancel(ticket)
+            self._queue.clear()
+            self._deferred.clear()
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(self.join_timeout)
+            if thread.is_alive():
+                log.warning("%s still copying after %.0f s; leaving it (daemon thread)", thread.name, self.join_timeout)
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals (lock held unless said) -----------------------------------------------------
+
+    def _push(self, ticket: Ticket) -> None:
+        ticket.entry = next(self._seq)
+        rank = (0, 0.0) if ticket.demand else (1, -ticket.priority)
+        heapq.heappush(self._queue, (*rank, ticket.entry, ticket))
+        self._cond.notify()
+
+    def _cancel(self, ticket: Ticket) -> bool:
+        if ticket.future.cancelled() or not ticket.future.cancel():
+            return False
+        self._stats.cancelled += 1
+        if self._queued_in.get(ticket.slot) is ticket:
+            del self._queued_in[ticket.slot]
+        return True
+
+    def _raise_failure(self) -> None:
+        if self._failed:
+            ticket = self._failed.pop(0)
+            exc = ticket.future.exception()
+            raise TransferError(f"loading expert {ticket.key} into slot {ticket.slot} failed: {exc}") from exc
+
+    def _next(self) -> Ticket | None:
+        """The next ticket to copy, marked running; None once the engine is closed."""
+        while not self._closed:
+            while self._queue:
+                *_, entry, ticket = heapq.heappop(self._queue)
+                if entry != ticket.entry or ticket.future.done():
+                    continue  # superseded entry, or cancelled
+                if ticket.slot in self._busy:
+                    self._deferred.append(ticket)
+                    continue
+                if not ticket.future.set_running_or_notify_cancel():
+                    continue
+                self._busy.add(ticket.slot)
+                if self._queued_in.get(ticket.slot) is ticket:
+                    del self._queued_in[ticket.slot]
+                return ticket
+            self._cond.wait()
+        return None
+
+    def _finish(self, ticket: Ticket, error: Exception | None) -> None:
+        self._busy.discard(ticket.slot)
+        for waiting in [t for t in self._deferred if t.slot == ticket.slot]:
+            self._deferred.remove(waiting)
+            self._push(waiting)
+        stats = self._stats
+        if error is not None:
+            stats.failed += 1
+            self._failed.append(ticket)
+            ticket.future.set_exception(error)
+            return
+        stats.loads += 1
+        stats.demand_loads += ticket.demand
+        stats.prefetch_loads += not ticket.demand
+        stats.bytes_moved += self.pool.spec.nbytes
+        ticket.future.set_result(None)
+
+    def _run(self) -> None:
+        """Worker thread (takes the lock only to pick and to finish)."""
+        copy = self._cuda_copier() if self._cuda else self._cpu_copy
+        while True:
+            with self._cond:
+                ticket = self._next()
+            if ticket is None:
+                return
+            try:
+                copy(ticket)
+                error = None
+            except Exception as exc:  # kept for the caller: raised by the next request/wait
+                log.debug("loading expert %s failed", ticket.key, exc_info=True)
+                error = exc
+            with self._cond:
+                self._finish(ticket, error)
+
+    def _cpu_copy(self, ticket: Ticket) -> None:
+        self.store.read(ticket.key, out=self.pool.view(ticket.slot))
+
+    def _cuda_copier(self) -> Callable[[Ticket], None]:
+        """A copy function with this worker's stream and pinned staging buffer."""
+        device = self.pool.device
+        stream = torch.cuda.Stream(device)
+        staging: dict[str, torch.Tensor] = {}
+        staged: list[torch.cuda.Event] = []  # end of the last copy out of `staging`
+
+        def copy(ticket: Ticket) -> None:
+            source = self.store.resident(ticket.key)
+            from_disk = source is None
+            if from_disk:  # read into the pinned buffer once the last copy out of it is done
+                if not staging:
+                    staging.update({name: t[0] for name, t in self.pool.spec.empty(1, pin=True).items()})
+                if staged:
+                    staged.pop().synchronize()
+                source = self.store.read(ticket.key, out=staging)
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                if ticket.after is not None:
+                    stream.wait_event(ticket.after)
+                self.pool.write(ticket.slot, source, non_blocking=True)
+                ticket.event = stream.record_event()
+            if from_disk:
+                staged.append(ticket.event)
+
+        return copy

@@ -1,0 +1,94 @@
+"""Expert memory budgets and byte sizes: the one place their text is read and checked.
+
+A budget names its unit: "0.5" or "50%" is a fraction of all experts, "12slots" a slot count,
+"3GiB" bytes. A bare number above 1 ("48") names no unit and is refused, because it could mean
+slots or bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from prescient.errors import CapacityError
+
+_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_NUMBER_AND_UNIT = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z%]*)\s*")
+UNITS_HELP = "0.5 or 50% (a fraction of all experts), 12slots (a slot count), or bytes such as 3GiB or 512MB"
+
+Unit = Literal["fraction", "slots", "bytes"]
+
+
+def parse_bytes(text: str) -> int:
+    """The number of bytes `text` names ("512MiB", "16GB", or a plain count); ValueError if none."""
+    match = _NUMBER_AND_UNIT.fullmatch(text)
+    unit = match.group(2).lower() if match else "?"
+    if not match or (unit and unit not in _BYTE_UNITS):
+        raise ValueError(f"cannot read size {text!r}; write e.g. '192GiB', '16GB' or '512MiB'")
+    return int(float(match.group(1)) * _BYTE_UNITS.get(unit, 1))
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Fast memory for experts, in one of three units; checked when made."""
+
+    amount: float
+    unit: Unit
+
+    def __post_init__(self) -> None:
+        if self.unit == "fraction" and not 0.0 < self.amount <= 1.0:
+            raise CapacityError(f"budget fraction {self.amount:g} is not in (0, 1]; write {UNITS_HELP}")
+        if self.unit in ("slots", "bytes") and (self.amount < 1 or self.amount != int(self.amount)):
+            raise CapacityError(f"budget of {self.amount:g} {self.unit} is not a whole number of at least 1")
+        if self.unit not in ("fraction", "slots", "bytes"):
+            raise CapacityError(f"unknown budget unit {self.unit!r}; write {UNITS_HELP}")
+
+    @classmethod
+    def parse(cls, text: str) -> "Budget":
+        """`text` with its unit (see the module doc); CapacityError naming the units otherwise."""
+        match = _NUMBER_AND_UNIT.fullmatch(text)
+        if not match:
+            raise CapacityError(f"cannot read a budget from {text!r}; write {UNITS_HELP}")
+        number, unit = float(match.group(1)), match.group(2).lower()
+        if unit == "%":
+            return cls(number / 100, "fraction")
+        if unit in ("slot", "slots"):
+            return cls(number, "slots")
+        if unit in _BYTE_UNITS:
+            return cls(parse_bytes(text), "bytes")
+        if unit or number > 1:
+            raise CapacityError(f"budget {text!r} names no unit; write {UNITS_HELP}")
+        return cls(number, "fraction")
+
+    @classmethod
+    def of(cls, value: "Budget | float | str") -> "Budget":
+        """A budget from the Python API's shorthands: a float is a fraction, a string is parsed."""
+        if isinstance(value, Budget):
+            return value
+        if isinstance(value, str):
+            return cls.parse(value)
+        if isinstance(value, float):
+            return cls(value, "fraction")
+        raise CapacityError(f"budget {value!r} is neither a fraction (float), a Budget nor text like {UNITS_HELP}")
+
+    def slots(self, total_experts: int, expert_nbytes: int | None = None) -> int:
+        """Slots this budget buys among `total_experts` (uncapped for slots and bytes); bytes need
+        `expert_nbytes`."""
+        if self.unit == "fraction":
+            return round(self.amount * total_experts)
+        if self.unit == "slots":
+            return int(self.amount)
+        if expert_nbytes is None:
+            raise CapacityError(f"budget {self} is in bytes, but the expert size is unknown here; "
+                                "give a fraction (0.5) or a slot count (12slots)")
+        return int(self.amount) // expert_nbytes
+
+    def as_json(self) -> float | str:
+        """A fraction as a number, other units as text with their unit."""
+        return self.amount if self.unit == "fraction" else str(self)
+
+    def __str__(self) -> str:
+        return {"fraction": f"{self.amount:g}", "slots": f"{int(self.amount)}slots",
+                "bytes": f"{int(self.amount)}B"}[self.unit]
