@@ -57,3 +57,11 @@ def predictor_specs(text: str) -> dict[str, str | None]:
             raise argparse.ArgumentTypeError(f"predictor entry {item!r} has no name; write NAME or NAME=ARTIFACT")
         specs[name.strip()] = path.strip() or None
     return specs
+
+
+def add_results_args(parser: argparse.ArgumentParser, what: str = "results file", plot: str | None = "PNG of the results"
+                     ) -> None:
+    """`--json OUT` (required) and, unless `plot` is None, `--plot OUT.png`: an experiment's outputs."""
+    parser.add_argument("--json", required=True, metavar="OUT", help=what)
+    if plot is not None:
+        parser.add_argument("--plot", metavar="OUT.png", help=plot)

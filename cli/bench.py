@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import budgets, names, positive_int, predictor_specs
+from cli.args import add_results_args, budgets, names, positive_int, predictor_specs
 
 BASELINES = "all_resident,accelerate_disk"
 
@@ -14,8 +14,7 @@ BASELINES = "all_resident,accelerate_disk"
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="decode tokens/s and memory of the offloading runtime (JSON + PNG)")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
-    p.add_argument("--json", required=True, help="results file (rewritten after every run)")
-    p.add_argument("--plot", help="PNG of the results")
+    add_results_args(p, "results file (rewritten after every run)")
     p.add_argument("--budgets", type=budgets, default="0.25,0.5,1.0", help="expert memory, as fractions of all experts")
     p.add_argument("--predictors", type=predictor_specs, default="none,freq,corr,oracle",
                    help="comma list of none, freq, token, corr, oracle or NAME=ARTIFACT (e.g. sida=runs/sida)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import positive_int
+from cli.args import add_results_args, positive_int
 from experiments.bench_batch import DEFAULT_GRID
 
 def batch_policies(text: str) -> list:
@@ -33,8 +33,7 @@ def prompt_range(text: str) -> tuple[int, int]:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench-batch", help="CGOPipe batch decoding vs sequential and all-resident; HRM check")
     p.add_argument("--model", required=True, help="Hugging Face model directory (e.g. the bench reference model)")
-    p.add_argument("--json", required=True, help="results file (rewritten after every run)")
-    p.add_argument("--plot", help="PNG of the results")
+    add_results_args(p, "results file (rewritten after every run)")
     p.add_argument("--policy", type=batch_policies, default="64:16:0.5", help="main policy N:MICRO_BATCH:RESIDENT")
     p.add_argument("--sequential-at", type=batch_policies, default="32:4:0.5,32:16:0.5",
                    help="more policies to run the sequential baseline at (beside the main one)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from cli.args import positive_int
+from cli.args import add_results_args, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench-tracing", help="tracing overhead against plain forwards (JSON)")
     p.add_argument("--model", required=True, help="Hugging Face MoE model directory")
-    p.add_argument("--json", required=True, help="where to write the results")
+    add_results_args(p, plot=None)
     p.add_argument("--dataset", default="stdlib-code")
     p.add_argument("--split", default="validation")
     p.add_argument("--tokens", type=positive_int, default=16_384)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import budgets, names, positive_int, positive_ints
+from cli.args import add_results_args, budgets, names, positive_int, positive_ints
 from predictor.registry import NAMES_HELP
 
 POLICIES_HELP = "lru, lfu, fifo, mrs, static, belady"
@@ -32,8 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="experts the link moves per layer compute (default: transfers are instant)")
     p.add_argument("--prefetch-k", type=positive_int, default=None,
                    help="predicted experts prefetched per row and layer (default: the model's top-k)")
-    p.add_argument("--json", required=True, help="results file")
-    p.add_argument("--plot", help="PNG of hit and stall rates against capacity")
+    add_results_args(p, plot="PNG of hit and stall rates against capacity")
     return p
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import positive_ints, predictor_specs
+from cli.args import add_results_args, positive_ints, predictor_specs
 from predictor.registry import NAMES_HELP
 
 
@@ -33,8 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--batch-sizes", type=positive_ints, default="1,8,32", help="for batch precision/recall")
     p.add_argument("--cross", type=cross_spec,
                    help="DATASET=TRAIN_TRACE:EVAL_TRACE:ARTIFACT,... : cross-dataset recall matrix")
-    p.add_argument("--json", required=True, help="results file")
-    p.add_argument("--plot", help="PNG of the results")
+    add_results_args(p)
     return p
 
 
