@@ -32,6 +32,7 @@ COMMANDS = {
     "bench-tracing": "bench_tracing",
     "bench-predictor-latency": "bench_predictor_latency",
     "ablation": "ablation",
+    "archs": "archs",
 }
 
 

@@ -77,6 +77,6 @@ def fingerprint_model(model: nn.Module, layers: list[MoELayer] | None = None) ->
         n_moe_layers=len(layers),
         n_experts=n_experts.pop(),
         top_k=top_k.pop(),
-        vocab_size=int(config.vocab_size),
+        vocab_size=int(config.get_text_config().vocab_size),
         weights_hash=digest.hexdigest()[:16],
     )

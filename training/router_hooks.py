@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch
 
 from prescient.arch import MoELayer
+from prescient.errors import TraceError
 
 
 class RouterRecorder:
@@ -21,6 +22,10 @@ class RouterRecorder:
     def _hook(self, layer: MoELayer):
         def record(_module, _inputs, output):
             logits, selected = layer.adapter.routing(layer, output)
+            if bool((selected >= layer.num_experts).any()):
+                raise TraceError(f"MoE layer {layer.index} ({layer.name}) routed a token to a zero-computation "
+                                 f"expert (id >= {layer.num_experts}); traces record k weight-holding experts per "
+                                 "token, so this model cannot be traced")
             self.logits[layer.index] = logits.detach()
             self.selected[layer.index] = selected.detach()
 

@@ -15,6 +15,7 @@ model's attention function runs there through a registered transformers attentio
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,14 @@ class DecoderStack:
         # the config has them (Qwen2-MoE, Qwen3-MoE, ...), else by whether a sliding window is set (Mixtral)
         default = "full_attention" if getattr(self.config, "sliding_window", None) is None else "sliding_attention"
         self.layer_types = list(getattr(self.config, "layer_types", None) or [default] * len(self.layers))
+        unknown = sorted(set(self.layer_types) - set(_MASKS))
+        if unknown:
+            raise UnsupportedModelError(f"{type(model).__name__} has layers of kind {', '.join(unknown)}; CGOPipe "
+                                        f"builds masks for {', '.join(_MASKS)} attention only")
+        rotary_args = inspect.signature(self.base.rotary_emb.forward).parameters
+        if any(p.default is inspect.Parameter.empty for name, p in rotary_args.items() if name not in ("x", "position_ids")):
+            raise UnsupportedModelError(f"{type(model).__name__}'s rotary embedding needs more than the positions "
+                                        f"({', '.join(rotary_args)}); CGOPipe computes one per forward")
 
     def new_cache(self) -> DynamicCache:
         return CPUKVCache(config=self.config) if self.cpu_attention else DynamicCache(config=self.config)
@@ -137,7 +146,12 @@ class DecoderStack:
             past_key_values=self.new_cache(), position_embeddings=inputs.position_embeddings,
         )
         reference = reference[0] if isinstance(reference, tuple) else reference
-        split = self.ffn_half(index, self.attention_half(index, hidden, inputs))
+        try:
+            split = self.ffn_half(index, self.attention_half(index, hidden, inputs))
+        except (TypeError, ValueError, AttributeError, NotImplementedError) as exc:  # halves unlike Mixtral's
+            raise UnsupportedModelError(
+                f"{type(self.layers[index]).__name__}'s attention and MoE halves do not run as Mixtral's do "
+                f"({type(exc).__name__}: {str(exc).strip().splitlines()[0]}); CGOPipe cannot drive it") from exc
         if not torch.equal(reference, split):
             raise UnsupportedModelError(
                 f"{type(self.layers[index]).__name__}.forward is not norm → attention → add, norm → MoE → add "

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -30,7 +30,6 @@ from transformers.core_model_loading import revert_weight_conversion
 from prescient.arch import MoELayer
 from prescient.errors import PrescientError
 
-Key = tuple[int, int]  # (MoE layer index, expert index)
 Box = tuple[tuple[int, int, int], ...]  # (start, stop, step) per axis
 
 
@@ -40,10 +39,15 @@ class StoreError(PrescientError):
 
 @dataclass(frozen=True)
 class ExpertSpec:
-    """One expert as the model's experts module holds it: parameter name → shape, dtype."""
+    """One expert as the model's experts module holds it: parameter name → shape, dtype. `counts`
+    gives each fused parameter's leading size in the model (the expert count, or the router's
+    choice count where weightless experts have rows too); `flat` names the parameters that hold
+    the experts one after another along their first axis ([E * rows, ...], DBRX)."""
 
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, torch.dtype]
+    counts: dict[str, int] = field(default_factory=dict)
+    flat: frozenset[str] = frozenset()
 
     @property
     def nbytes(self) -> int:
@@ -55,6 +59,10 @@ class ExpertSpec:
             name: torch.empty((n, *shape), dtype=self.dtypes[name], device=device, pin_memory=pin)
             for name, shape in self.shapes.items()
         }
+
+    def as_module_tensor(self, name: str, buffer: torch.Tensor) -> torch.Tensor:
+        """Buffer [n, *shape] of `name` shaped as the experts module holds it."""
+        return buffer.flatten(0, 1) if name in self.flat else buffer
 
 
 @dataclass(frozen=True)
@@ -105,22 +113,27 @@ class Piece:
 
 
 def expert_spec(layer: MoELayer) -> tuple[ExpertSpec, bool]:
-    """The spec of one expert of `layer` and whether its experts are fused ([E, ...] tensors)
-    rather than one submodule per expert (Switch Transformers)."""
+    """The spec of one expert of `layer` and whether its experts are fused (tensors holding all
+    experts) rather than one submodule per expert (Switch Transformers)."""
     experts, count = layer.experts, layer.num_experts
-    own = dict(experts.named_parameters(recurse=False))
-    if own:
-        wrong = [n for n, p in own.items() if p.dim() == 0 or p.shape[0] != count]
-        if wrong:
-            raise StoreError(f"layer {layer.index} ({layer.name}): experts parameters {wrong} are not [{count}, ...]")
-        spec = ExpertSpec({n: tuple(p.shape[1:]) for n, p in own.items()}, {n: p.dtype for n, p in own.items()})
-        return spec, True
+    if layer.adapter.name != "switch":
+        shapes, counts, flat = {}, {}, set()
+        for name, param in experts.named_parameters():
+            lead = param.shape[0] if param.dim() else 0
+            if lead in (count, layer.num_choices):
+                shapes[name], counts[name] = tuple(param.shape[1:]), lead
+            elif param.dim() >= 2 and lead % count == 0:
+                shapes[name], counts[name] = (lead // count, *param.shape[1:]), count
+                flat.add(name)
+            else:
+                raise StoreError(f"layer {layer.index} ({layer.name}): experts parameter {name} "
+                                 f"{list(param.shape)} holds neither {count} experts nor {count} row blocks")
+        dtypes = {n: p.dtype for n, p in experts.named_parameters()}
+        return ExpertSpec(shapes, dtypes, counts, frozenset(flat)), True
     children = list(experts.children())
     if len(children) != count:
-        raise StoreError(
-            f"layer {layer.index} ({layer.name}): the experts module holds neither [{count}, ...] "
-            f"parameters nor {count} expert submodules"
-        )
+        raise StoreError(f"layer {layer.index} ({layer.name}): the experts module holds {len(children)} expert "
+                         f"submodules, not {count}")
     params = dict(children[0].named_parameters())
     return ExpertSpec({n: tuple(p.shape) for n, p in params.items()}, {n: p.dtype for n, p in params.items()}), False
 
@@ -206,7 +219,7 @@ def _probe(prefix: str, spec: ExpertSpec, fused: bool, n: int, children: list[st
         codes = torch.arange(first, first + n * math.prod(shape), dtype=dtype, device=device).reshape(n, *shape)
         first += codes.numel()
         if fused:
-            probes[f"{prefix}.{name}"] = codes
+            probes[f"{prefix}.{name}"] = spec.as_module_tensor(name, codes)
         else:
             probes.update({f"{prefix}.{children[e]}.{name}": codes[e] for e in range(n)})
     return probes, firsts

@@ -5,11 +5,15 @@ pool's [S, ...] buffers, and remaps the router's expert ids to slot ids before c
 twin's own forward — so transformers' expert math runs unchanged on the slot weights, and the
 router stays the model's own. Which module replaces a block goes by its adapter's name:
 
-- "fused" (`OffloadedExperts`): an experts module holding [E, ...] tensors, called as
-  `experts(hidden_states, top_k_index, top_k_weights)`. The twin holds the [S, ...] buffers and
-  gets slot ids for expert ids. The batched_mm/grouped_mm kernels sum a token's k expert
-  outputs in router order, so their results are bit-identical to the resident model; eager
-  accumulates in expert-id order, which the remap changes only for top-k > 2.
+- "fused" (`OffloadedExperts`): an experts module holding [E, ...] tensors (or [E * rows, ...],
+  DBRX), called as `experts(hidden_states, top_k_index, top_k_weights)`. The twin holds the
+  [S, ...] buffers and gets slot ids for expert ids; ids of weightless experts (LongCat-Flash's
+  zero experts) follow the slots, and the twin's attributes that count experts count slots. The
+  batched_mm/grouped_mm kernels sum a token's k expert outputs in router order, so their results
+  are bit-identical to the resident model; eager accumulates in expert-id order, which the remap
+  changes only for top-k > 2.
+- "dense" (`OffloadedDenseExperts`): experts called on a row block per expert (Llama 4); only
+  the experts with a nonzero block run, each on a twin over its slot.
 - "switch" (`OffloadedSwitchExperts`): Switch Transformers' `nn.ModuleDict` of `expert_{i}`
   modules, called as `experts(hidden_states, one_hot [N, 1, E], weights [N, 1])`. The twin holds
   S `expert_{s}` modules whose weights are slot s's views, and gets the one-hot over slots. A
@@ -23,15 +27,30 @@ combines them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from offload_runtime.engine.expert_layout import expert_spec
+from offload_runtime.engine.slots import SlotPool
 from prescient.arch import MoELayer
 
-if TYPE_CHECKING:
-    from offload_runtime.engine.runtime import OffloadRuntime
+
+class ExpertSlots(Protocol):
+    """What an offloaded experts module needs of the runtime (`OffloadRuntime`): the slot pool,
+    and the calls that make experts resident while they compute."""
+
+    pool: SlotPool
+    arrival_order: bool
+
+    def use(self, layer: int, experts: list[int], device: torch.device,
+            wait: bool = True) -> AbstractContextManager[torch.Tensor]: ...
+
+    def parts(self, layer: int, experts: list[int],
+              device: torch.device) -> Iterator[tuple[list[int], torch.Tensor]]: ...
 
 
 def twin(module: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
@@ -52,11 +71,11 @@ def twin(module: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
 
 
 class _Offloaded(nn.Module):
-    """What both kinds share: the layer, the twin (not a submodule: no state_dict copy) and the
+    """What every kind shares: the layer, the twin (not a submodule: no state_dict copy) and the
     runtime that makes experts resident."""
 
     def __init__(self, layer: MoELayer, expert_names: set[str], buffers: dict[str, torch.Tensor],
-                 slot_twin: nn.Module, runtime: "OffloadRuntime") -> None:
+                 slot_twin: nn.Module, runtime: ExpertSlots) -> None:
         super().__init__()
         missing = expert_names - set(buffers)
         if missing:
@@ -70,36 +89,99 @@ class _Offloaded(nn.Module):
         return f"layer={self.layer}, num_experts={self.num_experts}, offloaded"
 
 
-class OffloadedExperts(_Offloaded):
-    """Drop-in for a fused experts module: `forward(hidden_states, top_k_index, top_k_weights)`."""
+def _fused_twin(layer: MoELayer, buffers: dict[str, torch.Tensor], num_slots: int) -> nn.Module:
+    """The experts module over slot buffers: each parameter is its [S, ...] buffer (shaped as
+    the module holds it), and each attribute that counts experts now counts slots: the expert
+    count becomes S and the router's choice count S + the weightless experts (ids remapped alike)."""
+    experts = layer.experts
+    spec, _ = expert_spec(layer)
+    copy = twin(experts, {name: spec.as_module_tensor(name, buffers[name]) for name in spec.shapes})
+    weightless = layer.num_choices - layer.num_experts
+    for attr, value in vars(experts).items():
+        if "expert" in attr and isinstance(value, int) and not isinstance(value, bool):
+            if value == layer.num_experts:
+                setattr(copy, attr, num_slots)
+            elif value == layer.num_choices:
+                setattr(copy, attr, num_slots + weightless)
+    return copy
 
-    def __init__(self, layer: MoELayer, buffers: dict[str, torch.Tensor], runtime: "OffloadRuntime") -> None:
-        experts = layer.experts
-        slot_twin = twin(experts, {name: buffers[name] for name in experts._parameters if name in buffers})
-        slot_twin.num_experts = runtime.pool.num_slots
-        super().__init__(layer, set(experts._parameters), buffers, slot_twin, runtime)
+
+class OffloadedExperts(_Offloaded):
+    """Drop-in for fused experts: `forward(hidden_states, top_k_index, top_k_weights)`. Ids of
+    weightless experts (at or above the expert count: LongCat-Flash's zero experts) pass to the
+    twin after the slots, where its own code computes them without weights."""
+
+    def __init__(self, layer: MoELayer, buffers: dict[str, torch.Tensor], runtime: ExpertSlots) -> None:
+        slot_twin = _fused_twin(layer, buffers, runtime.pool.num_slots)
+        super().__init__(layer, set(expert_spec(layer)[0].shapes), buffers, slot_twin, runtime)
+        self._weightless = torch.arange(layer.num_choices - layer.num_experts) + runtime.pool.num_slots
+
+    def _ids(self, slots: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+        """Expert and weightless ids → slot ids and the ids after the slots."""
+        return torch.cat([slots, self._weightless.to(slots.device)])[top_k_index]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        experts = torch.unique(top_k_index).tolist()
+        weighted = top_k_index < self.num_experts
+        experts = torch.unique(top_k_index[weighted]).tolist()
         device = top_k_index.device
         if len(experts) <= self._runtime.pool.num_slots and not self._runtime.arrival_order:
             with self._runtime.use(self.layer, experts, device) as slots:
-                return self._twin(hidden_states, slots[top_k_index], top_k_weights)
-        # each group of experts runs on its own (token, choice) rows; then every token's k outputs
-        # are summed in router order, as transformers' batched and grouped kernels sum them
-        per_choice = hidden_states.new_zeros(*top_k_index.shape, hidden_states.shape[-1])
+                return self._twin(hidden_states, self._ids(slots, top_k_index), top_k_weights)
+        # each group of experts runs on its own (token, choice) rows, the weightless choices last;
+        # then every token's k outputs are summed in router order, as transformers' batched and
+        # grouped kernels sum them
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        per_choice = flat.new_zeros(*top_k_index.shape, flat.shape[-1])
+
+        def run(rows: torch.Tensor, slots: torch.Tensor) -> None:
+            # each (token, choice) row as a token of its own, with the model's k columns: the choice, then
+            # the same id at weight zero (adds exact zeros; some experts code, e.g. LongCat's, needs k > 1)
+            token, choice = torch.nonzero(rows, as_tuple=True)
+            ids = self._ids(slots, top_k_index[token, choice]).unsqueeze(1).expand(-1, top_k_index.shape[1])
+            weights = torch.zeros(len(token), top_k_index.shape[1], dtype=top_k_weights.dtype, device=device)
+            weights[:, 0] = top_k_weights[token, choice]
+            out = self._twin(flat[token], ids, weights)
+            per_choice[token, choice] = out.reshape(len(token), -1).to(per_choice.dtype)
+
         for part, slots in self._runtime.parts(self.layer, experts, device):
-            token, choice = torch.nonzero(torch.isin(top_k_index, torch.tensor(part, device=device)), as_tuple=True)
-            per_choice[token, choice] = self._twin(
-                hidden_states[token], slots[top_k_index[token, choice]].unsqueeze(1),
-                top_k_weights[token, choice].unsqueeze(1))
-        return per_choice.sum(dim=1).to(hidden_states.dtype)
+            run(torch.isin(top_k_index, torch.tensor(part, device=device)), slots)
+        if not weighted.all():
+            run(~weighted, self._runtime.pool.map.table[self.layer].to(device))
+        return per_choice.sum(dim=1).to(hidden_states.dtype).reshape(hidden_states.shape)
+
+
+class OffloadedDenseExperts(_Offloaded):
+    """Drop-in for experts that read every (expert, token) row: `forward(hidden_states [E * N, H])`
+    (Llama 4). Rows of an expert the router did not choose are zero, and the expert maps them
+    to zero; so only experts with a nonzero row run, each on its own rows, on a twin whose
+    parameters are its slot's [1, ...] views; the others' rows stay zero."""
+
+    def __init__(self, layer: MoELayer, buffers: dict[str, torch.Tensor], runtime: ExpertSlots) -> None:
+        spec, _ = expert_spec(layer)
+        biased = [name for name in spec.shapes if "bias" in name]
+        if biased:
+            raise ValueError(f"layer {layer.index}: dense-call experts with biases {biased} do not map a zero row "
+                             "to zero; running only the chosen experts would change the result")
+        slots = [twin(layer.experts, {name: spec.as_module_tensor(name, buffers[name][s:s + 1])
+                                      for name in spec.shapes})
+                 for s in range(runtime.pool.num_slots)]
+        super().__init__(layer, set(spec.shapes), buffers, slots[0], runtime)
+        object.__setattr__(self, "_slot_twins", slots)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        rows = hidden_states.view(self.num_experts, -1, hidden_states.shape[-1])
+        out = torch.zeros_like(rows)
+        experts = torch.nonzero(rows.reshape(self.num_experts, -1).any(dim=1)).squeeze(1).tolist()
+        for part, slots in self._runtime.parts(self.layer, experts, hidden_states.device):
+            for e in part:
+                out[e] = self._slot_twins[int(slots[e])](rows[e]).reshape(rows[e].shape)
+        return out.view(hidden_states.shape)
 
 
 class OffloadedSwitchExperts(_Offloaded):
     """Drop-in for Switch Transformers' experts: `forward(hidden_states, one_hot [N, 1, E], weights [N, 1])`."""
 
-    def __init__(self, layer: MoELayer, buffers: dict[str, torch.Tensor], runtime: "OffloadRuntime") -> None:
+    def __init__(self, layer: MoELayer, buffers: dict[str, torch.Tensor], runtime: ExpertSlots) -> None:
         experts = layer.experts
         template = next(iter(experts.children()))
         names = {name for name, _ in template.named_parameters()}
@@ -125,10 +207,11 @@ class OffloadedSwitchExperts(_Offloaded):
         return out
 
 
-OFFLOADED: dict[str, type[_Offloaded]] = {"fused": OffloadedExperts, "switch": OffloadedSwitchExperts}
+OFFLOADED: dict[str, type[_Offloaded]] = {"fused": OffloadedExperts, "dense": OffloadedDenseExperts,
+                                          "switch": OffloadedSwitchExperts}
 
 
-def offload_experts(layer: MoELayer, buffers: dict[str, torch.Tensor], runtime: "OffloadRuntime") -> nn.Module:
+def offload_experts(layer: MoELayer, buffers: dict[str, torch.Tensor], runtime: ExpertSlots) -> nn.Module:
     """The module that replaces `layer.experts`, chosen by `layer.adapter.name`."""
     try:
         cls = OFFLOADED[layer.adapter.name]

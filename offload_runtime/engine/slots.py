@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from offload_runtime.engine.expert_layout import ExpertSpec, Key
+from cache.policy import Key
+from offload_runtime.engine.expert_layout import ExpertSpec
 from prescient.budget import Budget
 from prescient.errors import CapacityError, PrescientError
 

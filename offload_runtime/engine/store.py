@@ -38,7 +38,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from offload_runtime.engine.expert_layout import ExpertSpec, Key, LayoutDeriver, Piece, PieceRead, StoreError, expert_spec
+from cache.policy import Key
+from offload_runtime.engine.expert_layout import ExpertSpec, LayoutDeriver, Piece, PieceRead, StoreError, expert_spec
 from prescient.arch import MoELayer, find_moe_layers
 from prescient.loading import weight_files
 
@@ -268,10 +269,11 @@ class ExpertStore:
                     raise StoreError(f"{where} in {entry.path.name} is {entry.dtype}, but the model's experts module "
                                      f"holds {read.param} as {spec.dtypes[read.param]}; load the model with "
                                      f"dtype={entry.dtype} (or 'auto')")
-                if entry.shape != piece.file_shape(layer.num_experts):
+                expected = piece.file_shape(spec.counts.get(read.param, layer.num_experts))
+                if entry.shape != expected:
                     raise StoreError(f"{where} in {entry.path.name} has shape {list(entry.shape)}, but the model's "
                                      f"experts module ({read.param} {list(spec.shapes[read.param])} per expert) "
-                                     f"expects {list(piece.file_shape(layer.num_experts))}")
+                                     f"expects {list(expected)}")
                 steps.append(_plan(read, entry))
             plans.append(steps)
         return plans

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from offload_runtime.engine.expert_layout import Key
+from cache.policy import Key
 from offload_runtime.engine.slots import SlotPool
 from prescient.errors import PrescientError
 
