@@ -26,6 +26,8 @@ COMMANDS = {
     "generate": "generate",
     "bench": "bench",
     "bench-batch": "bench_batch",
+    "serve": "serve",
+    "bench-serve": "bench_serve",
     "plan": "plan",
     "profile-hw": "profile_hw",
     "bench-simulator": "bench_simulator",

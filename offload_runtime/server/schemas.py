@@ -1,0 +1,139 @@
+"""The OpenAI request bodies this server reads, and the response bodies it writes.
+
+Requests are strict: a field of the wrong type and a field the OpenAI API does not have are 400
+errors (as OpenAI itself answers "Unrecognized request argument"); OpenAI fields this server
+does not implement are accepted only at their no-op values (`n` = 1, no logprobs, zero
+penalties, ...), anything else is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | StrictInt = Field(1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat | StrictInt = Field(1.0, gt=0.0, le=1.0)
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    # OpenAI fields accepted only at their no-op values (see `unsupported`)
+    n: StrictInt = 1
+    presence_penalty: StrictFloat | StrictInt = 0.0
+    frequency_penalty: StrictFloat | StrictInt = 0.0
+    logit_bias: dict[str, StrictFloat | StrictInt] | None = None
+    logprobs: Any = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, message) for the first field set to a value this server cannot honour."""
+        if self.n != 1:
+            return "n", "only n = 1 is supported (one choice per request); send several requests instead"
+        if self.presence_penalty or self.frequency_penalty:
+            field = "presence_penalty" if self.presence_penalty else "frequency_penalty"
+            return field, f"{field} is not supported; leave it at 0"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if self.logprobs not in (None, False, 0):
+            return "logprobs", "logprobs are not supported"
+        if len(self.stop_strings()) > 4:
+            return "stop", "at most 4 stop sequences"
+        return None
+
+
+class CompletionRequest(_Common):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt]
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            return "prompt", "one prompt per request (a list of several prompts is not supported)"
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "only best_of = 1 is supported"
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        return super().unsupported()
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart]
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            return "max_completion_tokens", "give max_tokens or max_completion_tokens, not both"
+        return super().unsupported()
+
+
+# -- responses ------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(rid: str, model: str, text: str, finish_reason: str | None, use: dict | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": use}
+
+
+def chat_body(rid: str, model: str, text: str, finish_reason: str | None, use: dict | None) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish_reason}],
+            "usage": use}
+
+
+def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None, use: dict | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": use}
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

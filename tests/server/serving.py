@@ -1,0 +1,84 @@
+"""Start a real server on a free localhost port: uvicorn in a thread over a tiny model directory, driven
+through HTTP (the official `openai` client, httpx). No part of the model or runtime is mocked."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import uvicorn
+from openai import OpenAI
+
+from offload_runtime.server import create_app
+
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Running:
+    url: str  # http://127.0.0.1:PORT
+    app: object
+
+    @property
+    def client(self) -> OpenAI:
+        return OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics by name and labels, e.g. 'prescient_requests_total{...}'."""
+        out = {}
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of `name`'s samples whose labels include `labels`."""
+        total = 0.0
+        for key, value in self.metrics().items():
+            base, _, rest = key.partition("{")
+            if base == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
+                total += value
+        return total
+
+
+@contextmanager
+def serve(model_dir, **options) -> Iterator[Running]:
+    """Start `create_app(model_dir, **options)` under uvicorn in a thread; wait for /health; stop
+    it (and its runtime threads) afterwards."""
+    options.setdefault("served_model_name", MODEL)
+    app = create_app(model_dir, **options)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if app.state.service.load_error is not None:
+                raise app.state.service.load_error
+            assert time.monotonic() < deadline, "the server did not become ready"
+            time.sleep(0.05)
+        yield Running(url, app)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive(), "the server did not stop"
