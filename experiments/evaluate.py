@@ -38,6 +38,8 @@ JSON (`evaluate_predictors`; `run` adds "cross_dataset" when --cross is given):
                             recall_at_k, recall_at_2k, per_layer.{recall_at_k, recall_at_2k} (lists over layers),
                             batch."B".{precision, recall, mean_predicted_experts, mean_true_experts,
                                        per_layer.{precision, recall}}
+    forecasts.NAME          for a predictor with forecast heads: `experiments.forecast_eval.forecast_report`
+                            (recall@k / recall@2k per horizon, beside token table, frequency and recency)
     timing                  {predictors_s: {NAME: seconds}, total_s}
     cross_dataset           {datasets, train_datasets, artifacts, predictor|token: {recall_at_k|recall_at_2k:
                              {TRAIN_DATASET: {EVAL_DATASET: value}}}}
@@ -53,6 +55,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from experiments.forecast_eval import forecast_report
 from experiments.predictor_scores import trace_scores
 from predictor.base import ExpertPredictor
 from predictor.metrics import recall_at
@@ -166,6 +169,8 @@ def evaluate_predictors(
         scores, info = trace_scores(pred, trace, name)
         result["predictors"][name] = {"kind": pred.kind, **source, **info,
                                       **predictor_metrics(scores, trace, batch_sizes)}
+        if pred.horizon > 0:  # forecast heads: recall per horizon beside the training-free forecasters
+            result.setdefault("forecasts", {})[name] = forecast_report(trace, fit, pred)
         result["timing"]["predictors_s"][name] = round(time.perf_counter() - began, 3)
         log.info("%-10s recall@k %.3f  recall@2k %.3f", name, result["predictors"][name]["recall_at_k"],
                  result["predictors"][name]["recall_at_2k"])

@@ -9,6 +9,7 @@ from predictor.artifact import PredictorArtifactError, load_predictor, read_pred
 from predictor.base import (
     PREDICTORS,
     ExpertPredictor,
+    ForecastHorizonError,
     PredictorError,
     PredictorMeta,
     TokenwisePredictor,
@@ -25,6 +26,7 @@ __all__ = [
     "PREDICTORS",
     "CorrelationTable",
     "ExpertPredictor",
+    "ForecastHorizonError",
     "FrequencyPredictor",
     "GateLookahead",
     "OraclePredictor",

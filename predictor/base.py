@@ -7,6 +7,9 @@ Scores are "higher is likelier"; callers take the top-k (or top-2k) per layer.
     start(batch_size) -> state                          begin decoding
     step(state, token_ids [B])       -> [B, L, E]      one new token per row, causal,
                                                        incremental: each token is seen once
+    forecast(state)                  -> [B, H, L, E]   optional: tokens t+1..t+H after the last
+                                                       `step` (`horizon` H; 0 = no forecasts)
+    predict_with_forecasts(input_ids) -> ([B, T, L, E], [B, T, H, L, E])   the same, whole prompts
 
 Kinds are registered by name (the style of transformers' `ExpertsInterface`) so an artifact's
 JSON `kind` picks the class that loads it; see `predictor.artifact`.
@@ -27,6 +30,10 @@ from prescient.traces import TraceManifest
 
 class PredictorError(PrescientError):
     """A predictor cannot do what was asked (unknown kind, unsupported operation, unknown input)."""
+
+
+class ForecastHorizonError(PredictorError):
+    """Forecasts were asked of a predictor without forecast heads, or beyond its horizon."""
 
 
 @dataclass
@@ -88,6 +95,35 @@ class ExpertPredictor(ABC):
     @abstractmethod
     def step(self, state: Any, token_ids: torch.Tensor) -> torch.Tensor:
         """Feed one token per row ([B]); scores [B, L, E] for it. Updates `state` in place."""
+
+    @property
+    def horizon(self) -> int:
+        """How many tokens ahead `forecast` sees (0: no forecasts)."""
+        return 0
+
+    def require_horizon(self, horizon: int) -> None:
+        """Raise `ForecastHorizonError`, saying what to train, unless forecasts reach `horizon` tokens."""
+        if self.horizon == 0:
+            raise ForecastHorizonError(
+                f"this {self.kind!r} predictor has no forecasts; train one with --model.horizon {max(horizon, 1)} "
+                "(a SiDA hash function with forecast heads)"
+            )
+        if not 1 <= horizon <= self.horizon:
+            raise ForecastHorizonError(
+                f"this {self.kind!r} predictor forecasts 1..{self.horizon} tokens ahead, not {horizon}; "
+                f"train one with --model.horizon {max(horizon, 1)}"
+            )
+
+    def forecast(self, state: Any, horizon: int | None = None) -> torch.Tensor:
+        """Scores [B, h, L, E] for tokens t+1..t+h after the last `step` (h = `horizon`, default all)."""
+        self.require_horizon(self.horizon if horizon is None else horizon)
+        raise NotImplementedError(f"{type(self).__name__} has a horizon but no forecast")
+
+    def predict_with_forecasts(self, input_ids: torch.Tensor,
+                               horizon: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`predict` [B, T, L, E] and, for every token t, the forecasts [B, T, h, L, E] of t+1..t+h."""
+        self.require_horizon(self.horizon if horizon is None else horizon)
+        raise NotImplementedError(f"{type(self).__name__} has a horizon but no predict_with_forecasts")
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors an artifact stores for this predictor."""

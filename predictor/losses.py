@@ -16,6 +16,16 @@ alone ignores experts 2..k). On the reference-shaped trace of the ablation they 
 SiDA's own terms (see configs/predictor/sida.yaml), so they default to off; on token-driven
 routing, topk_ce speeds up the start of training. Every term is reported separately so the
 module can log it.
+
+Forecast heads (horizon H > 0) add, for h = 1..H,
+
+    horizon_weights[h−1] · mean_j∈top-k(t+h) CE(forecast_h(t), j)      `forecast_loss`
+
+over the tokens t whose token t+h exists in the same sequence. Token t+h is not known after
+token t, so the forecast is a distribution over what may come: this cross-entropy is a proper
+scoring rule for the share of each expert among the router's top-k, whose order is the order
+recall@n ranks by (truncated KD would instead chase one possible token's logits). The terms of
+the current token (`predictor_loss`) are unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +35,12 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from prescient.errors import PrescientError
+
+
+class LossConfigError(PrescientError, ValueError):
+    """The loss configuration does not fit the model (e.g. a weight per horizon is missing)."""
 
 
 @dataclass
@@ -36,6 +52,19 @@ class LossConfig:
     distance: Literal["l1", "kl"] = "l1"
     topk_bce_weight: float = 0.0
     topk_ce_weight: float = 0.0
+    horizon_weights: list[float] | None = None  # per forecast horizon 1..H; None: 0.5, 0.25, ... (halving)
+
+    def forecast_weights(self, horizon: int) -> list[float]:
+        """The weight of each forecast horizon 1..`horizon`; a list of another length is an error."""
+        if self.horizon_weights is None:
+            return [0.5**h for h in range(1, horizon + 1)]
+        if len(self.horizon_weights) != horizon:
+            raise LossConfigError(
+                f"loss.horizon_weights has {len(self.horizon_weights)} value(s) but the horizon is {horizon}; "
+                f"give one weight per forecast horizon, e.g. --model.loss.horizon_weights "
+                f"[{', '.join(str(0.5**h) for h in range(1, horizon + 1))}]"
+            )
+        return list(self.horizon_weights)
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -100,4 +129,21 @@ def predictor_loss(
     if not terms:
         raise ValueError("every loss weight is zero; set at least one of ce/tkd/topk_bce/topk_ce weights")
     terms["loss"] = sum(weights[name] * value for name, value in terms.items())
+    return terms
+
+
+def forecast_loss(
+    forecasts: torch.Tensor,
+    future_topk_ids: torch.Tensor,
+    future_mask: torch.Tensor,
+    weights: list[float],
+) -> dict[str, torch.Tensor]:
+    """Forecast terms "forecast_h1".."forecast_hH" (see module doc) and their weighted sum under
+    "loss". forecasts [B, T, H, L, E]; future_topk_ids [B, T, H, L, k] the router's top-k of
+    token t+h; future_mask [B, T, H] True where token t+h exists in token t's sequence."""
+    log_probs = forecasts.log_softmax(-1)
+    nll = -log_probs.gather(-1, future_topk_ids.long()).mean(-1)  # [B, T, H, L]
+    terms = {f"forecast_h{h}": _masked_mean(nll[:, :, h - 1], future_mask[:, :, h - 1])
+             for h in range(1, len(weights) + 1)}
+    terms["loss"] = sum(w * terms[f"forecast_h{h}"] for h, w in enumerate(weights, 1))
     return terms

@@ -3,7 +3,9 @@ layer's experts for every token (Du et al., SiDA, §3.4), made causal for decode
 
     token ids ─▶ target model's embeddings (frozen) ─▶ Linear compression (d_c) + LayerNorm
               ─▶ 2-layer LSTM (H) ─▶ self-attention over the LSTM outputs ─▶ + LSTM output of
-                 the current token (residual) ─▶ Linear to L·E ─▶ [.., L, E] logits
+                 the current token (residual) = the token's feature ─┬▶ Linear to L·E ─▶ [.., L, E] logits
+                                                                      └▶ Linear to H·L·E ─▶ [.., H, L, E]
+                                                                         forecasts of t+1..t+H (optional)
 
 Choices the paper leaves open, and ours:
 - Attention: q = W_q·h, k = W_k·h, v = h (the LSTM outputs; learned query/key projections
@@ -18,6 +20,11 @@ Choices the paper leaves open, and ours:
 - Bidirectional variant (for prompts / encoders): bidirectional LSTM (outputs 2H), full
   attention over the prompt. Its `step` re-encodes the last W tokens per call (O(W) LSTM
   steps); decode with the causal variant.
+- Forecast heads (`horizon` H > 0, causal variant only): one more Linear from the same
+  feature to H·L·E, the logits of tokens t+1..t+H's experts, known after token t. The
+  forecast of t+h is a guess over the tokens that may come, so its training target is the
+  share of each expert among the router's top-k (see `predictor.losses.forecast_loss`).
+  Without heads (H = 0, every artifact made before them) nothing changes.
 - The compression is Linear + LayerNorm (embeddings of real models are tiny). Export folds
   the frozen embedding, the Linear and the LayerNorm into one [V, d_c] table (exact: the
   map depends on the token alone), so an artifact needs neither the model nor its
@@ -36,7 +43,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from predictor.base import ExpertPredictor, PredictorMeta, register_predictor
+from predictor.base import ExpertPredictor, PredictorError, PredictorMeta, register_predictor
 from prescient.errors import ModelFilesError
 
 EMBEDDING_SUFFIXES = ("embed_tokens.weight", "shared.weight")
@@ -101,12 +108,18 @@ class SiDAState:
     values: torch.Tensor  # [B, ≤W, H] LSTM outputs of the last W tokens: the attention memory
     query_key: torch.Tensor  # W_qᵀW_k [H, H]: score(t, s) = (h_t W_qᵀW_k) · h_s, so no key is stored
     tokens: torch.Tensor  # [B, ≤W] the last W tokens (bidirectional fallback only)
+    feature: torch.Tensor | None = None  # [B, H'] the last stepped token's feature: forecasts read it
 
 
 class SiDAHash(nn.Module):
-    def __init__(self, token_proj: nn.Module, n_layers: int, n_experts: int, sizes: SiDASizes):
+    def __init__(self, token_proj: nn.Module, n_layers: int, n_experts: int, sizes: SiDASizes, horizon: int = 0):
         super().__init__()
-        self.n_layers, self.n_experts, self.sizes = n_layers, n_experts, sizes
+        if horizon < 0 or (horizon and sizes.bidirectional):
+            raise PredictorError(
+                f"forecast horizon {horizon}: forecast heads need horizon ≥ 1 and the causal variant "
+                "(a bidirectional hash sees the tokens it would forecast); use horizon 0 or bidirectional false"
+            )
+        self.n_layers, self.n_experts, self.sizes, self.horizon = n_layers, n_experts, sizes, horizon
         self.token_proj = token_proj
         self.lstm = nn.LSTM(
             sizes.compress_dim,
@@ -122,17 +135,19 @@ class SiDAHash(nn.Module):
         self.scale = 1.0 / math.sqrt(width)
         self.dropout = nn.Dropout(sizes.dropout)
         self.head = nn.Linear(width, n_layers * n_experts)
+        self.forecast_head = nn.Linear(width, horizon * n_layers * n_experts) if horizon else None
 
     @classmethod
-    def from_embedding(cls, embedding: torch.Tensor, n_layers: int, n_experts: int, sizes: SiDASizes) -> "SiDAHash":
-        return cls(CompressedEmbedding(embedding, sizes.compress_dim), n_layers, n_experts, sizes)
+    def from_embedding(cls, embedding: torch.Tensor, n_layers: int, n_experts: int, sizes: SiDASizes,
+                       horizon: int = 0) -> "SiDAHash":
+        return cls(CompressedEmbedding(embedding, sizes.compress_dim), n_layers, n_experts, sizes, horizon)
 
     def folded(self) -> "SiDAHash":
         """A copy whose token projection is one [V, d_c] table (see module doc)."""
         if not isinstance(self.token_proj, CompressedEmbedding):
             return self
         table = self.token_proj.folded()
-        out = SiDAHash(table, self.n_layers, self.n_experts, self.sizes)
+        out = SiDAHash(table, self.n_layers, self.n_experts, self.sizes, self.horizon)
         rest = {k: v for k, v in self.state_dict().items() if not k.startswith("token_proj.")}
         out.load_state_dict({**rest, "token_proj.weight": table.weight})
         return out.train(self.training)
@@ -165,15 +180,27 @@ class SiDAHash(nn.Module):
         weights = sparsemax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # of the raw scores: exact zeros
         return weights @ states, weights
 
-    def _logits(self, states: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        out = self.head(self.dropout(context) + states)
+    def features(self, token_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Each token's feature [B, T, H']: attention context + the token's LSTM output."""
+        states = self.lstm_states(token_ids, lengths)
+        context, _ = self.attention(states, self.attention_mask(token_ids.shape[1], lengths))
+        return self.dropout(context) + states
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Features [..., H'] → the token's own expert logits [..., L, E]."""
+        out = self.head(features)
         return out.view(*out.shape[:-1], self.n_layers, self.n_experts)
+
+    def forecasts(self, features: torch.Tensor) -> torch.Tensor:
+        """Features [..., H'] of token t → expert logits [..., H, L, E] of tokens t+1..t+H."""
+        if self.forecast_head is None:
+            raise PredictorError("this hash function has no forecast heads; train one with --model.horizon N")
+        out = self.forecast_head(features)
+        return out.view(*out.shape[:-1], self.horizon, self.n_layers, self.n_experts)
 
     def forward(self, token_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Expert logits [B, T, L, E]."""
-        states = self.lstm_states(token_ids, lengths)
-        context, _ = self.attention(states, self.attention_mask(token_ids.shape[1], lengths))
-        return self._logits(states, context)
+        return self.logits(self.features(token_ids, lengths))
 
     # --- incremental decoding ----------------------------------------------------------
     def start(self, batch_size: int) -> SiDAState:
@@ -187,7 +214,8 @@ class SiDAHash(nn.Module):
         )
 
     def step(self, state: SiDAState, token_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, L, E] for one new token per row; updates `state`. The causal variant runs
+        """Logits [B, L, E] for one new token per row; updates `state` (its `feature` is what
+        `forecasts` reads for tokens t+1..t+H). The causal variant runs
         one LSTM time step with `torch.lstm_cell` on nn.LSTM's own weights (the same math;
         oneDNN's sequence kernel costs milliseconds for a single step) and attends over the
         memory of the last W outputs."""
@@ -204,7 +232,8 @@ class SiDAHash(nn.Module):
         state.values = torch.cat([state.values, out], dim=1)[:, -window:]
         scores = ((out @ state.query_key) @ state.values.transpose(-1, -2)) * self.scale
         context = sparsemax(scores, dim=-1) @ state.values
-        return self._logits(out, context)[:, 0]
+        state.feature = (self.dropout(context) + out)[:, 0]
+        return self.logits(state.feature)
 
 
 @register_predictor
@@ -217,9 +246,29 @@ class SiDAPredictor(ExpertPredictor):
         self.hash = hash_fn.folded().eval()
         self.meta = meta
 
+    @property
+    def horizon(self) -> int:
+        return self.hash.horizon
+
     @torch.inference_mode()
     def predict(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.hash(input_ids)
+
+    @torch.inference_mode()
+    def predict_with_forecasts(self, input_ids: torch.Tensor,
+                               horizon: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        horizon = self.horizon if horizon is None else horizon
+        self.require_horizon(horizon)
+        features = self.hash.features(input_ids)
+        return self.hash.logits(features), self.hash.forecasts(features)[..., :horizon, :, :]
+
+    @torch.inference_mode()
+    def forecast(self, state: SiDAState, horizon: int | None = None) -> torch.Tensor:
+        horizon = self.horizon if horizon is None else horizon
+        self.require_horizon(horizon)
+        if state.feature is None:
+            raise PredictorError("forecast needs a token: call step at least once after start")
+        return self.hash.forecasts(state.feature)[:, :horizon]
 
     @torch.inference_mode()
     def start(self, batch_size: int) -> SiDAState:
@@ -234,8 +283,11 @@ class SiDAPredictor(ExpertPredictor):
 
     @classmethod
     def from_artifact(cls, meta: PredictorMeta, tensors: dict[str, torch.Tensor]) -> "SiDAPredictor":
-        sizes = SiDASizes(**meta.hparams)
+        """`meta.hparams` holds the `SiDASizes` fields and `horizon` (absent before forecast heads: 0)."""
+        hparams = dict(meta.hparams)
+        horizon = int(hparams.pop("horizon", 0))
         table = nn.Embedding(*tensors["token_proj.weight"].shape)
-        hash_fn = SiDAHash(table, meta.fingerprint.n_moe_layers, meta.fingerprint.n_experts, sizes)
+        fp = meta.fingerprint
+        hash_fn = SiDAHash(table, fp.n_moe_layers, fp.n_experts, SiDASizes(**hparams), horizon)
         hash_fn.load_state_dict(tensors)
         return cls(hash_fn, meta)

@@ -3,7 +3,8 @@
     prescient train --config configs/predictor/sida.yaml --data.trace_dir DIR [--export PATH]
 
 Everything the YAML holds can be overridden on the command line (`--model.lr 1e-3`,
-`--trainer.max_epochs 5`, `--trainer.strategy ddp --trainer.devices 2`). Two options of
+`--trainer.max_epochs 5`, `--trainer.strategy ddp --trainer.devices 2`; forecast heads:
+`--model.horizon 2 --model.loss.horizon_weights [0.5,0.25]`). Two options of
 our own: `--ckpt_path` resumes a run from a checkpoint, and `--export` names the artifact
 (NAME.safetensors + NAME.json) written after training from the best checkpoint; by default
 it lands beside the run's checkpoint folder as `predictor.*`.
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 class PredictorCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.trace_dir", "model.trace_dir")
+        parser.link_arguments("model.horizon", "data.horizon")  # forecast targets for the forecast heads
         parser.add_argument("--ckpt_path", type=str | None, default=None,
                             help="checkpoint to resume from, e.g. <run dir>/checkpoints/last.ckpt")
         parser.add_argument(

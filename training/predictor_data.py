@@ -10,6 +10,13 @@ padded, with `mask` False on the padding). Each window is one sample:
     topt_ids    [W, L, T]  long, the T highest-logit experts
     topt_logits [W, L, T]  float32, their logits
 
+and, with `horizon` H > 0 (targets of the forecast heads, linked from --model.horizon by the CLI):
+
+    future_topk_ids [W, H, L, k]  long, the router's selection for token t+h (h = 1..H), read
+                                  from the same sequence, past the window's end too
+    future_mask     [W, H]        bool, True where token t is real and token t+h exists in its
+                                  sequence (never a target beyond the sequence's end)
+
 Validation reads `val_trace_dir` when given, otherwise a deterministic `val_fraction` of the
 training trace's sequences (chosen by seq_id with a seeded permutation), so the same
 sequences are held out on every run and every DDP rank.
@@ -34,13 +41,14 @@ log = logging.getLogger(__name__)
 class TraceWindows(Dataset):
     """Windows over the given sequences (lists of contiguous row indices) of a trace."""
 
-    def __init__(self, trace: Trace, sequences: list[torch.Tensor], window: int):
-        self.trace, self.window = trace, window
+    def __init__(self, trace: Trace, sequences: list[torch.Tensor], window: int, horizon: int = 0):
+        self.trace, self.window, self.horizon = trace, window, horizon
         self.spans = [
             (int(rows[0]) + offset, min(window, len(rows) - offset))
             for rows in sequences
             for offset in range(0, len(rows), window)
         ]
+        self.sequence_ends = [int(rows[-1]) + 1 for rows in sequences for _ in range(0, len(rows), window)]
 
     def __len__(self) -> int:
         return len(self.spans)
@@ -54,13 +62,23 @@ class TraceWindows(Dataset):
             value = self.trace[column][rows].to(dtype)
             return F.pad(value, (0, 0) * (value.dim() - 1) + (0, pad))
 
-        return {
+        sample = {
             "token_ids": take("token_id", torch.long),
             "mask": torch.arange(self.window) < n,
             "topk_ids": take("topk_ids", torch.long),
             "topt_ids": take("topt_ids", torch.long),
             "topt_logits": take("topt_logits", torch.float32),
         }
+        if self.horizon:
+            sample.update(self._future(start, n, self.sequence_ends[index]))
+        return sample
+
+    def _future(self, start: int, n: int, end: int) -> dict[str, torch.Tensor]:
+        """Forecast targets of the window's tokens: rows t+1..t+H, masked past the sequence end."""
+        target_rows = start + torch.arange(self.window)[:, None] + torch.arange(1, self.horizon + 1)  # [W, H]
+        mask = (torch.arange(self.window) < n)[:, None] & (target_rows < end)
+        topk = self.trace["topk_ids"][target_rows.clamp(max=end - 1)].long()  # [W, H, L, k]
+        return {"future_topk_ids": topk, "future_mask": mask}
 
 
 def split_sequences(trace: Trace, val_fraction: float, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -89,6 +107,7 @@ class PredictorDataModule(L.LightningDataModule):
         batch_size: int = 64,
         num_workers: int = 0,
         split_seed: int = 0,
+        horizon: int = 0,
     ):
         """
         Args:
@@ -99,6 +118,7 @@ class PredictorDataModule(L.LightningDataModule):
             batch_size: windows per batch (SiDA: 64).
             num_workers: DataLoader worker processes.
             split_seed: seed of the held-out split.
+            horizon: forecast targets for tokens t+1..t+horizon (the CLI links it from --model.horizon).
         """
         super().__init__()
         self.save_hyperparameters()
@@ -117,8 +137,8 @@ class PredictorDataModule(L.LightningDataModule):
         else:
             val = train
             train_seqs, val_seqs = split_sequences(train, hp.val_fraction, hp.split_seed)
-        self.train_set = TraceWindows(train, train_seqs, hp.window)
-        self.val_set = TraceWindows(val, val_seqs, hp.window)
+        self.train_set = TraceWindows(train, train_seqs, hp.window, hp.horizon)
+        self.val_set = TraceWindows(val, val_seqs, hp.window, hp.horizon)
         log.info("predictor data: %d training and %d validation windows of %d tokens",
                  len(self.train_set), len(self.val_set), hp.window)
 
