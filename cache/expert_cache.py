@@ -27,7 +27,7 @@ from cache import kernel, state
 from cache import replay as loops
 from cache.errors import CacheError, CacheFullError, CapacityError
 from cache.policy import EvictionPolicy, Key
-from cache.rules import on_router_scores
+from cache.rules import on_forecast, on_router_scores
 
 
 @dataclass
@@ -81,7 +81,8 @@ class ExpertCache:
         params = np.zeros(state.N_PARAMS)
         params[[state.KIND, state.CAPACITY, state.PER_LAYER, state.LAYER_HEAPS]] = (
             policy.kind, capacity, per_layer, per_layer or policy.layer_heaps)
-        params[[state.ALPHA, state.DECAY, state.TOP_P]] = policy.alpha, 1.0 - policy.alpha, policy.p
+        params[[state.ALPHA, state.DECAY, state.TOP_P, state.MARKING]] = (
+            policy.alpha, 1.0 - policy.alpha, policy.p, policy.marking)
         n_keys = (n_layers or 1) * (n_experts or 64)
         self.state = state.new_state(n_keys, n_layers or 1, params)
         self._stride = 0  # n_experts when every key is numbered l * n_experts + e
@@ -235,6 +236,16 @@ class ExpertCache:
 
     # -- policy hook -------------------------------------------------------------------------
 
+    def on_forecast(self, chances: np.ndarray) -> None:
+        """Learned eviction: [L, E] predicted chances of use soon, each in [0, 1] (see
+        `predictor.forecast.chance_of_use`), for every key of every layer."""
+        if not self.policy.uses_forecasts:
+            return
+        chances = np.asarray(chances, dtype=np.float64)
+        with self._lock:
+            ids = self.key_ids([(layer, e) for layer in range(chances.shape[0]) for e in range(chances.shape[1])])
+            on_forecast(self.state.struct, ids, chances.ravel())
+
     def on_step(self, layer: int, scores: Mapping[int, float] | Sequence[float]) -> None:
         """Forward one layer-step's router scores (expert -> score, or a dense vector over
         experts) to the policy (MRS uses them)."""
@@ -251,28 +262,33 @@ class ExpertCache:
     def replay(self, n_layers: int, keys: np.ndarray, offsets: np.ndarray,
                scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
                predicted: tuple[np.ndarray, np.ndarray] | None = None,
-               ahead: int = 1, bandwidth: int | None = None) -> int:
+               ahead: int = 1, bandwidth: int | None = None,
+               forecasts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> int:
         """Run layer-steps j = t·n_layers + l through the cache: `keys[offsets[j]:offsets[j+1]]`
         are accessed (ids from `key_ids`), after router `scores` (key ids, values, offsets) reach
         the policy; with `predicted` (key ids, offsets) the predicted keys are prefetched `ahead`
-        layers early over a link moving `bandwidth` transfers per layer-step (None: instant).
-        The same as the per-call API driven step by step. Returns the late prefetches."""
+        layers early over a link moving `bandwidth` transfers per layer-step (None: instant);
+        `forecasts` (key ids, chances of use, offsets per token-step) reach the policy as each
+        token-step starts. The same as the per-call API driven step by step. Returns the late
+        prefetches."""
         score_arrays, inserted, evicted = self._replay_buffers(offsets, scores, predicted)
+        fc_arrays = _forecast_arrays(forecasts)
         with self._lock:
             if predicted is None:
                 late, off = 0, loops.replay_demand(self.state.struct, n_layers, keys, offsets, *score_arrays,
-                                                   scores is not None, inserted, evicted)
+                                                   scores is not None, *fc_arrays, inserted, evicted)
             else:
                 late, off = loops.replay_prefetch(
-                    self.state.struct, n_layers, keys, offsets, *score_arrays, scores is not None,
+                    self.state.struct, n_layers, keys, offsets, *score_arrays, scores is not None, *fc_arrays,
                     predicted[0], predicted[1], ahead, -1 if bandwidth is None else bandwidth, inserted, evicted)
             self._check_replay(keys, off)
             return int(late)
 
     def replay_timed(self, n_layers: int, keys: np.ndarray, offsets: np.ndarray, compute_s: float,
                      transfer_s: float, scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-                     predicted: tuple[np.ndarray, np.ndarray] | None = None,
-                     ahead: int = 1) -> tuple[int, np.ndarray, np.ndarray]:
+                     predicted: tuple[np.ndarray, np.ndarray] | None = None, ahead: int = 1,
+                     forecasts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                     ) -> tuple[int, np.ndarray, np.ndarray]:
         """`replay` on a clock: each layer-step computes `compute_s` seconds once its experts are
         in, each expert's copy takes `transfer_s` on one link, demand loads ahead of prefetches
         (see `cache.simulator`). The cache's decisions are those of `replay`. Returns (late
@@ -283,7 +299,8 @@ class ExpertCache:
         clock, transfers = np.zeros(3, np.float64), np.zeros(3, np.int64)
         with self._lock:
             late, off = loops.replay_timed(
-                self.state.struct, n_layers, keys, offsets, *score_arrays, scores is not None, predicted_keys,
+                self.state.struct, n_layers, keys, offsets, *score_arrays, scores is not None,
+                *_forecast_arrays(forecasts), predicted_keys,
                 predicted_offsets, ahead, float(compute_s), float(transfer_s), inserted, evicted, clock, transfers)
             self._check_replay(keys, off)
             return int(late), clock, transfers
@@ -314,3 +331,10 @@ class ExpertCache:
         if off >= 0:
             position = int(self.state.counters[state.CURSOR])
             raise self.policy.off_sequence(position, self._keys[ids[off]])
+
+
+def _forecast_arrays(forecasts: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, ...]:
+    """Forecast key ids, chances and per-token-step offsets; empty ones (no token-step) if none."""
+    if forecasts is None:
+        return np.zeros(0, np.int64), np.zeros(0, np.float64), np.zeros(1, np.int64)
+    return forecasts

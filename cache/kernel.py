@@ -9,9 +9,10 @@ Buffers `inserted` and `evicted` (one entry per key of the call at most) return 
 from __future__ import annotations
 
 from cache.heap import fix, inline, jit, lowest_unpinned, push, remove
-from cache.rules import OFF_SEQUENCE, RANK_MOVED, on_evict, on_insert, on_use
+from cache.rules import MARKED, OFF_SEQUENCE, RANK_MOVED, new_phase, on_evict, on_insert, on_use
 from cache.state import (
-    ACCESSES, CAPACITY, LAYER_HEAPS, MISSES, PER_LAYER, PREFETCH_HITS, PREFETCH_INSERTS, RESIDENT, WASTED,
+    ACCESSES, CAPACITY, KIND, LAYER_HEAPS, LEARNED, MISSES, PER_LAYER, PREFETCH_HITS, PREFETCH_INSERTS, RESIDENT,
+    WASTED,
 )
 
 
@@ -38,7 +39,11 @@ def victim(st, part):
                 if best < 0 or s < best_s:  # ties: the lower layer, met first
                     best, best_s = key, s
         return best
-    return lowest_unpinned(st, part)
+    key = lowest_unpinned(st, part)
+    if key >= 0 and st.params[KIND] == LEARNED and st.rank[key] >= MARKED:
+        new_phase(st)
+        key = lowest_unpinned(st, part)
+    return key
 
 
 @inline

@@ -124,6 +124,28 @@ class MRS(EvictionPolicy):
         return float(st.rank[key_id] * st.scale[key[0]])
 
 
+class Learned(EvictionPolicy):
+    """Learned eviction: evict the resident expert whose use is predicted least likely soon
+    (`ExpertCache.on_forecast`: the predictor's scores for this token's layers and its forecasts
+    for the next tokens); experts without a forecast go first, least recently used first.
+
+    As Lykouris & Vassilvitskii's predictive marker, experts used in the current phase are kept
+    until every resident expert is (then a new phase starts): with useless forecasts it is a
+    randomised marking algorithm, close to LRU, never worse than O(log k)-competitive.
+    `LearnedBelady` drops the marks and follows the forecasts alone.
+    """
+
+    kind = state.LEARNED
+    uses_forecasts = True
+    marking = True
+
+
+class LearnedBelady(Learned):
+    """`Learned` without the marks: the forecasts alone decide (Belady's rule on predictions)."""
+
+    marking = False
+
+
 POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRU,
     "lfu": LFU,
@@ -131,6 +153,8 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "mrs": MRS,
     "belady": Belady,
     "static": StaticHot,
+    "learned": Learned,
+    "learned-belady": LearnedBelady,
 }
 
 

@@ -43,8 +43,12 @@ class EvictionPolicy:
     layer_heaps: ClassVar[bool] = False
     """Whether ranks only compare within a layer (one heap per layer even under a global budget)."""
 
+    uses_forecasts: ClassVar[bool] = False
+    """True if the policy ranks keys by forecasts of their use (`ExpertCache.on_forecast`)."""
+
     alpha: float = 0.0
     p: int = 0
+    marking: bool = False
 
     def __init__(self) -> None:
         self.cache: PolicyHost | None = None

@@ -2,7 +2,9 @@
 
 A replay is a sequence of layer-steps (token-step t, layer l at index t·L + l) held as flat arrays:
 `keys[offsets[j]:offsets[j + 1]]` are the key ids layer-step j accesses, and likewise for router
-scores and predicted keys. See `cache.simulator` for what is modelled.
+scores and predicted keys; forecasts (key ids and predicted chances of use, for learned
+eviction) are per token-step t and reach the policy as the token-step starts. See
+`cache.simulator` for what is modelled.
 """
 
 from __future__ import annotations
@@ -11,15 +13,25 @@ import numpy as np
 
 from cache.heap import inline, jit
 from cache.kernel import load, prefetch_many, use
-from cache.rules import on_router_scores
+from cache.rules import on_forecast, on_router_scores
+
+
+@inline
+def _forecast(st, t, fc_keys, fc_values, fc_offsets):
+    """Token-step t's forecasts to the policy (none when the replay has none)."""
+    if t + 1 < len(fc_offsets):
+        on_forecast(st, fc_keys[fc_offsets[t]:fc_offsets[t + 1]], fc_values[fc_offsets[t]:fc_offsets[t + 1]])
 
 
 @jit
 def replay_demand(st, n_layers, keys, offsets, score_keys, score_values, score_offsets, use_scores,
-                  inserted, evicted):
-    """Every layer-step: router scores to the policy (if `use_scores`), then the keys are loaded
-    and used. Returns -1, or the access number of a key off Belady's sequence."""
+                  fc_keys, fc_values, fc_offsets, inserted, evicted):
+    """Every layer-step: forecasts (as a token-step starts) and router scores (if `use_scores`)
+    to the policy, then the keys are loaded and used. Returns -1, or the access number of a key
+    off Belady's sequence."""
     for j in range(len(offsets) - 1):
+        if j % n_layers == 0:
+            _forecast(st, j // n_layers, fc_keys, fc_values, fc_offsets)
         if use_scores:
             s, e = score_offsets[j], score_offsets[j + 1]
             on_router_scores(st, j % n_layers, score_keys[s:e], score_values[s:e])
@@ -78,7 +90,7 @@ def _transfer(bandwidth, pending, serial, queue, link):
 
 @jit
 def replay_prefetch(st, n_layers, keys, offsets, score_keys, score_values, score_offsets, use_scores,
-                    predicted, predicted_offsets, ahead, bandwidth, inserted, evicted):
+                    fc_keys, fc_values, fc_offsets, predicted, predicted_offsets, ahead, bandwidth, inserted, evicted):
     """Demand accesses plus the predicted keys prefetched `ahead` layers early; the link moves
     `bandwidth` queued transfers per layer-step (-1: unlimited, transfers are instant).
     Returns (late prefetches, -1 or the access number of a key off Belady's sequence)."""
@@ -90,6 +102,7 @@ def replay_prefetch(st, n_layers, keys, offsets, score_keys, score_values, score
     late = 0
     for t in range((len(offsets) - 1) // n_layers):
         base = t * n_layers
+        _forecast(st, t, fc_keys, fc_values, fc_offsets)
         for layer in range(ahead):
             wanted = predicted[predicted_offsets[base + layer]:predicted_offsets[base + layer + 1]]
             _prefetch(st, wanted, limited, pending, serial, queue, link, inserted, evicted)
@@ -215,7 +228,8 @@ def _issue(st, wanted, token, issued, seg, tq, q_key, q_time, queued, serial, mo
 
 @jit
 def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_offsets, use_scores,
-                 predicted, predicted_offsets, ahead, compute_s, transfer_s, inserted, evicted, clock, loads):
+                 fc_keys, fc_values, fc_offsets, predicted, predicted_offsets, ahead, compute_s, transfer_s,
+                 inserted, evicted, clock, loads):
     """`replay_prefetch` (or `replay_demand`, with no predicted keys) on a clock: each layer-step
     computes `compute_s` once its experts are in; each transfer takes `transfer_s` on one link
     (see `cache.simulator`). Fills `clock` and `loads`; returns (late prefetches, -1 or the
@@ -234,6 +248,7 @@ def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_of
     late = 0
     for t in range((len(offsets) - 1) // n_layers):
         base = t * n_layers
+        _forecast(st, t, fc_keys, fc_values, fc_offsets)
         for layer in range(ahead if prefetching else 0):
             wanted = predicted[predicted_offsets[base + layer]:predicted_offsets[base + layer + 1]]
             _issue(st, wanted, t, clock[NOW], seg, tq, q_key, q_time, queued, serial, moved, loads, inserted, evicted)

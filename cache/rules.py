@@ -8,6 +8,11 @@ eviction, and (MRS) moved by router scores. The victim is always the lowest-rank
 - Belady: rank = −(position of the next use); a key off the sequence ranks −len(sequence).
 - MRS: rank = u, with S = u · scale[layer]; a layer-step scales S by (1−α) through `scale`
   (the order within a layer is unchanged) and adds α·s to the top-p experts' S.
+- learned: rank = the predicted chance of use soon (in [0, 1], from the predictor's forecasts,
+  `on_forecast`), tiebreak = tick of the last use, so the key predicted least is evicted first
+  and unpredicted keys go least recently used first. With marking (Lykouris & Vassilvitskii's
+  predictive marker) a use also adds MARKED: keys used in the current phase are evicted only
+  once no unmarked key is left, which then starts a new phase (`new_phase`).
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ import numpy as np
 
 from cache.heap import fix, heapify, inline, jit
 from cache.state import (
-    ALPHA, BELADY, CURSOR, DECAY, FIFO, KIND, LFU, LRU, MRS, STATIC, TICK, TOP_P,
+    ALPHA, BELADY, CURSOR, DECAY, FIFO, KIND, LEARNED, LFU, LRU, MARKING, MRS, STATIC, TICK, TOP_P,
 )
 
 _RESCALE_BELOW = 1e-120  # fold a layer's scale into its u before (1-α)^steps underflows
 RANK_MOVED, OFF_SEQUENCE = 1, -1
+MARKED = 2.0  # added to a learned key's rank while it is marked; its scores lie in [0, 1]
 
 
 @inline
@@ -39,6 +45,9 @@ def on_insert(st, key):
         st.tiebreak[key] = _tick(st)
     elif kind == STATIC or kind == BELADY:
         st.rank[key] = st.outside[key]
+    elif kind == LEARNED:  # unmarked: a prefetch is no request; a demand load's use marks it
+        st.rank[key] = st.outside[key]
+        st.tiebreak[key] = _tick(st)
     # MRS: u is kept for every key, resident or not
 
 
@@ -52,6 +61,10 @@ def on_use(st, key):
         return RANK_MOVED
     if kind == LFU:
         st.rank[key] += 1.0
+        st.tiebreak[key] = _tick(st)
+        return RANK_MOVED
+    if kind == LEARNED:
+        st.rank[key] = st.outside[key] + (MARKED if st.params[MARKING] else 0.0)
         st.tiebreak[key] = _tick(st)
         return RANK_MOVED
     if kind == BELADY:
@@ -94,3 +107,29 @@ def on_router_scores(st, layer, keys, scores):
         st.rank[key] += gain * scores[i]
         if st.pos[key] >= 0:
             fix(st, layer, key)
+
+
+@jit
+def on_forecast(st, keys, scores):
+    """Learned eviction: the predicted chance of use soon of `keys` (ids), each in [0, 1], replaces
+    their previous one; resident keys keep their mark. Other policies ignore forecasts."""
+    if st.params[KIND] != LEARNED:
+        return
+    for i in range(len(keys)):
+        key = keys[i]
+        st.outside[key] = scores[i]
+        if st.pos[key] >= 0:
+            st.rank[key] = scores[i] + (MARKED if st.rank[key] >= MARKED else 0.0)
+    for part in range(len(st.heap_size)):
+        heapify(st, part)
+
+
+@jit
+def new_phase(st):
+    """Predictive marker: every key is marked, so a new phase begins with none marked."""
+    for part in range(len(st.heap_size)):
+        for i in range(st.heap_size[part]):
+            key = st.heap[part, i]
+            if st.rank[key] >= MARKED:
+                st.rank[key] -= MARKED
+        heapify(st, part)

@@ -65,6 +65,7 @@ class Replay:
     predicted: tuple[np.ndarray, np.ndarray] | None = None  # keys, offsets
     score_top: int | None = None  # scores keep only each step's score_top highest (None: all)
     n_tokens: int | None = None  # trace rows replayed (None: n_steps · batch_size)
+    forecasts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # keys, chances, offsets per token-step
 
     @property
     def n_steps(self) -> int:
@@ -121,13 +122,16 @@ class Replay:
         prefetch_k: int | None = None,
         score_top: int | None = None,
         n_experts: int | None = None,
+        forecast_chances: np.ndarray | None = None,
     ) -> "Replay":
         """`topk_ids` [N, L, k] and `seq_id` [N] in trace order (a sequence's rows contiguous,
         in position order). `topt_ids`/`topt_logits` [N, L, T]: router scores for policies that
         use them (softmax over the top-T, summed over the batch); `score_top` keeps only each
         layer-step's highest few, which is exact for a policy whose `scores_used` <= score_top
         and makes the replay faster. `predicted_scores` [N, L, E]: each row's top `prefetch_k`
-        (default k) experts per layer are prefetched."""
+        (default k) experts per layer are prefetched. `forecast_chances` [N, L, E] in [0, 1]: each
+        row's predicted chance that an expert is used soon (learned eviction); a step takes the
+        largest over its batch."""
         topk_ids = np.asarray(topk_ids)
         if topk_ids.ndim != 3:
             raise ValueError(f"topk_ids must be [N, L, k], got shape {topk_ids.shape}")
@@ -154,7 +158,10 @@ class Replay:
         if predicted_scores is not None:
             predicted = _predicted_keys(np.asarray(predicted_scores), top_k if prefetch_k is None else prefetch_k,
                                         rows, n_experts)
-        return cls(n_layers, n_experts, top_k, batch_size, keys, offsets, scores, predicted, score_top, n)
+        forecasts = None
+        if forecast_chances is not None:
+            forecasts = _forecast_steps(np.asarray(forecast_chances), rows, n_experts)
+        return cls(n_layers, n_experts, top_k, batch_size, keys, offsets, scores, predicted, score_top, n, forecasts)
 
 
 def batch_rows(seq_id: np.ndarray, batch_size: int) -> np.ndarray:
@@ -253,6 +260,19 @@ def _predicted_keys(
     return _union_keys(np.take_along_axis(top, order, axis=-1), rows, n_experts)
 
 
+def _forecast_steps(chances: np.ndarray, rows: np.ndarray, n_experts: int) -> tuple[np.ndarray, ...]:
+    """Per step, every key with the largest chance over the step's rows: keys, chances, offsets."""
+    if chances.ndim != 3 or chances.shape[2] != n_experts:
+        raise ValueError(f"forecast_chances must be [N, L, {n_experts}], got shape {chances.shape}")
+    if not np.isfinite(chances).all() or chances.min(initial=0.0) < 0 or chances.max(initial=0.0) > 1:
+        raise ValueError("forecast_chances must be finite chances in [0, 1]")
+    n_steps, n_layers = len(rows), chances.shape[1]
+    per_step = np.where((rows >= 0)[..., None, None], chances[np.maximum(rows, 0)], 0.0).max(axis=1)  # [S, L, E]
+    keys = np.tile(np.arange(n_layers * n_experts, dtype=np.int64), n_steps)
+    offsets = np.arange(n_steps + 1, dtype=np.int64) * n_layers * n_experts
+    return keys, per_step.reshape(-1).astype(np.float64), offsets
+
+
 @dataclass
 class SimResult:
     policy: str
@@ -327,7 +347,11 @@ def simulate(
         raise ValueError("give timing (the timed link) or transfer_per_step (the count-only link), not both")
 
     cache = ExpertCache(capacity, policy, per_layer=per_layer, n_layers=replay.n_layers, n_experts=replay.n_experts)
+    if policy.uses_forecasts and replay.forecasts is None:
+        raise ValueError(f"{name} ranks experts by forecasts: build the Replay with forecast_chances "
+                         "(a predictor's chances of use)")
     replayed = {"scores": replay.scores if policy.uses_scores else None, "predicted": replay.predicted,
+                "forecasts": replay.forecasts if policy.uses_forecasts else None,
                 "ahead": replay.n_layers if horizon is None else min(horizon, replay.n_layers)}
     started = time.perf_counter()
     timed = None

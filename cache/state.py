@@ -21,15 +21,15 @@ from numba import types
 from numba.experimental import structref
 
 # policy kinds: the kernels branch on these (see cache.rules)
-FIFO, LRU, LFU, STATIC, BELADY, MRS = range(6)
+FIFO, LRU, LFU, STATIC, BELADY, MRS, LEARNED = range(7)
 
 # counters[...]
 TICK, ACCESSES, MISSES, PREFETCH_INSERTS, PREFETCH_HITS, WASTED, RESIDENT, CURSOR = range(8)
 N_COUNTERS = 8
 
 # params[...]
-KIND, CAPACITY, PER_LAYER, LAYER_HEAPS, ALPHA, DECAY, TOP_P = range(7)
-N_PARAMS = 7
+KIND, CAPACITY, PER_LAYER, LAYER_HEAPS, ALPHA, DECAY, TOP_P, MARKING = range(8)
+N_PARAMS = 8
 
 
 @structref.register
@@ -56,7 +56,7 @@ class StateArrays:
     pos: np.ndarray  # int64 place in its heap, -1 when not resident
     rank: np.ndarray  # float64 primary rank (MRS: u = S / scale[layer], kept while evicted)
     tiebreak: np.ndarray  # int64 secondary rank (LFU: tick of the last use)
-    outside: np.ndarray  # float64 rank on (re)insertion: static frequency, Belady's next use
+    outside: np.ndarray  # float64 rank on (re)insertion: static frequency, Belady's next use, learned score
     # per heap partition (layer, or 0 for one heap over the whole cache)
     heap: np.ndarray  # int64 [partitions, capacity] key ids
     heap_size: np.ndarray  # int64 [partitions]

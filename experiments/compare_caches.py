@@ -36,16 +36,18 @@ from __future__ import annotations
 
 import logging
 import time
+
+import numpy as np
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from cache import POLICIES, Replay, expert_frequencies, make_policy, simulate
-from cache.errors import CapacityError as CacheCapacityError
 from cache.timing import LinkTiming
-from experiments.predictor_scores import trace_scores
+from experiments.predictor_scores import forecast_scores, trace_scores
 from predictor.base import ExpertPredictor, PredictorError
+from predictor.forecast import chance_of_use
 from predictor.registry import resolve_predictor
 from prescient.atomic import write_atomic
 from prescient.budget import Budget
@@ -111,6 +113,17 @@ def build_predictor(spec: str | Path | ExpertPredictor, trace: Trace, fit: Trace
     return (name if "artifact" not in source else Path(name).stem), pred, source
 
 
+def forecast_chances(pred: ExpertPredictor | None, trace: Trace) -> np.ndarray:
+    """[N, L, E] chances of use soon (`predictor.forecast.chance_of_use`) from the predictor's
+    scores for each token and its forecasts of the next ones: what learned eviction ranks by."""
+    if pred is None:
+        raise CompareCachesError("learned eviction ranks experts by a predictor's forecasts: pass --predictor, "
+                                 "an artifact with forecast heads (train one with --model.horizon 2)")
+    pred.require_horizon(1)  # no heads: a ForecastHorizonError saying what to train
+    current, ahead = forecast_scores(pred, trace, pred.horizon)
+    return chance_of_use(current, ahead, trace.fingerprint.top_k).numpy()
+
+
 # --- the comparison ----------------------------------------------------------------------------
 def compare_caches(
     trace_dir: str | Path,
@@ -169,6 +182,8 @@ def compare_caches(
         result["predictor"] = {"name": name, "kind": pred.kind, **source, **info,
                                "seconds": round(time.perf_counter() - began, 3)}
         result["predictor_fit_on"] = source["fit_on"]
+    chances = forecast_chances(pred if predictor is not None else None, trace) \
+        if any(POLICIES[p].uses_forecasts for p in policies) else None
     result["settings"] = {
         "policies": list(policies), "capacities": [capacity_value(c) for c in capacities], "capacity_slots": slots,
         "total_experts": total, "budget": "global", "batch_sizes": list(batch_sizes),
@@ -183,10 +198,12 @@ def compare_caches(
         if "mrs" in policies else {}
     replays: dict[tuple[int, bool], Replay] = {}
     for b in batch_sizes:
-        replays[b, False] = Replay.build(columns["topk_ids"], columns["seq_id"], b, n_experts=fp.n_experts, **router)
+        replays[b, False] = Replay.build(columns["topk_ids"], columns["seq_id"], b, n_experts=fp.n_experts,
+                                         forecast_chances=chances, **router)
         if scores is not None:
             replays[b, True] = Replay.build(columns["topk_ids"], columns["seq_id"], b, predicted_scores=scores,
-                                            prefetch_k=prefetch_k, n_experts=fp.n_experts, **router)
+                                            prefetch_k=prefetch_k, n_experts=fp.n_experts, forecast_chances=chances,
+                                            **router)
     need = {b: replays[b, False].max_layer_keys for b in batch_sizes}
     result["min_capacity"] = {str(b): n for b, n in need.items()}
     smallest = min(batch_sizes)
@@ -210,11 +227,8 @@ def compare_caches(
         replay = replays[b, prefetch]
         kwargs = {"mrs": {"top_k": fp.top_k}, "belady": {"future": replay.future()},
                   "static": {"frequencies": frequencies}}.get(policy, {})
-        try:
-            sim = simulate(replay, n, make_policy(policy, **kwargs), horizon=horizon if prefetch else None,
-                           transfer_per_step=transfer_per_step if prefetch else None, timing=timing)
-        except CacheCapacityError as exc:  # reach the user through the CLI's error handling
-            raise CapacityError(str(exc)) from exc
+        sim = simulate(replay, n, make_policy(policy, **kwargs), horizon=horizon if prefetch else None,
+                       transfer_per_step=transfer_per_step if prefetch else None, timing=timing)
         record = {"policy": policy, "capacity": n, "capacity_fraction": n / total, "capacity_given": capacity_value(given),
                   "batch_size": b, "prefetch": prefetch, "hit_rate": sim.hit_rate, "stall_rate": sim.stall_rate}
         result["runs"].append({**record, **{k: v for k, v in sim.to_dict().items() if k not in record},

@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
+from experiments.predictor_scores import forecast_scores
 from predictor.artifact import load_predictor
 from predictor.base import ExpertPredictor
 from predictor.baselines import TIE_BREAK, TokenTablePredictor, expert_counts, normalise
@@ -54,7 +54,6 @@ from prescient.traces import Trace, load_trace
 
 log = logging.getLogger(__name__)
 
-SEQUENCE_BATCH = 16  # equal-length sequences run through the hash function at once
 TRAINING_FREE = ("token", "freq", "recency", "recency-decay")  # the issue's training-free forecasters
 DECAY_GRID = (0.25, 0.5, 0.75, 0.9, 0.95, 1.0)  # recency-decay's choices, fit on the training trace
 TARGET_MARGIN = 0.10  # recall@2k at h = 1: SiDA's forecasts over the best training-free forecaster
@@ -71,22 +70,6 @@ def future_rows(trace: Trace, h: int) -> tuple[torch.Tensor, torch.Tensor]:
     seq = trace["seq_id"]
     source = torch.nonzero(seq[:-h] == seq[h:]).flatten()
     return source, source + h
-
-
-def sida_forecasts(pred: ExpertPredictor, trace: Trace, horizon: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The hash function over each traced sequence from its first token: scores [N, L, E] of
-    each token and its forecasts [N, horizon, L, E] of the tokens after it."""
-    fp = trace.fingerprint
-    current = torch.empty(len(trace), fp.n_moe_layers, fp.n_experts)
-    ahead = torch.empty(len(trace), horizon, fp.n_moe_layers, fp.n_experts)
-    by_length: dict[int, list[torch.Tensor]] = {}
-    for rows in trace.sequences():
-        by_length.setdefault(len(rows), []).append(rows)
-    batches = [torch.stack(group[i:i + SEQUENCE_BATCH])
-               for group in by_length.values() for i in range(0, len(group), SEQUENCE_BATCH)]
-    for rows in tqdm(batches, desc="sida forecasts", unit="batch", leave=False):
-        current[rows], ahead[rows] = pred.predict_with_forecasts(trace["token_id"][rows], horizon)
-    return current, ahead
 
 
 def recency_scores(trace: Trace, decay: float, tie_break: torch.Tensor) -> torch.Tensor:
@@ -145,7 +128,7 @@ def forecasters(trace: Trace, fit: Trace, sida: ExpertPredictor | None, horizon:
     decayed = recency_scores(trace, decay, tie_break)
     out: dict[str, tuple[Scores, dict[str, Any]]] = {}
     if sida is not None:
-        current, ahead = sida_forecasts(sida, trace, horizon)
+        current, ahead = forecast_scores(sida, trace, horizon)
         out["sida"] = (lambda h: ahead[:, h - 1], {"sees": "tokens up to t; forecast heads for t+h"})
         out["sida-current"] = (lambda h: current, {"sees": "tokens up to t; the guess for token t itself"})
     out["token"] = (lambda h: token, {"sees": "token t; the token table fit on the training trace"})

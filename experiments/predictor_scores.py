@@ -48,6 +48,17 @@ def sequence_scores(pred: ExpertPredictor, trace: Trace, desc: str) -> torch.Ten
     return out
 
 
+def forecast_scores(pred: ExpertPredictor, trace: Trace, horizon: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A predictor with forecast heads over each traced sequence from its first token: scores
+    [N, L, E] of each token and its forecasts [N, horizon, L, E] of the tokens after it."""
+    fp = trace.fingerprint
+    current = torch.empty(len(trace), fp.n_moe_layers, fp.n_experts)
+    ahead = torch.empty(len(trace), horizon, fp.n_moe_layers, fp.n_experts)
+    for rows in tqdm(_equal_length_batches(trace), desc="forecasts", unit="batch", leave=False):
+        current[rows], ahead[rows] = pred.predict_with_forecasts(trace["token_id"][rows], horizon)
+    return current, ahead
+
+
 def stepwise_scores(pred: ExpertPredictor, trace: Trace) -> torch.Tensor:
     """Decode every traced sequence token by token (`start`/`step`): each token is seen once."""
     fp = trace.fingerprint

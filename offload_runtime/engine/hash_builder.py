@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from predictor.forecast import chance_of_use
 from prescient.errors import PrescientError
 
 log = logging.getLogger(__name__)
@@ -48,13 +49,15 @@ class HashTable:
     step: int  # forward number it belongs to
     scores: torch.Tensor  # [L, E]: predicted scores summed over the forward's (unpadded) tokens
     tokens: int  # how many tokens were summed
+    chances: torch.Tensor | None = None  # [L, E] chance of use soon after the forward's last token (learned eviction)
 
 
 class HashBuilder:
     """Owns the predictor's decode state; only its thread touches the predictor."""
 
-    def __init__(self, predictor: Any, keep: int = 4, join_timeout: float = 10.0) -> None:
+    def __init__(self, predictor: Any, keep: int = 4, join_timeout: float = 10.0, forecasts: bool = False) -> None:
         self.predictor = predictor
+        self.forecasts = forecasts  # tables also carry chances of use from the forecast heads
         self.keep = keep  # tables kept for polling: the newest `keep` forwards
         self.join_timeout = join_timeout
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -108,7 +111,7 @@ class HashBuilder:
 
     @torch.inference_mode()
     def _predict(self, input_ids: torch.Tensor, new_sequence: bool, mask: torch.Tensor | None,
-                 stream: int) -> tuple[torch.Tensor, int]:
+                 stream: int) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         if new_sequence or stream not in self._states:
             self._states[stream] = self.predictor.start(input_ids.shape[0])
         state = self._states[stream]
@@ -122,13 +125,13 @@ class HashBuilder:
             summed = step_scores.sum(0)
             scores = summed if scores is None else scores + summed
         tokens = int(mask.sum()) if mask is not None else input_ids.numel()
-        return scores, tokens
+        return scores, tokens, self._chances(state, step_scores)
 
     @torch.inference_mode()
     def _predict_rows(self, input_ids: torch.Tensor, mask: torch.Tensor | None, stream: int,
-                      rows: list[Hashable]) -> tuple[torch.Tensor, int]:
+                      rows: list[Hashable]) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         """Each row with its own sequence's batch-1 state, over the row's real tokens only."""
-        scores, tokens = None, 0
+        scores, tokens, chances = None, 0, None
         for row, sequence in enumerate(rows):
             key = (stream, sequence)
             if key not in self._states:
@@ -137,12 +140,22 @@ class HashBuilder:
             real = range(input_ids.shape[1]) if mask is None else \
                 mask[row, -input_ids.shape[1]:].nonzero().flatten().tolist()
             for position in real:
-                step_scores = self.predictor.step(state, input_ids[row:row + 1, position]).float().sum(0)
-                scores = step_scores if scores is None else scores + step_scores
+                step_scores = self.predictor.step(state, input_ids[row:row + 1, position]).float()
+                scores = step_scores.sum(0) if scores is None else scores + step_scores.sum(0)
                 tokens += 1
+            if real:
+                row_chances = self._chances(state, step_scores)
+                chances = row_chances if chances is None else torch.maximum(chances, row_chances)
         if scores is None:  # no real token at all
             scores = torch.zeros(self.predictor.n_layers, self.predictor.n_experts)
-        return scores, tokens
+        return scores, tokens, chances
+
+    def _chances(self, state: Any, last_scores: torch.Tensor) -> torch.Tensor | None:
+        """[L, E] chance of use soon after the state's last token, the largest over its rows."""
+        if not self.forecasts:
+            return None
+        forecasts = self.predictor.forecast(state).float()  # [B, H, L, E]
+        return chance_of_use(last_scores, forecasts, self.predictor.meta.fingerprint.top_k).amax(0)
 
     def _run(self) -> None:
         while True:
@@ -156,13 +169,13 @@ class HashBuilder:
             step, input_ids, new_sequence, mask, stream, rows = request
             try:
                 if rows is None:
-                    scores, tokens = self._predict(input_ids, new_sequence, mask, stream)
+                    scores, tokens, chances = self._predict(input_ids, new_sequence, mask, stream)
                 else:
-                    scores, tokens = self._predict_rows(input_ids, mask, stream, rows)
+                    scores, tokens, chances = self._predict_rows(input_ids, mask, stream, rows)
             except BaseException as exc:  # raised in the inference thread by submit() / poll()
                 log.error("hash-building thread failed at forward %d: %r", step, exc)
                 self._error = exc
                 return
             with self._lock:
                 self._tables = {s: t for s, t in self._tables.items() if s > step - self.keep}
-                self._tables[step] = HashTable(step, scores, tokens)
+                self._tables[step] = HashTable(step, scores, tokens, chances)

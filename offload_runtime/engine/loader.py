@@ -12,9 +12,10 @@ from offload_runtime.engine.runtime import OffloadRuntime
 from offload_runtime.engine.slots import SlotPool
 from offload_runtime.engine.store import ExpertStore
 from predictor.artifact import check_tracing_convention, load_predictor
-from predictor.base import ExpertPredictor
+from predictor.base import ExpertPredictor, PredictorError
 from prescient.arch import is_encoder_decoder
 from prescient.budget import Budget
+from prescient.devices import check_device
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_without_experts
 
@@ -36,6 +37,7 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
     `generate(...)` works as usual. `model.offload_runtime` holds the runtime: `stats()`, and
     `close()`, which stops its threads; or run the model inside `with model.offload_runtime:`.
     """
+    check_device(device)
     model, layers = load_without_experts(model_dir, dtype=torch.float32)  # experts stay on disk
     eviction = make_serving_policy(policy, layers[0].top_k)  # a bad name fails before any expert is read
     fingerprint = fingerprint_model(model, layers)
@@ -45,6 +47,8 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
         predictor = load_predictor(predictor, fingerprint=fingerprint)
     if predictor is not None:
         check_tracing_convention(predictor.meta, is_encoder_decoder(model))
+    if eviction.uses_forecasts:
+        require_forecasts(predictor, policy)
     expert_store = ExpertStore(model_dir, model, layers, mode=store, drop_page_cache=drop_page_cache)
     try:
         pool = SlotPool.for_budget(expert_store.specs, layers[0].num_experts, layers[0].top_k, budget, device)
@@ -62,3 +66,11 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
     log.info("offloaded %d MoE layers: %d of %d experts fit the budget (%.1f MiB of slots)", len(layers),
              pool.num_slots, len(layers) * layers[0].num_experts, pool.nbytes / 2**20)
     return model
+
+
+def require_forecasts(predictor: ExpertPredictor | None, policy: str) -> None:
+    """A policy that ranks experts by forecasts needs a predictor with forecast heads."""
+    if predictor is None:
+        raise PredictorError(f"cache policy {policy!r} ranks experts by a predictor's forecasts: pass a predictor "
+                             "with forecast heads (train one with `prescient train ... --model.horizon 2`)")
+    predictor.require_horizon(1)  # no heads: a ForecastHorizonError saying what to train

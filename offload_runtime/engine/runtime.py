@@ -112,7 +112,7 @@ class OffloadRuntime:
         if getattr(self.policy, "uses_scores", False):
             self._handles += [layer.router.register_forward_hook(self._router_scores(layer)) for layer in layers]
         self.engine = TransferEngine(store, pool, workers=transfer_workers)
-        self.builder = HashBuilder(predictor) if predictor is not None else None
+        self.builder = HashBuilder(predictor, forecasts=policy.uses_forecasts) if predictor is not None else None
 
     @property
     def step(self) -> int:
@@ -254,6 +254,8 @@ class OffloadRuntime:
                 return
             if table is not None:
                 self._wanted = self._predicted_keys(table)
+                if table.chances is not None:  # learned eviction: keep what is predicted soonest
+                    self.cache.on_forecast(table.chances.numpy())
         if not self._table_counted:
             self._table_counted = True
             if self._wanted is None:

@@ -158,7 +158,7 @@ def test_per_layer_partitions_do_not_evict_each_other():
 
 
 def test_registry_names_and_unknown_name():
-    assert set(POLICIES) == {"lru", "lfu", "fifo", "mrs", "belady", "static"}
+    assert set(POLICIES) == {"lru", "lfu", "fifo", "mrs", "belady", "static", "learned", "learned-belady"}
     assert isinstance(make_policy("LRU"), LRU)
     with pytest.raises(UnknownPolicyError) as err:
         make_policy("arc")
