@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-DISCOUNT = 0.7  # γ: the weight of token t+h relative to t+h-1
+DISCOUNT = 0.85  # γ: the weight of token t+h relative to t+h-1 (best of 0.7, 0.85, 0.95 in a simulator sweep)
 
 
 def chance_of_use(current: torch.Tensor, forecasts: torch.Tensor | None, top_k: int,
