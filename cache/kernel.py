@@ -89,6 +89,8 @@ def load(st, keys, demand, inserted, evicted):
                     failed = i
                     break
                 continue
+            if not demand and st.params[KIND] == LEARNED and st.outside[key] <= st.rank[out] % MARKED:
+                continue  # cost-aware: a prefetch displaces only an expert predicted less likely
             _evict(st, out)
             evicted[n_evicted] = out
             n_evicted += 1

@@ -8,7 +8,7 @@ import argparse
 from cli.args import add_results_args, budgets, names, positive_int, positive_ints
 from predictor.registry import NAMES_HELP
 
-POLICIES_HELP = "lru, lfu, fifo, mrs, static, belady"
+POLICIES_HELP = "lru, lfu, fifo, mrs, static, belady, learned (needs a --predictor with forecast heads), learned-belady"
 
 
 def horizon(text: str) -> int | None:
@@ -30,6 +30,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="prefetch this many layers ahead, or 'all' (at the token's start)")
     p.add_argument("--transfer-per-step", type=int, default=None,
                    help="experts the link moves per layer compute (default: transfers are instant)")
+    p.add_argument("--timing", metavar="BENCH.json|PROFILE.json",
+                   help="time-true link: calibrated from a `prescient bench` JSON, or a `prescient profile-hw` JSON "
+                        "or preset with --model-config (default: count-only)")
+    p.add_argument("--model-config", help="the model's config.json or directory, for --timing PROFILE")
     p.add_argument("--prefetch-k", type=positive_int, default=None,
                    help="predicted experts prefetched per row and layer (default: the model's top-k)")
     add_results_args(p, plot="PNG of hit and stall rates against capacity")
@@ -40,7 +44,18 @@ def run(args: argparse.Namespace) -> None:
     from experiments.compare_caches import compare_caches, format_table, plot_compare_caches
     from prescient.atomic import write_results
 
+    calibration = None
+    if args.timing:
+        from experiments.timing_calibration import load_timing
+        from prescient.traces import read_manifest
+
+        manifest = read_manifest(args.trace)  # None: compare_caches names the missing trace
+        calibration = load_timing(args.timing, model_config=args.model_config,
+                                  fingerprint=manifest.fingerprint if manifest else None)
     result = compare_caches(args.trace, args.policies, args.capacity, args.batch_size, args.predictor,
-                            args.train_trace, args.horizon, args.transfer_per_step, args.prefetch_k)
+                            args.train_trace, args.horizon, args.transfer_per_step, args.prefetch_k,
+                            timing=calibration and calibration.timing)
+    if calibration is not None:
+        result["timing_calibration"] = calibration.to_dict()
     print(format_table(result))
     write_results(result, args.json, args.plot, plot_compare_caches)

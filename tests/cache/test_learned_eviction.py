@@ -113,3 +113,13 @@ def test_learned_eviction_needs_forecasts(trace):
         simulate(replay, 24, make_policy("learned"))
     with pytest.raises(ValueError, match=r"in \[0, 1\]"):
         Replay.build(trace["topk_ids"], trace["seq_id"], forecast_chances=np.full((800, 4, 16), 2.0), n_experts=16)
+
+
+def test_a_prefetch_displaces_only_an_expert_predicted_less_likely():
+    cache = ExpertCache(2, make_policy("learned-belady"))
+    cache.on_forecast(chances(a=0.9, b=0.6, c=0.5, d=0.95))
+    cache.access(A)
+    cache.access(B)
+    assert cache.prefetch_many([C]) == []  # C (0.5) is less likely than either resident expert
+    assert cache.prefetch_many([D]) == [D]  # D (0.95) displaces B (0.6)
+    assert cache.resident() == {A, D}
