@@ -2,7 +2,7 @@
 
 from prescient.errors import CapacityError, PrescientError
 
-__all__ = ["CacheError", "CacheFullError", "CapacityError", "PolicyError", "UnknownPolicyError"]
+__all__ = ["CacheError", "CacheFullError", "CapacityError", "PolicyError", "ReplayInputError", "UnknownPolicyError"]
 
 
 class CacheError(PrescientError):
@@ -20,3 +20,8 @@ class UnknownPolicyError(CacheError, ValueError):
 class PolicyError(CacheError):
     """A policy is misused: shared by two caches, fed accesses it was not built for, or asked to
     serve when it needs what only a trace knows."""
+
+
+class ReplayInputError(CacheError, ValueError):
+    """A trace's arrays cannot be replayed: expert ids out of range, scores that are not finite,
+    or shapes that disagree."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cache import kernel, state
+from cache import checks, kernel, state
 from cache import replay as loops
 from cache.errors import CacheError, CacheFullError, CapacityError
 from cache.policy import EvictionPolicy, Key
@@ -73,6 +73,7 @@ class ExpertCache:
         self.policy = policy
         self.per_layer = per_layer
         self.n_layers = n_layers
+        self.n_experts = n_experts
         self.top_k = top_k
         self.on_evict = on_evict
         self._lock = threading.RLock()
@@ -103,11 +104,12 @@ class ExpertCache:
                 return (layers * self._stride + experts).astype(np.int64)
         ids = self._ids
         if not isinstance(keys, np.ndarray):
+            keys = list(keys)
             try:
                 return np.array([ids[key] for key in keys], dtype=np.int64)
             except (KeyError, TypeError):
                 pass
-        pairs = np.asarray(keys if isinstance(keys, np.ndarray) else list(keys), dtype=np.int64).reshape(-1, 2)
+        pairs = checks.key_pairs(keys, self.n_layers, self.n_experts)
         with self._lock:
             return np.array([ids[key] if key in ids else self._number(key) for key in map(tuple, pairs.tolist())],
                             dtype=np.int64)
@@ -241,7 +243,9 @@ class ExpertCache:
         `predictor.forecast.chance_of_use`), for every key of every layer."""
         if not self.policy.uses_forecasts:
             return
-        chances = np.asarray(chances, dtype=np.float64)
+        chances = checks.chances(np.asarray(chances, dtype=np.float64))
+        if chances.ndim != 2:
+            raise CacheError(f"forecast chances must be [layers, experts], got shape {list(chances.shape)}")
         with self._lock:
             ids = self.key_ids([(layer, e) for layer in range(chances.shape[0]) for e in range(chances.shape[1])])
             on_forecast(self.state.struct, ids, chances.ravel())
@@ -253,8 +257,9 @@ class ExpertCache:
             return
         items = list(scores.items()) if isinstance(scores, Mapping) else list(enumerate(scores))
         with self._lock:
+            self.key_ids([(layer, 0)])  # checks the layer; the cache's arrays then cover it
             ids = self.key_ids([(layer, e) for e, _ in items])
-            values = np.array([s for _, s in items], dtype=np.float64)
+            values = checks.scores(np.array([s for _, s in items], dtype=np.float64))
             on_router_scores(self.state.struct, layer, ids, values)
 
     # -- whole replays (the simulator) ---------------------------------------------------------
@@ -271,6 +276,7 @@ class ExpertCache:
         `forecasts` (key ids, chances of use, offsets per token-step) reach the policy as each
         token-step starts. The same as the per-call API driven step by step. Returns the late
         prefetches."""
+        self._check_replay_args(n_layers, keys, offsets, scores, predicted, ahead, forecasts)
         score_arrays, inserted, evicted = self._replay_buffers(offsets, scores, predicted)
         fc_arrays = _forecast_arrays(forecasts)
         with self._lock:
@@ -293,6 +299,8 @@ class ExpertCache:
         in, each expert's copy takes `transfer_s` on one link, demand loads ahead of prefetches
         (see `cache.simulator`). The cache's decisions are those of `replay`. Returns (late
         prefetches, clock [simulated s, link idle at, stall s], loads [demand, prefetch, wasted])."""
+        self._check_replay_args(n_layers, keys, offsets, scores, predicted, ahead, forecasts)
+        checks.durations(compute_s=compute_s, transfer_s=transfer_s)
         score_arrays, inserted, evicted = self._replay_buffers(offsets, scores, predicted)
         predicted_keys, predicted_offsets = predicted if predicted is not None else (
             np.zeros(0, np.int64), np.zeros(1, np.int64))
@@ -304,6 +312,17 @@ class ExpertCache:
                 predicted_offsets, ahead, float(compute_s), float(transfer_s), inserted, evicted, clock, transfers)
             self._check_replay(keys, off)
             return int(late), clock, transfers
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check_replay_args(self, n_layers: int, keys: np.ndarray, offsets: np.ndarray,
+                           scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+                           predicted: tuple[np.ndarray, np.ndarray] | None, ahead: int,
+                           forecasts: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> None:
+        """A replay's arguments, checked so that the kernels stay inside their arrays."""
+        with self._lock:
+            checks.replay_arrays(n_layers, len(self.state.scale), len(self._keys), keys, offsets, scores,
+                                 predicted, ahead, forecasts)
 
     # -- internals (lock held) ---------------------------------------------------------------
 

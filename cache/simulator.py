@@ -40,7 +40,7 @@ from functools import cached_property
 
 import numpy as np
 
-from cache.errors import CapacityError
+from cache.errors import CapacityError, ReplayInputError
 from cache.expert_cache import ExpertCache
 from cache.policy import EvictionPolicy
 from cache.replay import DEMAND, NOW, PREFETCH, STALL, WASTED_LOADS
@@ -134,10 +134,10 @@ class Replay:
         largest over its batch."""
         topk_ids = np.asarray(topk_ids)
         if topk_ids.ndim != 3:
-            raise ValueError(f"topk_ids must be [N, L, k], got shape {topk_ids.shape}")
+            raise ReplayInputError(f"topk_ids must be [N, L, k], got shape {topk_ids.shape}")
         n, n_layers, top_k = topk_ids.shape
         if n and topk_ids.min() < 0:
-            raise ValueError("topk_ids holds negative expert ids: drop padding rows before replaying")
+            raise ReplayInputError("topk_ids holds negative expert ids: drop padding rows before replaying")
         if n_experts is None:
             highs = [topk_ids.max(initial=-1)]
             if topt_ids is not None:
@@ -145,10 +145,11 @@ class Replay:
             n_experts = int(max(highs)) + 1
             if predicted_scores is not None:
                 n_experts = max(n_experts, np.asarray(predicted_scores).shape[2])
+        _check_inputs(topk_ids, topt_ids, topt_logits, predicted_scores, n_experts)
         if len(seq_id) != n:
-            raise ValueError(f"seq_id has {len(seq_id)} rows, topk_ids {n}")
+            raise ReplayInputError(f"seq_id has {len(seq_id)} rows, topk_ids {n}")
         if (topt_ids is None) != (topt_logits is None):
-            raise ValueError("give both topt_ids and topt_logits, or neither")
+            raise ReplayInputError("give both topt_ids and topt_logits, or neither")
         rows = batch_rows(np.asarray(seq_id), batch_size)
         keys, offsets = _union_keys(topk_ids, rows, n_experts)
         scores = None
@@ -162,6 +163,39 @@ class Replay:
         if forecast_chances is not None:
             forecasts = _forecast_steps(np.asarray(forecast_chances), rows, n_experts)
         return cls(n_layers, n_experts, top_k, batch_size, keys, offsets, scores, predicted, score_top, n, forecasts)
+
+
+def _check_inputs(topk_ids: np.ndarray, topt_ids: np.ndarray | None, topt_logits: np.ndarray | None,
+                  predicted_scores: np.ndarray | None, n_experts: int) -> None:
+    """Expert ids in 0..n_experts-1 and finite scores of the shapes `Replay.build` names: the
+    compiled replay would index outside its arrays, or rank by NaN, otherwise."""
+    n, n_layers, _ = topk_ids.shape
+    _check_ids("topk_ids", topk_ids, n_experts)
+    if topt_ids is not None and topt_logits is not None:
+        topt_ids, topt_logits = np.asarray(topt_ids), np.asarray(topt_logits)
+        if topt_ids.shape != topt_logits.shape or topt_ids.ndim != 3 or topt_ids.shape[:2] != (n, n_layers):
+            raise ReplayInputError(f"topt_ids {list(topt_ids.shape)} and topt_logits {list(topt_logits.shape)} "
+                                   f"must both be [{n}, {n_layers}, T]")
+        _check_ids("topt_ids", topt_ids, n_experts)
+        _check_finite("topt_logits", topt_logits)
+    if predicted_scores is not None:
+        predicted_scores = np.asarray(predicted_scores)
+        if predicted_scores.shape != (n, n_layers, n_experts):
+            raise ReplayInputError(f"predicted_scores has shape {list(predicted_scores.shape)}, expected "
+                                   f"{[n, n_layers, n_experts]}")
+        _check_finite("predicted_scores", predicted_scores)
+
+
+def _check_ids(name: str, ids: np.ndarray, n_experts: int) -> None:
+    outside = (ids < 0) | (ids >= n_experts)
+    if outside.any():
+        raise ReplayInputError(f"{name} holds expert id {ids[outside][0]}, outside 0..{n_experts - 1}; the trace "
+                               "is damaged or from another model")
+
+
+def _check_finite(name: str, scores: np.ndarray) -> None:
+    if not np.isfinite(scores).all():
+        raise ReplayInputError(f"{name} holds {scores[~np.isfinite(scores)][0]}; scores must be finite")
 
 
 def batch_rows(seq_id: np.ndarray, batch_size: int) -> np.ndarray:

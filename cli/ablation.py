@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import names, positive_int
+from cli.args import names, output_file, positive_int
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("ablation", help="SiDA loss-variant ablation on a trace (JSON)")
     p.add_argument("trace", help="training trace")
-    p.add_argument("out", help="JSON file to write")
+    p.add_argument("out", type=output_file, help="JSON file to write")
     p.add_argument("--model", help="the traced model (default: the one the trace manifest records)")
     p.add_argument("--val-trace", help="validation trace (default: 10%% of the training trace's sequences)")
     p.add_argument("--variants", type=names, help="loss variants to run (default: all)")

@@ -5,20 +5,64 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import TypeVar
+from pathlib import Path
+from typing import NoReturn, TypeVar
 
+from prescient.atomic import check_folder, resolve_output
 from prescient.budget import Budget
+from prescient.devices import check_device
 from prescient.errors import PrescientError
 
 T = TypeVar("T")
 
 
-def budget(text: str) -> Budget:
-    """`--budget 0.5` / `50%` / `12slots` / `3GiB` (see `prescient.budget`)."""
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line: what is wrong, and where help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+def _checked(check: Callable[[str], T], text: str) -> T:
+    """Run a library check as part of an argparse type: its error becomes the argument's."""
     try:
-        return Budget.parse(text)
+        return check(text)
     except PrescientError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def budget(text: str) -> Budget:
+    """`--budget 0.5` / `50%` / `12slots` / `3GiB` (see `prescient.budget`)."""
+    return _checked(Budget.parse, text)
+
+
+def output_file(text: str) -> str:
+    """A file to write results to: refused before any work when it is a directory, a FIFO or
+    in a folder that cannot be written (see `prescient.atomic.resolve_output`)."""
+    _checked(resolve_output, text)
+    return text
+
+
+def output_dir(text: str) -> str:
+    """A folder to write into: refused when it names an existing file."""
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder; name a folder to write into")
+    _checked(lambda path: check_folder(Path(path), Path(path)), text)
+    return text
+
+
+def device(text: str) -> str:
+    """`cpu`, `cuda` or `cuda:N`, present on this machine."""
+    _checked(check_device, text)
+    return text
+
+
+def serving_policy(text: str) -> str:
+    """A cache policy the runtime can serve with (lru, lfu, fifo, mrs)."""
+    from cache import make_serving_policy
+
+    _checked(lambda name: make_serving_policy(name, top_k=1), text)
+    return text.lower()
 
 
 def positive_int(text: str) -> int:
@@ -62,6 +106,6 @@ def predictor_specs(text: str) -> dict[str, str | None]:
 def add_results_args(parser: argparse.ArgumentParser, what: str = "results file", plot: str | None = "PNG of the results"
                      ) -> None:
     """`--json OUT` (required) and, unless `plot` is None, `--plot OUT.png`: an experiment's outputs."""
-    parser.add_argument("--json", required=True, metavar="OUT", help=what)
+    parser.add_argument("--json", required=True, type=output_file, metavar="OUT", help=what)
     if plot is not None:
-        parser.add_argument("--plot", metavar="OUT.png", help=plot)
+        parser.add_argument("--plot", type=output_file, metavar="OUT.png", help=plot)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import positive_int, positive_ints, predictor_specs
+from cli.args import output_file, positive_int, positive_ints, predictor_specs
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -29,8 +29,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-queue", type=positive_int, default=64, help="the server's --max-queue")
     p.add_argument("--threads", type=positive_int, default=1, help="the server's torch threads")
     p.add_argument("--drop-page-cache", action="store_true", help="the server reads experts past the page cache")
-    p.add_argument("--json", required=True, metavar="OUT")
-    p.add_argument("--plot", default=None, metavar="OUT.png")
+    p.add_argument("--json", type=output_file, required=True, metavar="OUT")
+    p.add_argument("--plot", type=output_file, default=None, metavar="OUT.png")
     return p
 
 

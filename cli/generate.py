@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from cli.args import budget, positive_int
+from cli.args import budget, device, output_file, positive_int, serving_policy
 
 log = logging.getLogger(__name__)
 
@@ -15,16 +15,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser("generate", help="generate text with experts offloaded (greedy), print runtime stats")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--predictor", default=None, help="predictor artifact (NAME, NAME.json or NAME.safetensors)")
-    p.add_argument("--policy", default="lru", help="cache policy: lru, lfu, fifo, mrs")
+    p.add_argument("--policy", type=serving_policy, default="lru", help="cache policy: lru, lfu, fifo, mrs")
     p.add_argument("--budget", type=budget, default="0.5",
                    help="expert memory: a fraction of all experts (0.5 or 50%%), slots (12slots) or bytes (512MiB)")
     p.add_argument("--store", choices=("disk", "host"), default="disk", help="where the experts live")
     p.add_argument("--drop-page-cache", action="store_true", help="disk store: drop read pages from the page cache")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=device, default="cpu")
     p.add_argument("--transfer-workers", type=positive_int, default=1, help="expert copies that run at once")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
-    p.add_argument("--json", default=None, metavar="OUT", help="write ids, text, stats and settings here")
+    p.add_argument("--json", type=output_file, default=None, metavar="OUT",
+                   help="write ids, text, stats and settings here")
     return p
 
 

@@ -11,6 +11,7 @@ import importlib
 import logging
 import sys
 
+from cli.args import Parser
 from prescient.errors import PrescientError
 
 log = logging.getLogger("prescient")
@@ -40,7 +41,7 @@ COMMANDS = {
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
     """The parser of every command, and each command's module."""
-    parser = argparse.ArgumentParser(prog="prescient", description=__doc__.splitlines()[0])
+    parser = Parser(prog="prescient", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     modules = {}
     for name, module_name in COMMANDS.items():
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run_command(list(sys.argv[1:] if argv is None else argv))
     except PrescientError as exc:
-        log.error("error: %s", exc)
+        log.error("error: %s", " ".join(str(exc).split()))  # one line, whatever the message holds
         raise SystemExit(2) from None
     except KeyboardInterrupt:
         log.error("interrupted")

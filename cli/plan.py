@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import positive_int
+from cli.args import output_file, positive_int
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -22,7 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-micro-batch", type=positive_int, default=256, help="largest micro-batch μ searched")
     p.add_argument("--rw-step", type=float, default=0.01, help="grid step of r_w")
     p.add_argument("--rc-step", type=float, default=0.1, help="grid step of r_c")
-    p.add_argument("--json", default=None, metavar="OUT", help="write the plan here")
+    p.add_argument("--json", type=output_file, default=None, metavar="OUT", help="write the plan here")
     return p
 
 

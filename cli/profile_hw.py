@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from cli.args import positive_int
+from cli.args import output_file, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -16,7 +16,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser("profile-hw", help="measure this machine as a hardware profile for `prescient plan`")
     p.add_argument("--dir", default=None, help="where to write the temporary disk probe file (default: temp dir)")
     p.add_argument("--disk-mib", type=positive_int, default=256, help="size of the disk probe file")
-    p.add_argument("--json", default=None, metavar="OUT", help="write the profile here")
+    p.add_argument("--json", type=output_file, default=None, metavar="OUT", help="write the profile here")
     return p
 
 

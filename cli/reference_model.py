@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from cli.args import output_dir
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("reference-model", help="build the project's reference MoE (tiny or bench)")
     p.add_argument("--size", choices=("tiny", "bench"), default="tiny")
-    p.add_argument("--out", default=None, help="model directory (default: runs/reference-SIZE)")
+    p.add_argument("--out", type=output_dir, default=None, help="model directory (default: runs/reference-SIZE)")
     return p
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import budget, positive_int
+from cli.args import budget, device, positive_int
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -28,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C")
     p.add_argument("--store", choices=("disk", "host"), default="disk", help="where the experts live")
     p.add_argument("--drop-page-cache", action="store_true", help="disk store: drop read pages from the page cache")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=device, default="cpu")
     p.add_argument("--transfer-workers", type=positive_int, default=1, help="expert copies that run at once")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))

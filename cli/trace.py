@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import positive_int
+from cli.args import output_dir, positive_int
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -17,7 +17,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--text-field", default="text")
     p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per traced window")
     p.add_argument("--batch-size", type=positive_int, default=16)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", type=output_dir, required=True, help="trace folder (a new one, or one to resume)")
     return p
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from prescient.atomic import write_atomic
+
 
 def plot_bench_batch(result: dict[str, Any], path: str) -> None:
     import matplotlib
@@ -29,5 +31,5 @@ def plot_bench_batch(result: dict[str, Any], path: str) -> None:
     scatter.set_ylabel("measured tokens/s")
     scatter.set_title(f"HRM vs CGOPipe: Spearman {result['spearman']:.2f}, planner gap {result['planner_gap']:.1%}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
     plt.close(fig)

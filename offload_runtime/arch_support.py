@@ -38,6 +38,9 @@ class Support:
     family: str  # config.model_type
     status: str  # "exact", "refused", "different" or "error"
     detail: str = ""  # the refusal's reason, the failure; for exact ones the MoE layout that was served
+    # filled by `experiments.arch_pipeline` (`prescient archs --pipeline`), for exact families only:
+    pipeline: str = ""  # trace, train a SiDA hash function, evaluate it, serve with it: "ok (...)" or what failed
+    cgopipe: str = ""  # CGOPipe batch decoding: "exact", "refused: <reason>" or "failed: ..."
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,13 +65,26 @@ def greedy(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def layout(model) -> str:
-    """A short description of the MoE layers: count, experts, top-k, dense layers."""
+    """A short description of the MoE layers: how many of the layers, experts, top-k, how experts are called."""
     layers = find_moe_layers(model)
     experts = sorted({layer.num_experts for layer in layers})
     top_k = sorted({layer.top_k for layer in layers})
     kinds = sorted({layer.adapter.name for layer in layers})
-    return (f"{len(layers)} MoE layers, {'/'.join(map(str, experts))} experts, top-{'/'.join(map(str, top_k))}, "
-            f"{'+'.join(kinds)}")
+    total = _decoder_layers(model)
+    moe = f"{len(layers)} of {total} layers MoE" if total > len(layers) else _count(len(layers), "MoE layer")
+    return f"{moe}, {'/'.join(map(str, experts))} experts, top-{'/'.join(map(str, top_k))}, {'+'.join(kinds)}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _decoder_layers(model) -> int:
+    """The number of decoder (and encoder) layers the config declares; 0 if it names none."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "is_encoder_decoder", False):
+        return getattr(config, "num_layers", 0) + getattr(config, "num_decoder_layers", 0)
+    return getattr(config, "num_hidden_layers", 0) or 0
 
 
 def check_family(family: Family, workdir: Path) -> Support:
@@ -104,10 +120,33 @@ def support_table(families: list[str] | None = None, workdir: str | Path | None 
         return [check_family(family, Path(tmp)) for family in chosen]
 
 
+def _tally(values: list[str]) -> str:
+    counts = sorted(((values.count(value), value) for value in dict.fromkeys(values)), key=lambda c: -c[0])
+    return ", ".join(f"{n} {value}" for n, value in counts)
+
+
+def summary(rows: list[Support]) -> str:
+    """One line: the families per runtime status (and, checked with the pipeline, per pipeline and
+    CGOPipe outcome)."""
+    line = f"{_count(len(rows), 'MoE architecture')}: {_tally([r.status for r in rows])}."
+    checked = [r for r in rows if r.pipeline]
+    if checked:
+        line += (f" Trace + SiDA training + evaluation + serving with it, of the {len(checked)} exact: "
+                 f"{_tally([r.pipeline.split(' (')[0].split(':')[0] for r in checked])}."
+                 f" CGOPipe: {_tally([r.cgopipe.split(':')[0] for r in checked])}.")
+    return line
+
+
 def markdown_table(rows: list[Support]) -> str:
-    """The support table in markdown, with a count line per status first."""
-    counts = {status: sum(r.status == status for r in rows) for status in dict.fromkeys(r.status for r in rows)}
-    summary = ", ".join(f"{n} {status}" for status, n in counts.items())
-    lines = [f"{len(rows)} MoE architectures: {summary}.", "", "| family | status | detail |", "|---|---|---|"]
-    lines += [f"| `{r.family}` | {r.status} | {r.detail.replace('|', '/')} |" for r in rows]
+    """The support table in markdown, after the summary line; pipeline and CGOPipe columns when
+    the rows carry them."""
+    def cell(text: str) -> str:
+        return text.replace("|", "/") or "—"
+
+    pipeline = any(r.pipeline for r in rows)
+    head = ["family", "offloaded generation", "detail"] + (["trace, train, evaluate, serve SiDA", "CGOPipe"] if pipeline else [])
+    lines = [summary(rows), "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [f"`{r.family}`", r.status, cell(r.detail)] + ([cell(r.pipeline), cell(r.cgopipe)] if pipeline else [])
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

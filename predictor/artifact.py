@@ -61,7 +61,18 @@ def save_predictor(pred: ExpertPredictor, path: str | Path) -> Path:
 def read_predictor_meta(path: str | Path) -> PredictorMeta:
     """The JSON half of an artifact, without loading tensors."""
     _, meta_path = artifact_paths(path)
-    return PredictorMeta.from_dict(_read_meta_json(meta_path))
+    return _parse_meta(_read_meta_json(meta_path), meta_path)
+
+
+def _parse_meta(data: dict, meta_path: Path) -> PredictorMeta:
+    try:
+        meta = PredictorMeta.from_dict(data)
+        if not isinstance(meta.kind, str):
+            raise TypeError(f"kind {meta.kind!r} is not a name")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise PredictorArtifactError(f"{meta_path} lacks a field or holds a wrong one ({type(exc).__name__}: {exc}); "
+                                     "export the predictor again") from exc
+    return meta
 
 
 def _read_meta_json(meta_path: Path) -> dict:
@@ -69,8 +80,11 @@ def _read_meta_json(meta_path: Path) -> dict:
         raise PredictorArtifactError(f"predictor artifact {meta_path} does not exist; train one with `prescient train`")
     try:
         data = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PredictorArtifactError(f"{meta_path} is not valid JSON ({exc}); export the predictor again") from exc
+    if not isinstance(data, dict):
+        raise PredictorArtifactError(f"{meta_path} holds a JSON {type(data).__name__}, not an artifact's object; "
+                                     "export the predictor again")
     if data.get("format") != FORMAT:
         raise PredictorArtifactError(f"{meta_path} has format {data.get('format')!r}; expected {FORMAT!r}")
     return data
@@ -81,10 +95,7 @@ def load_predictor(path: str | Path, fingerprint: ModelFingerprint | None = None
     another model raises `FingerprintMismatchError` naming both."""
     weights_path, meta_path = artifact_paths(path)
     data = _read_meta_json(meta_path)
-    try:
-        meta = PredictorMeta.from_dict(data)
-    except (KeyError, TypeError) as exc:
-        raise PredictorArtifactError(f"{meta_path} lacks a field ({exc}); export the predictor again") from exc
+    meta = _parse_meta(data, meta_path)
     cls = predictor_class(meta.kind)
     if fingerprint is not None:
         fingerprint.require_same(meta.fingerprint, f"predictor {meta_path}")
@@ -98,7 +109,12 @@ def load_predictor(path: str | Path, fingerprint: ModelFingerprint | None = None
         tensors: dict[str, torch.Tensor] = load_file(str(weights_path))
     except (SafetensorError, OSError) as exc:
         raise PredictorArtifactError(f"{weights_path} is corrupt ({exc}); export the predictor again") from exc
-    return cls.from_artifact(meta, tensors)
+    try:
+        return cls.from_artifact(meta, tensors)
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        reason = " ".join(str(exc).split())[:240] or type(exc).__name__  # one line
+        raise PredictorArtifactError(f"the hyper-parameters in {meta_path} do not fit the tensors in {weights_path} "
+                                     f"({reason}); export the predictor again") from exc
 
 
 def check_tracing_convention(meta: PredictorMeta, encoder_decoder: bool) -> None:

@@ -51,7 +51,9 @@ EMBEDDING_SUFFIXES = ("embed_tokens.weight", "shared.weight")
 
 def read_token_embeddings(model_dir: str | Path) -> torch.Tensor:
     """The input-embedding matrix [V, D] (float32) of a HF model directory, read from its
-    safetensors files alone (the model is not loaded)."""
+    safetensors files alone (the model is not loaded): the tensor named *embed_tokens.weight or
+    *shared.weight, else the one the model's `get_input_embeddings()` loads from (found on a
+    weightless copy of the model, `prescient.loading.input_embedding_key`)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ModelFilesError(f"{model_dir} holds no *.safetensors files; expected a Hugging Face model directory")
@@ -59,9 +61,15 @@ def read_token_embeddings(model_dir: str | Path) -> torch.Tensor:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             found += [(name, file) for name in f.keys() if name.endswith(EMBEDDING_SUFFIXES)]
+    if not found:  # another name (DBRX's transformer.wte, Nemotron-H's embeddings, ...): the model's own
+        from prescient.loading import input_embedding_key
+
+        own = input_embedding_key(model_dir)
+        found = [own] if own is not None else []
     if not found:
         raise ModelFilesError(
-            f"no tensor named *{' or *'.join(EMBEDDING_SUFFIXES)} in {model_dir}; cannot read token embeddings"
+            f"no tensor named *{' or *'.join(EMBEDDING_SUFFIXES)} in {model_dir}, nor the model's own input "
+            "embedding; cannot read token embeddings"
         )
     name, file = min(found, key=lambda item: len(item[0]))  # tied copies: the shortest name is the source
     with safe_open(str(file), framework="pt") as f:

@@ -35,3 +35,7 @@ class FingerprintMismatchError(PrescientError):
 
 class CapacityError(PrescientError, ValueError):
     """A cache capacity or memory budget is unreadable, or too small to run at all."""
+
+
+class OutputPathError(PrescientError):
+    """An output path names something that cannot be written as a file (a directory, a FIFO...)."""

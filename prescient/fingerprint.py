@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -34,7 +35,17 @@ class ModelFingerprint:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelFingerprint":
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        """Raises KeyError for a missing field, ValueError for a field of the wrong type or range."""
+        values = {k: data[k] for k in cls.__dataclass_fields__}
+        for name in ("arch", "weights_hash"):
+            if not isinstance(values[name], str) or not values[name]:
+                raise ValueError(f"fingerprint field {name} is {values[name]!r}, not a name")
+        for name in ("n_moe_layers", "n_experts", "top_k", "vocab_size"):
+            if type(values[name]) is not int or values[name] < 1:
+                raise ValueError(f"fingerprint field {name} is {values[name]!r}, not a positive whole number")
+        if values["top_k"] > values["n_experts"]:
+            raise ValueError(f"fingerprint top_k {values['top_k']} exceeds n_experts {values['n_experts']}")
+        return cls(**values)
 
     def __str__(self) -> str:
         return (
@@ -80,3 +91,12 @@ def fingerprint_model(model: nn.Module, layers: list[MoELayer] | None = None) ->
         vocab_size=int(config.get_text_config().vocab_size),
         weights_hash=digest.hexdigest()[:16],
     )
+
+
+def fingerprint_model_dir(model_dir: str | Path) -> ModelFingerprint:
+    """The fingerprint of the model saved in `model_dir` (read without its routed experts, as the
+    offloading runtime reads it)."""
+    from prescient.loading import load_without_experts
+
+    model, layers = load_without_experts(model_dir, dtype=torch.float32)
+    return fingerprint_model(model, layers)

@@ -50,9 +50,15 @@ def weight_files(model_dir: Path) -> list[Path]:
 def check_model_dir(path: Path) -> list[Path]:
     """A local model directory's weight files; clear errors for what is missing or corrupt."""
     if not path.exists():
-        raise ModelFilesError(f"model directory {path} does not exist")
+        raise ModelFilesError(f"model directory {path} does not exist; give the path of a Hugging Face model "
+                              "directory")
     if not (path / "config.json").exists():
         raise ModelFilesError(f"{path} has no config.json; expected a Hugging Face model directory")
+    try:
+        json.loads((path / "config.json").read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFilesError(f"{path / 'config.json'} is not valid JSON ({exc}); restore the model directory"
+                              ) from None
     return weight_files(path)
 
 
@@ -67,7 +73,8 @@ def load_model(model: str | Path, dtype: torch.dtype | None = None, **kwargs) ->
     if path.exists():
         check_model_dir(path)
     elif str(model).startswith((".", "/")) or path.suffix:
-        raise ModelFilesError(f"model directory {path} does not exist")
+        raise ModelFilesError(f"model directory {path} does not exist; give the path of a Hugging Face model "
+                              "directory")
     try:
         config = AutoConfig.from_pretrained(model)
     except OSError as exc:  # a hub name that cannot be fetched (no network, no such repo)
@@ -116,6 +123,28 @@ def load_without_experts(model_dir: str | Path, dtype: torch.dtype) -> tuple[Pre
     return model, layers
 
 
+def input_embedding_key(model_dir: str | Path) -> tuple[str, Path] | None:
+    """The checkpoint key and file of the model's own input-embedding matrix (what
+    `get_input_embeddings()` holds), found through transformers' own weight renaming on a
+    weightless copy of the model: `transformer.wte.weight` (DBRX), `model.embeddings.weight`
+    (Nemotron-H), `model.word_embeddings.weight` saved for `model.embed_tokens` (Bailing), ...
+    None when the directory has no config or no such tensor."""
+    path = Path(model_dir)
+    if not (path / "config.json").exists():
+        return None
+    config = AutoConfig.from_pretrained(path)
+    with init_empty_weights(include_buffers=False):
+        model = model_class(config).from_config(config)
+    weight = model.get_input_embeddings().weight
+    names = {name: weight for name, param in model.named_parameters(remove_duplicate=False) if param is weight}
+    files = {key: file for file in weight_files(path) for key in _keys(file)}
+    for checkpoint_name in sorted(revert_weight_conversion(model, names), key=len):
+        key = next((k for k in _candidates(checkpoint_name) if k in files), None)
+        if key is not None:
+            return key, files[key]
+    return None
+
+
 def _keys(file: Path) -> list[str]:
     with safe_open(str(file), framework="pt") as handle:
         return list(handle.keys())
@@ -127,7 +156,14 @@ def _candidates(key: str) -> tuple[str, ...]:
 
 
 def load_tokenizer(model: str | Path):
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    """The model's tokenizer (pad = eos when it has no pad token); `ModelFilesError` when the
+    directory holds none that loads."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as exc:
+        reason = " ".join(str(exc).split())[:240] or type(exc).__name__  # one line
+        raise ModelFilesError(f"cannot load the tokenizer of {model} ({reason}); expected tokenizer files "
+                              "(tokenizer.json, tokenizer_config.json) in the model directory") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -19,21 +19,27 @@ L runs over the MoE layers in forward order (an encoder-decoder's encoder layers
 its decoder's; see `training.tracing` for what a decoder layer's entry of a row means), and
 T = min(top_t, E).
 
-A shard is written to a temporary file and renamed, and only then listed in the manifest,
-so a shard named in the manifest is always complete. `complete` turns true at the end.
-A writer opened on an interrupted trace removes the temporaries a killed write left behind
-and continues the shard numbering after the last listed shard.
+A shard is written to a temporary file and renamed, and only then listed in the manifest
+with its SHA-256, so a shard named in the manifest is always complete. `complete` turns true at
+the end. A writer opened on an interrupted trace removes the temporaries a killed write left
+behind and continues the shard numbering after the last listed shard.
+
+`load_trace` checks what it reads (`check_shard`): the SHA-256 (traces written before it was
+recorded go without), each column's shape and dtype against the manifest, ids in range and
+finite logits; an error names the shard and the column, so damage never reaches the compiled
+cache or a result.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save
 
 from prescient.atomic import write_atomic, write_json_atomic
 from prescient.errors import TraceError
@@ -73,17 +79,33 @@ class TraceManifest:
 
     @classmethod
     def from_dict(cls, data: dict) -> "TraceManifest":
+        """Raises TraceError for another format; KeyError, TypeError or ValueError for a field
+        that is missing or wrong."""
         if data.get("format") != FORMAT:
             raise TraceError(f"unknown trace format {data.get('format')!r}; expected {FORMAT!r}")
-        return cls(
+        manifest = cls(
             fingerprint=ModelFingerprint.from_dict(data["fingerprint"]),
             dataset=data["dataset"],
             split=data["split"],
-            top_t=int(data["top_t"]),
+            top_t=data["top_t"],
             settings=data.get("settings", {}),
             shards=list(data["shards"]),
-            complete=bool(data["complete"]),
+            complete=data["complete"],
         )
+        manifest._check()
+        return manifest
+
+    def _check(self) -> None:
+        if type(self.top_t) is not int or not 1 <= self.top_t <= self.fingerprint.n_experts:
+            raise ValueError(f"top_t {self.top_t!r} is not in 1..{self.fingerprint.n_experts} (the experts per layer)")
+        if not isinstance(self.complete, bool) or not isinstance(self.settings, dict):
+            raise TypeError("complete must be true or false, settings an object")
+        for shard in self.shards:
+            name, rows, sequences = shard["file"], shard["rows"], shard["sequences"]
+            if not isinstance(name, str) or Path(name).name != name or not name.endswith(".safetensors"):
+                raise ValueError(f"shard file {name!r} is not a shard name in the trace folder")
+            if type(rows) is not int or type(sequences) is not int or rows < 0 or sequences < 0:
+                raise ValueError(f"shard {name}: rows {rows!r} and sequences {sequences!r} must be whole numbers")
 
 
 def read_manifest(trace_dir: str | Path) -> TraceManifest | None:
@@ -93,8 +115,9 @@ def read_manifest(trace_dir: str | Path) -> TraceManifest | None:
         return None
     try:
         return TraceManifest.from_dict(json.loads(path.read_text()))
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise TraceError(f"{path} is not a valid trace manifest ({exc}); delete the folder and trace again") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise TraceError(f"{path} is not a valid trace manifest ({type(exc).__name__}: {exc}); delete the folder "
+                         "and trace again") from exc
 
 
 class TraceWriter:
@@ -117,8 +140,10 @@ class TraceWriter:
             raise ValueError(f"shard lacks columns {sorted(missing)}")
         name = f"shard-{len(self.manifest.shards):05d}.safetensors"
         tensors = {k: columns[k].contiguous() for k in COLUMNS}
-        write_atomic(self.dir / name, lambda p: save_file(tensors, str(p)))
-        self.manifest.shards.append({"file": name, "rows": int(columns["token_id"].shape[0]), "sequences": sequences})
+        data = save(tensors)
+        write_atomic(self.dir / name, lambda p: p.write_bytes(data))
+        self.manifest.shards.append({"file": name, "rows": int(columns["token_id"].shape[0]), "sequences": sequences,
+                                     "sha256": _sha256(data)})
         self._save_manifest()
 
     def finish(self) -> None:
@@ -169,17 +194,68 @@ def load_trace(trace_dir: str | Path, require_complete: bool = True) -> Trace:
         raise TraceError(f"{trace_dir} has no {MANIFEST}; it is not a trace directory (make one with `prescient trace`)")
     if require_complete and not manifest.complete:
         raise TraceError(f"trace {trace_dir} is incomplete (interrupted?); run the same `prescient trace` again to resume")
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in COLUMNS}
-    for shard in manifest.shards:
-        path = trace_dir / shard["file"]
-        try:
-            data = load_file(str(path))
-        except (FileNotFoundError, SafetensorError, OSError) as exc:
-            raise TraceError(f"trace shard {path} is missing or corrupt ({exc}); delete {trace_dir} and trace again") from exc
-        if set(data) != set(COLUMNS) or data["token_id"].shape[0] != shard["rows"]:
-            raise TraceError(f"trace shard {path} does not match its manifest entry; delete {trace_dir} and trace again")
-        for k in COLUMNS:
-            parts[k].append(data[k])
     if not manifest.shards:
         raise TraceError(f"trace {trace_dir} holds no tokens")
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in COLUMNS}
+    for shard in manifest.shards:
+        data = read_shard(trace_dir, shard, manifest)
+        for k in COLUMNS:
+            parts[k].append(data[k])
     return Trace(manifest, {k: torch.cat(v) for k, v in parts.items()})
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_shard(trace_dir: Path, shard: dict, manifest: TraceManifest) -> dict[str, torch.Tensor]:
+    """One listed shard's columns, checked (see `check_shard`)."""
+    path = trace_dir / shard["file"]
+    redo = f"delete {trace_dir} and trace again"
+    try:
+        raw = path.read_bytes()
+        if "sha256" in shard and shard["sha256"] != _sha256(raw):
+            raise TraceError(f"trace shard {path} is missing or corrupt (its SHA-256 differs from the manifest's); "
+                             f"{redo}")
+        data = load(raw)
+    except (SafetensorError, OSError) as exc:
+        raise TraceError(f"trace shard {path} is missing or corrupt ({exc}); {redo}") from exc
+    check_shard(path, data, manifest, shard["rows"], redo)
+    return data
+
+
+def check_shard(path: Path, data: dict[str, torch.Tensor], manifest: TraceManifest, rows: int, redo: str) -> None:
+    """Raise TraceError naming the shard and column unless `data` holds every column with the
+    manifest's shapes, integer ids in range and finite logits."""
+    fp = manifest.fingerprint
+    if set(data) != set(COLUMNS):
+        raise TraceError(f"trace shard {path} holds columns {sorted(data)}, expected {list(COLUMNS)}; {redo}")
+    per_layer = (rows, fp.n_moe_layers)
+    shapes = {"seq_id": (rows,), "position": (rows,), "token_id": (rows,), "topk_ids": (*per_layer, fp.top_k),
+              "topt_ids": (*per_layer, manifest.top_t), "topt_logits": (*per_layer, manifest.top_t)}
+    for column, shape in shapes.items():
+        tensor = data[column]
+        if tuple(tensor.shape) != shape:
+            raise TraceError(f"trace shard {path}: column {column} has shape {list(tensor.shape)}, the manifest "
+                             f"says {list(shape)}; {redo}")
+        if tensor.is_floating_point() != (column == "topt_logits") or tensor.dtype == torch.bool:
+            raise TraceError(f"trace shard {path}: column {column} has dtype {tensor.dtype}; {redo}")
+    if not torch.isfinite(data["topt_logits"]).all():
+        bad = (~torch.isfinite(data["topt_logits"])).nonzero()
+        raise TraceError(f"trace shard {path}: column topt_logits holds {data['topt_logits'][tuple(bad[0])].item()} "
+                         f"at index {bad[0].tolist()}; router logits must be finite; {redo}")
+    experts = (0, fp.n_experts, "expert id", f" (the model has {fp.n_experts} experts)")
+    limits = {"seq_id": (0, None, "sequence id", ""), "position": (0, None, "position", ""),
+              "token_id": (0, fp.vocab_size, "token id", f" (the vocabulary has {fp.vocab_size} tokens)"),
+              "topk_ids": experts, "topt_ids": experts}
+    for column, (low, high, what, why) in limits.items():
+        tensor = data[column]
+        if not len(tensor.view(-1)):
+            continue
+        least, most = torch.aminmax(tensor)
+        if least < low or (high is not None and most >= high):
+            outside = (tensor < low) | (tensor >= high) if high is not None else tensor < low
+            where = outside.nonzero()[0]
+            allowed = f"{low}..{high - 1}" if high is not None else f">= {low}"
+            raise TraceError(f"trace shard {path}: column {column} holds {what} {tensor[tuple(where)].item()} at index "
+                             f"{where.tolist()}, outside {allowed}{why}; {redo}")

@@ -91,3 +91,17 @@ def test_a_complete_trace_is_not_traced_again(reference, tmp_path):
     trace_model(model, dataset, out, **{**ARGS, "max_tokens": 40})
     assert (out / "manifest.json").stat().st_mtime_ns == stamp
     assert torch.equal(load_trace(out)["topk_ids"], expected["topk_ids"][:40])
+
+
+def test_resume_takes_the_same_model_under_another_path(reference, tmp_path, monkeypatch):
+    """The model is compared by fingerprint and recorded by absolute path, not as spelled."""
+    model, dataset, expected = reference
+    out = tmp_path / "trace"
+    with monkeypatch.context() as patch:
+        interrupt(patch, "forward")
+        patch.chdir(model.parent)
+        with pytest.raises(KeyboardInterrupt):
+            trace_model(Path(model.name), dataset, out, **ARGS)
+    assert read_manifest(out).settings["model"] == str(model.resolve())
+    trace_model(model / ".." / model.name, dataset, out, **ARGS)
+    assert torch.equal(load_trace(out)["topk_ids"], expected["topk_ids"])

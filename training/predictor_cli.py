@@ -16,15 +16,20 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+import pickle
+import zipfile
 from pathlib import Path
 
+import torch
+from jsonargparse import ArgumentError
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 
 from predictor.artifact import save_predictor
+from prescient.errors import PrescientError
 from training.predictor_data import PredictorDataModule
 from training.predictor_module import PredictorModule
+from training.quiet import quiet_training
 
 log = logging.getLogger(__name__)
 
@@ -64,18 +69,53 @@ def export_best(cli: PredictorCLI, path: str | Path | None) -> Path:
     return target
 
 
+class TrainArgumentError(PrescientError):
+    """A `prescient train` argument or config value LightningCLI cannot parse."""
+
+
+class CheckpointError(PrescientError):
+    """A checkpoint to resume from is missing, damaged, or holds what the safe loader refuses."""
+
+
+def check_checkpoint(path: str | Path) -> None:
+    """Read `path` with torch's weights-only loader (the one that never runs pickled code) before
+    training starts: a clear error for a missing, truncated or unsafe checkpoint."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist; give --ckpt_path a .ckpt that `prescient train` "
+                              "wrote (<run dir>/checkpoints/last.ckpt)")
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"checkpoint {path} is truncated or not a checkpoint (not a whole torch archive); "
+                              "resume from another one, e.g. <run dir>/checkpoints/last.ckpt")
+    try:
+        torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        reason = str(exc).rpartition("WeightsUnpickler error:")[2].strip().split(". ")[0][:200]
+        raise CheckpointError(f"checkpoint {path} holds what the safe weights-only loader refuses ({reason}); "
+                              "resume only from checkpoints `prescient train` wrote") from None
+    except Exception as exc:  # noqa: BLE001 - a damaged archive fails the unpickler in many ways
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise CheckpointError(f"checkpoint {path} is damaged ({reason}); resume from another one, e.g. "
+                              "<run dir>/checkpoints/last.ckpt") from None
+
+
 def main(args: list[str] | None = None) -> Path:
     """Run LightningCLI on `args` (the command line's, by default): fit, then export the best
     checkpoint; returns the artifact path."""
-    os.environ.setdefault("WANDB_MODE", "offline")
-    os.environ.setdefault("WANDB_SILENT", "true")
-    cli = PredictorCLI(
-        PredictorModule,
-        PredictorDataModule,
-        args=args,
-        run=False,
-        save_config_kwargs={"overwrite": True},
-    )
+    quiet_training()
+    try:
+        cli = PredictorCLI(
+            PredictorModule,
+            PredictorDataModule,
+            args=args,
+            run=False,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"exit_on_error": False},  # a bad argument: one line (cli.main), not the usage
+        )
+    except ArgumentError as exc:
+        raise TrainArgumentError(f"{exc} (see `prescient train --help`)") from None
+    if cli.config.ckpt_path:
+        check_checkpoint(cli.config.ckpt_path)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.ckpt_path)
     return export_best(cli, cli.config.export)
 

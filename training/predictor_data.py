@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from predictor.base import describe_trace
-from prescient.errors import TraceError
+from prescient.errors import PrescientError, TraceError
 from prescient.traces import Trace, load_trace
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,22 @@ def split_sequences(trace: Trace, val_fraction: float, seed: int) -> tuple[list[
     return [sequences[i] for i in order[n_val:]], [sequences[i] for i in order[:n_val]]
 
 
+class DataSettingsError(PrescientError):
+    """A data module setting is out of its range."""
+
+
+def _check_settings(val_fraction: float | None, window: int, batch_size: int, num_workers: int, horizon: int) -> None:
+    """Refuse settings the DataLoader would fail on only once training starts (`val_fraction`
+    None: a validation trace is given instead)."""
+    least = {"window": (window, 1), "batch_size": (batch_size, 1), "num_workers": (num_workers, 0),
+             "horizon": (horizon, 0)}
+    for name, (value, low) in least.items():
+        if value < low:
+            raise DataSettingsError(f"--data.{name} is {value}; it must be at least {low}")
+    if val_fraction is not None and not 0 < val_fraction < 1:
+        raise DataSettingsError(f"--data.val_fraction is {val_fraction}; it must lie between 0 and 1")
+
+
 class PredictorDataModule(L.LightningDataModule):
     def __init__(
         self,
@@ -121,6 +137,8 @@ class PredictorDataModule(L.LightningDataModule):
             horizon: forecast targets for tokens t+1..t+horizon (the CLI links it from --model.horizon).
         """
         super().__init__()
+        _check_settings(val_fraction=None if val_trace_dir else val_fraction, window=window, batch_size=batch_size,
+                        num_workers=num_workers, horizon=horizon)
         self.save_hyperparameters()
         self.train_set: TraceWindows | None = None
         self.val_set: TraceWindows | None = None

@@ -30,11 +30,18 @@ from predictor.losses import LossConfig, forecast_loss, predictor_loss
 from predictor.metrics import recall_at
 from predictor.sida import SiDAHash, SiDAPredictor, SiDASizes, read_token_embeddings
 from prescient.errors import ModelFilesError, PrescientError, TraceError
+from prescient.fingerprint import ModelFingerprint, fingerprint_model_dir
 from prescient.traces import read_manifest
 
 
 class NonFiniteLossError(PrescientError):
     """The training loss became NaN or infinite."""
+
+
+def _require_traced_model(model_dir: str, trace_dir: str, traced: ModelFingerprint) -> None:
+    """The model whose embeddings the hash function takes must be the traced one, by fingerprint
+    (not by path: a model is the same wherever it lies, and another can share a vocabulary)."""
+    fingerprint_model_dir(model_dir).require_same(traced, f"trace {trace_dir}")
 
 
 class PredictorModule(L.LightningModule):
@@ -72,6 +79,7 @@ class PredictorModule(L.LightningModule):
             raise ModelFilesError(
                 f"the trace {trace_dir} does not record its model directory; give --model.model_dir"
             )
+        _require_traced_model(model_dir, trace_dir, self.fingerprint)
         embedding = read_token_embeddings(model_dir)
         if embedding.shape[0] < self.fingerprint.vocab_size:
             raise ModelFilesError(

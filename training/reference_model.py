@@ -23,6 +23,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig
 
 from prescient.atomic import write_json_atomic
+from prescient.errors import PrescientError
 from training.reference_lm import CORPORA, MoECausalLM, PackedCorporaData, StepStatus, corpus_texts
 from training.tokenizer import train_byte_level_bpe
 
@@ -42,9 +43,24 @@ def recipe(size: str) -> dict:
     return spec
 
 
+class ReferenceModelError(PrescientError):
+    """A reference model folder holds a damaged report."""
+
+
 def cached(out: Path, spec: dict) -> bool:
+    """Whether `out` holds the reference model of `spec` already (its report names the recipe)."""
     report = out / REPORT
-    return report.exists() and json.loads(report.read_text()).get("recipe") == spec
+    if not report.exists():
+        return False
+    try:
+        recorded = json.loads(report.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ReferenceModelError(f"{report} is not valid JSON ({exc}); delete {out} to build the model again, "
+                                  "or choose another --out") from None
+    if not isinstance(recorded, dict):
+        raise ReferenceModelError(f"{report} is not a reference model report; delete {out} to build the model again, "
+                                  "or choose another --out")
+    return recorded.get("recipe") == spec
 
 
 def build_reference_model(size: str = "tiny", out: str | Path | None = None) -> Path:

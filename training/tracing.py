@@ -122,6 +122,8 @@ def trace_windows(model, layers: list[MoELayer], windows: Iterable[list[int]], w
 
 def _resume_point(out: Path, manifest: TraceManifest) -> TraceManifest | None:
     """The existing manifest to continue, or None to start a new trace."""
+    if out.exists() and not out.is_dir():
+        raise TraceError(f"{out} is a file, not a folder; choose another --out")
     old = read_manifest(out)
     if old is None:
         if out.exists() and any(not p.name.startswith(".") for p in out.iterdir()):
@@ -135,7 +137,7 @@ def _resume_point(out: Path, manifest: TraceManifest) -> TraceManifest | None:
             ("split", old.split, manifest.split),
             ("top_t", old.top_t, manifest.top_t),
             *((key, old.settings.get(key), manifest.settings.get(key))
-              for key in sorted(set(old.settings) | set(manifest.settings))),
+              for key in sorted(set(old.settings) | set(manifest.settings)) if key != "model"),  # by fingerprint
         ]
         if a != b
     ]
@@ -148,22 +150,38 @@ def _resume_point(out: Path, manifest: TraceManifest) -> TraceManifest | None:
     return old
 
 
+def _check_sizes(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if type(value) is not int or value < 1:
+            raise TraceError(f"{name} is {value!r}; it must be a whole number of at least 1")
+
+
+def _model_name(model_dir: str | Path) -> str:
+    """What the manifest records as the model: a local directory's absolute path (training reads
+    it from anywhere), or the hub name."""
+    return str(Path(model_dir).resolve()) if Path(model_dir).exists() else str(model_dir)
+
+
 def trace_model(model_dir: str | Path, dataset: str, out: str | Path, split: str = "validation",
                 max_tokens: int = 50_000, top_t: int = 30, text_field: str = "text", seq_len: int = 128,
                 batch_size: int = 16, shard_sequences: int = 256) -> Path:
     """Trace `model_dir` over `dataset`'s split into `out`; resumes an interrupted run."""
     out = Path(out)
+    _check_sizes(max_tokens=max_tokens, top_t=top_t, seq_len=seq_len, batch_size=batch_size,
+                 shard_sequences=shard_sequences)
     model, layers = load_model(model_dir, dtype=torch.float32)
     tokenizer = load_tokenizer(model_dir)
     fingerprint = fingerprint_model(model, layers)
     texts = load_corpus(dataset, split, text_field)["text"]
     manifest = TraceManifest(
         fingerprint=fingerprint, dataset=dataset, split=split, top_t=min(top_t, fingerprint.n_experts),
-        settings={"model": str(model_dir), "max_tokens": max_tokens, "seq_len": seq_len,
+        settings={"model": _model_name(model_dir), "max_tokens": max_tokens, "seq_len": seq_len,
                   "shard_sequences": shard_sequences, "text_field": text_field,
                   **({"decoder_reads_row_token": True} if is_encoder_decoder(model) else {})},
     )
     previous = _resume_point(out, manifest)
+    if previous is not None:  # the same model (by fingerprint), perhaps spelled another way: record where it is now
+        previous.settings["model"] = manifest.settings["model"]
     if previous is not None and previous.complete:
         log.info("trace in %s is already complete (%d tokens)", out, previous.n_tokens)
         return out
@@ -176,9 +194,12 @@ def trace_model(model_dir: str | Path, dataset: str, out: str | Path, split: str
     if done_seqs:
         log.info("resuming the trace in %s after %d tokens", out, writer.manifest.n_tokens)
     with tqdm(total=max_tokens, initial=writer.manifest.n_tokens, unit="tok", desc=f"trace {dataset}/{split}") as bar:
-        trace_windows(model, layers, chain([first], windows) if first else windows, writer,
-                      pad_id=tokenizer.pad_token_id, top_t=manifest.top_t, batch_size=batch_size,
-                      shard_sequences=shard_sequences, first_seq=done_seqs, progress=bar)
+        try:
+            trace_windows(model, layers, chain([first], windows) if first else windows, writer,
+                          pad_id=tokenizer.pad_token_id, top_t=manifest.top_t, batch_size=batch_size,
+                          shard_sequences=shard_sequences, first_seq=done_seqs, progress=bar)
+        except TraceError as exc:  # a routing the trace cannot hold: say which model
+            raise TraceError(f"{fingerprint.arch}: {exc}") from exc
     writer.finish()
     log.info("traced %d tokens of %s/%s into %s", writer.manifest.n_tokens, dataset, split, out)
     return out

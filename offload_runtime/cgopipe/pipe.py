@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from offload_runtime.cgopipe.batching import partition_requests
-from offload_runtime.cgopipe.decoder_stack import DecoderStack, MicroBatchInputs
+from offload_runtime.cgopipe.decoder_stack import DecoderStack, MicroBatchInputs, UnsupportedModelError
 from offload_runtime.engine.hash_builder import HashBuilder
 from offload_runtime.engine.runtime import OffloadRuntime
 from predictor.base import ExpertPredictor
@@ -108,7 +108,10 @@ class CGOPipe:
         self.stack = DecoderStack(model, attention_device=attention_device)
         self.n_layers, self.n_experts = len(runtime.layers), runtime.n_experts
         if self.n_layers != len(self.stack.layers):
-            raise ValueError("CGOPipe needs every decoder layer to be a MoE layer")
+            raise UnsupportedModelError(
+                f"{type(model).__name__} has {len(self.stack.layers)} decoder layers of which {self.n_layers} are "
+                "MoE layers; CGOPipe pages each layer's experts in the next layer's turn, so it needs every "
+                "decoder layer to be a MoE layer")
         resident = round(resident_fraction * self.n_experts)
         need = slots_needed(resident, self.n_layers, self.n_experts)
         if runtime.pool.num_slots < need:

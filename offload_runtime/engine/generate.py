@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from prescient.budget import Budget
+from prescient.errors import PrescientError
 
 
 class _Clock:
@@ -23,6 +24,26 @@ class _Clock:
         self.times.append(time.perf_counter())
 
 
+class GenerationError(PrescientError):
+    """A generation request the model cannot serve: an empty prompt, or one beyond its context."""
+
+
+def check_prompt(prompt_tokens: int, max_new_tokens: int, model_dir: Path) -> None:
+    """At least one prompt token and one new token, and both within the model's context."""
+    from transformers import AutoConfig
+
+    if prompt_tokens == 0:
+        raise GenerationError("the prompt is empty (0 tokens); give --prompt some text")
+    if max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens is {max_new_tokens}; ask for at least 1 new token")
+    config = AutoConfig.from_pretrained(model_dir).get_text_config()
+    context = getattr(config, "max_position_embeddings", None)  # None: relative positions, no bound
+    if context is not None and prompt_tokens + max_new_tokens > context:
+        raise GenerationError(f"the prompt is {prompt_tokens} tokens and {max_new_tokens} new ones are asked for, "
+                              f"beyond the model's context of {context} tokens; shorten the prompt or lower "
+                              "--max-new-tokens")
+
+
 def generate_offloaded(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, *,
                        predictor: str | Path | None = None, policy: str = "lru", budget: Budget | float = 0.5,
                        store: str = "disk", drop_page_cache: bool = False, device: str = "cpu",
@@ -32,13 +53,18 @@ def generate_offloaded(model_dir: str | Path, prompt: str, max_new_tokens: int =
     import torch
 
     from offload_runtime.engine.loader import load_offloaded
-    from prescient.loading import load_tokenizer
+    from prescient.devices import check_device
+    from prescient.loading import check_model_dir, load_tokenizer
 
+    check_device(device)
+    check_model_dir(Path(model_dir))
     tokenizer = load_tokenizer(model_dir)
+    inputs = tokenizer(prompt, return_tensors="pt")
+    check_prompt(inputs["input_ids"].shape[1], max_new_tokens, Path(model_dir))
     model = load_offloaded(model_dir, predictor=predictor, policy=policy, budget=budget, store=store,
                            drop_page_cache=drop_page_cache, device=device, transfer_workers=transfer_workers)
     with model.offload_runtime as runtime:
-        inputs = tokenizer(prompt, return_tensors="pt").to(device)
+        inputs = inputs.to(device)
         clock = _Clock()
         with torch.inference_mode():
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, streamer=clock,

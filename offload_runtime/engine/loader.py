@@ -35,7 +35,8 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
     to decode speed from disk; see the README).
 
     `generate(...)` works as usual. `model.offload_runtime` holds the runtime: `stats()`, and
-    `close()`, which stops its threads; or run the model inside `with model.offload_runtime:`.
+    `close()`, which stops its threads; or run the model inside `with model.offload_runtime:`. A
+    model dropped without either stops them once garbage-collected.
     """
     check_device(device)
     model, layers = load_without_experts(model_dir, dtype=torch.float32)  # experts stay on disk

@@ -23,12 +23,15 @@ keeps one state per sequence, and calls `end_sequences` when they finish. With
 
 Threads: the cache, slot map and this object are touched only by the inference thread (hooks
 and experts modules run there); the transfer workers touch the pool and store, the
-hash-building thread only the predictor. `close()` (or `with runtime:`) stops them all.
+hash-building thread only the predictor. `close()` (or `with runtime:`) stops them all; a runtime
+garbage-collected unclosed stops them then.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
@@ -113,6 +116,7 @@ class OffloadRuntime:
             self._handles += [layer.router.register_forward_hook(self._router_scores(layer)) for layer in layers]
         self.engine = TransferEngine(store, pool, workers=transfer_workers)
         self.builder = HashBuilder(predictor, forecasts=policy.uses_forecasts) if predictor is not None else None
+        self._stop = weakref.finalize(self, _stop_threads, self.engine, self.builder, self.store)
 
     @property
     def step(self) -> int:
@@ -300,15 +304,25 @@ class OffloadRuntime:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        try:
-            if self.builder is not None:
-                self.builder.close()
-        finally:
-            self.engine.close()
-            self.store.close()
+        self._stop()
 
     def __enter__(self) -> "OffloadRuntime":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _stop_threads(engine: TransferEngine, builder: HashBuilder | None, store: ExpertStore) -> None:
+    """Stop the hash-building and transfer threads, then close the store. Run by `close()`, or by
+    the garbage collector for a runtime never closed: if that happens on one of the threads to
+    stop, which cannot join itself, a thread of its own does the stopping."""
+    if threading.current_thread().name.startswith(("expert-transfer", "hash-builder")):
+        threading.Thread(target=_stop_threads, args=(engine, builder, store), name="runtime-stop", daemon=True).start()
+        return
+    try:
+        if builder is not None:
+            builder.close()
+    finally:
+        engine.close()
+        store.close()

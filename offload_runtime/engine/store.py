@@ -149,17 +149,20 @@ class ExpertStore:
         if mode not in ("disk", "host"):
             raise StoreError(f"unknown store mode {mode!r}; use 'disk' or 'host'")
         self.model_dir = Path(model_dir)
-        self.layers = list(layers) if layers is not None else find_moe_layers(model)
+        # the layers are read here and not kept: the transfer threads hold the store, and must not
+        # keep the model alive (a runtime dropped unclosed is then collected and stops them)
+        layers = list(layers) if layers is not None else find_moe_layers(model)
+        self.num_layers = len(layers)
         self.mode = mode
         self.drop_page_cache = drop_page_cache
-        self.num_experts = self.layers[0].num_experts
-        if any(layer.num_experts != self.num_experts for layer in self.layers):
-            raise StoreError(f"the MoE layers differ in expert count: {[x.num_experts for x in self.layers]}")
+        self.num_experts = layers[0].num_experts
+        if any(layer.num_experts != self.num_experts for layer in layers):
+            raise StoreError(f"the MoE layers differ in expert count: {[x.num_experts for x in layers]}")
         self._index = _index(self.model_dir)
         self.specs: list[ExpertSpec] = []
         self._plans: list[list[list[_Step]]] = []  # [layer][expert] → steps
         layouts = LayoutDeriver(model)
-        for layer in self.layers:
+        for layer in layers:
             spec, fused = expert_spec(layer)
             self.specs.append(spec)
             self._plans.append(self._plan_layer(layouts, layer, spec, fused))
@@ -171,10 +174,6 @@ class ExpertStore:
             self.close()  # host mode never reads the files again
 
     # -- public ------------------------------------------------------------------------------
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
 
     @property
     def spec(self) -> ExpertSpec:

@@ -116,3 +116,20 @@ def test_ddp_on_two_cpu_processes(tmp_path, synthetic_trace, tiny_fingerprint):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert load_predictor(export, fingerprint=tiny_fingerprint).meta.metrics["val/recall_at_k"] > 0
+
+
+def test_train_prints_progress_and_result_without_noise(tmp_path, synthetic_trace):
+    """`prescient train` as a user runs it (wandb logger on): no LightningCLI args warning, no
+    line twice, no litlogger tip, no wandb warning, no deprecation warning."""
+    export = tmp_path / "hash"
+    args = cli_args(synthetic_trace, tmp_path / "run", "--trainer.max_steps", "2", "--export", str(export),
+                    logger=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "cli.main", "train", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+    assert f"exported the predictor to {export}.{{safetensors,json}}" in lines
+    for noise in ("LightningCLI's args", "Tip:", "wandb: WARNING", "deprecated", "INFO:"):
+        assert not [line for line in lines if noise in line], done.stderr
+    assert len(lines) == len(set(lines)), done.stderr

@@ -1,8 +1,10 @@
 """Every MoE architecture of the installed transformers, enumerated from transformers itself and
 built tiny (hidden 64, 4 layers, 8 experts, top-2 where allowed): greedy generation through
 `load_offloaded` at 0.5/LRU and 0.25/MRS equals the plain model's, or the family is refused in
-one line that names it and the reason. The default run checks one family per way of calling
-experts and per refusal; `-m slow` sweeps them all."""
+one line that names it and the reason; and on each exact one, tracing, SiDA training (the
+LightningCLI entry), evaluation and serving with the hash function work, and CGOPipe decodes
+exactly or refuses with its reason. The default run checks one family per way of calling experts
+and per refusal (and the pipeline on three); `-m slow` sweeps them all."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cli import archs as archs_cli
+from experiments.arch_pipeline import with_pipeline
 from offload_runtime.arch_support import check_family, greedy, markdown_table, prompt_inputs, support_table
+from predictor.sida import read_token_embeddings
 from offload_runtime.engine.loader import load_offloaded
 from prescient.arch_zoo import Family, moe_families, save_tiny_model, tiny_config
 from prescient.loading import load_model
@@ -108,6 +112,37 @@ def test_archs_command_prints_and_writes_the_table(tmp_path, capsys):
     assert json.loads(out.read_text())["rows"] == rows
     printed = capsys.readouterr().out
     assert printed.startswith("2 MoE architectures: 1 refused, 1 exact.") and "| `mixtral` | exact |" in printed
+    assert "| `mixtral` | exact | 4 MoE layers, 8 experts, top-2, fused |" in printed
+
+
+def test_archs_pipeline_traces_trains_evaluates_and_serves(tmp_path, capsys):
+    """`--pipeline` on Mixtral (CGOPipe exact), Nemotron-H (one MoE layer of four in a hybrid Mamba
+    model, its embeddings saved as `backbone.embeddings.weight`; CGOPipe refused) and LongCat-Flash
+    (zero-computation experts: tracing refused, naming the family)."""
+    parser = argparse.ArgumentParser()
+    archs_cli.add_parser(parser.add_subparsers(dest="command"))
+    out = tmp_path / "archs.json"
+    args = parser.parse_args(["archs", "--family", "mixtral", "--family", "nemotron_h", "--family", "longcat_flash",
+                              "--pipeline", "--markdown", "--json", str(out)])
+    rows = {r["family"]: r for r in archs_cli.run(args)}
+    assert rows["mixtral"]["pipeline"].startswith("ok (400 tokens traced") and rows["mixtral"]["cgopipe"] == "exact"
+    assert rows["nemotron_h"]["detail"].startswith("1 of 4 layers MoE,")
+    assert rows["nemotron_h"]["pipeline"].startswith("ok") and rows["nemotron_h"]["cgopipe"].startswith("refused: ")
+    assert rows["longcat_flash"]["pipeline"].startswith("trace refused: longcat_flash: MoE layer ")
+    assert "zero-computation expert" in rows["longcat_flash"]["pipeline"]
+    assert json.loads(out.read_text())["command"] == "prescient archs --pipeline"
+    printed = capsys.readouterr().out
+    assert "| family | offloaded generation | detail | trace, train, evaluate, serve SiDA | CGOPipe |" in printed
+    assert "3 MoE architectures: 3 exact. Trace + SiDA training + evaluation + serving with it, of the 3 exact: " \
+           "2 ok, 1 trace refused. CGOPipe: 2 refused, 1 exact." in printed
+
+
+def test_sida_reads_the_models_own_input_embedding_under_any_name(tmp_path):
+    """DBRX saves its embeddings as `transformer.wte.weight`: found through the model's own
+    `get_input_embeddings()` and transformers' renaming."""
+    path = save_tiny_model(family("dbrx"), tmp_path)
+    plain, _ = load_model(path, dtype=torch.float32)
+    torch.testing.assert_close(read_token_embeddings(path), plain.get_input_embeddings().weight)
 
 
 @pytest.mark.slow
@@ -116,3 +151,15 @@ def test_every_family_is_exact_or_refused(tmp_path):
     bad = [r for r in rows if r.status not in ("exact", "refused")]
     assert not bad, markdown_table(bad)
     assert sum(r.status == "exact" for r in rows) > 50
+
+
+@pytest.mark.slow
+def test_every_exact_family_traces_trains_evaluates_and_serves(tmp_path):
+    """On every exact family: trace, SiDA training, evaluation and serving with it work (or are
+    refused with a reason), and CGOPipe is exact or refused with a reason."""
+    rows = [r for r in with_pipeline(support_table(workdir=tmp_path), workdir=tmp_path) if r.status == "exact"]
+    bad = [r for r in rows if not (r.pipeline.startswith("ok") or " refused: " in r.pipeline)
+           or not (r.cgopipe == "exact" or r.cgopipe.startswith("refused: "))]
+    assert not bad, markdown_table(bad)
+    assert [r.family for r in rows if not r.pipeline.startswith("ok")] == ["longcat_flash"]
+    assert sum(r.cgopipe == "exact" for r in rows) >= 10

@@ -5,6 +5,7 @@ a doctored checkpoint. After each, no runtime thread is left and nothing hangs."
 from __future__ import annotations
 
 import faulthandler
+import gc
 import shutil
 import threading
 
@@ -150,3 +151,15 @@ def test_doctored_expert_dtype_names_layer_and_expert(tiny_moe_dir, tmp_path):
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(StoreError, match=r"layer 1 expert 3: checkpoint tensor .*experts\.3\.w2\.weight.*float16"):
         load_offloaded(path, budget=0.5)
+
+
+def test_runtimes_never_closed_stop_their_threads_once_collected(tiny_moe_dir):
+    path = tiny_moe_dir("mixtral")
+    predictor = frequency_predictor(path)
+    for _ in range(3):  # each load starts a transfer and a hash-building thread
+        model = load_offloaded(path, predictor=predictor, budget=0.5)
+        assert len(generate(model, new_tokens=1)) == 2
+    assert len(runtime_threads()) >= 2
+    del model
+    gc.collect()
+    assert runtime_threads() == []

@@ -1,0 +1,285 @@
+"""Bad input through the real `prescient` command line: one table, one test. Every row must end
+with exit code 2 and one `error:` line naming the bad thing and what to do, no traceback, no
+output file written or replaced, and every input file as it was. Then what an output path may be:
+a symlink is written through, a character device written in place, a FIFO or a directory refused
+before any work."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cli.main import main
+from predictor import SiDAPredictor, SiDASizes
+from predictor.artifact import save_predictor
+from predictor.base import PredictorMeta
+from predictor.sida import SiDAHash, read_token_embeddings
+from prescient.fingerprint import fingerprint_model_dir
+from prescient.traces import load_trace
+from tests.conftest import save_tiny_model
+from training.tracing import trace_model
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "configs/predictor/sida.yaml")
+TRACE = {"split": "train", "max_tokens": 60, "top_t": 4, "seq_len": 16, "batch_size": 4, "shard_sequences": 2}
+
+
+def damaged_trace(source: Path, into: Path, column: str, value: float) -> Path:
+    """A copy of a trace with `value` written into `column` of its first shard; the manifest's
+    SHA-256 is updated, as a buggy writer would leave it, so only the value checks can catch it."""
+    copy = into / f"trace-{column}"
+    copy.mkdir()
+    manifest = json.loads((source / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        (copy / shard["file"]).write_bytes((source / shard["file"]).read_bytes())
+    first = copy / manifest["shards"][0]["file"]
+    data = load_file(str(first))
+    data[column].view(-1)[3] = value
+    save_file(data, str(first))
+    manifest["shards"][0]["sha256"] = hashlib.sha256(first.read_bytes()).hexdigest()
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def sida_artifact(model: Path, out: Path) -> Path:
+    fingerprint = fingerprint_model_dir(model)
+    sizes = SiDASizes(compress_dim=8, hidden_dim=16, attn_window=8)
+    torch.manual_seed(0)
+    hash_fn = SiDAHash.from_embedding(read_token_embeddings(model), fingerprint.n_moe_layers,
+                                      fingerprint.n_experts, sizes)
+    return save_predictor(SiDAPredictor(hash_fn, PredictorMeta("sida", fingerprint, dataclasses.asdict(sizes))), out)
+
+
+class Unsafe:
+    def __reduce__(self):
+        return print, ("this must never run",)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_moe_dir, tiny_tokenizer, text_corpus) -> dict[str, Path]:
+    """Every input a row names: good ones, and damaged copies."""
+    tmp = tmp_path_factory.mktemp("bad-input")
+    model = tiny_moe_dir("mixtral")
+    paths = {"model": model, "tmp": tmp}
+    paths["other"] = save_tiny_model("mixtral", tiny_tokenizer, tmp / "other-model", seed=1)
+    paths["trace"] = trace_model(model, f"json:{text_corpus}", tmp / "trace", **TRACE)
+    paths["trace_ids"] = damaged_trace(paths["trace"], tmp, "topk_ids", 99)
+    paths["trace_nan"] = damaged_trace(paths["trace"], tmp, "topt_logits", float("nan"))
+    paths["sida"] = sida_artifact(model, tmp / "sida").with_suffix("")
+    meta = json.loads(paths["sida"].with_suffix(".json").read_text())
+    meta["hparams"]["hidden_dim"] = 32
+    (tmp / "sida-hparams.safetensors").write_bytes(paths["sida"].with_suffix(".safetensors").read_bytes())
+    (tmp / "sida-hparams.json").write_text(json.dumps(meta))
+    paths["sida_hparams"] = tmp / "sida-hparams"
+    (tmp / "sida-torn.safetensors").write_bytes(paths["sida"].with_suffix(".safetensors").read_bytes())
+    (tmp / "sida-torn.json").write_text(paths["sida"].with_suffix(".json").read_text()[:100])
+    paths["sida_torn"] = tmp / "sida-torn"
+    for name in ("empty", "no_config", "bad_config", "reference", "a_dir"):
+        (tmp / name).mkdir()
+        paths[name] = tmp / name
+    (tmp / "no_config" / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes())
+    for file in model.iterdir():
+        (tmp / "bad_config" / file.name).write_bytes(file.read_bytes())
+    (tmp / "bad_config" / "config.json").write_text('{"model_type": "mixtral", ')
+    (tmp / "reference" / "reference.json").write_text('{"recipe": {"tokenizer": ')
+    (tmp / "a_file").write_text("mine\n")
+    paths["a_file"] = tmp / "a_file"
+    os.mkfifo(tmp / "a_fifo")
+    paths["a_fifo"] = tmp / "a_fifo"
+    torch.save({"state_dict": {}, "hook": Unsafe()}, tmp / "unsafe.ckpt")
+    (tmp / "truncated.ckpt").write_bytes((tmp / "unsafe.ckpt").read_bytes()[:200])
+    paths.update(unsafe_ckpt=tmp / "unsafe.ckpt", truncated_ckpt=tmp / "truncated.ckpt")
+    return paths
+
+
+def train(*extra: str) -> list[str]:
+    return ["train", "--config", CONFIG, "--data.trace_dir", "{trace}", "--trainer.logger", "false",
+            "--trainer.default_root_dir", "{run}", "--trainer.enable_progress_bar", "false",
+            "--model.sizes.compress_dim", "8", "--model.sizes.hidden_dim", "16", "--export", "{out}", *extra]
+
+
+def generate(*extra: str) -> list[str]:
+    return ["generate", "--model", "{model}", "--prompt", "def f(x):", "--max-new-tokens", "2", "--json", "{out}",
+            *extra]
+
+
+def trace(*extra: str) -> list[str]:
+    return ["trace", "--model", "{model}", "--dataset", "json:{corpus}", "--split", "train", "--max-tokens", "40",
+            "--out", "{out}", *extra]
+
+
+def evaluate(*extra: str) -> list[str]:
+    return ["evaluate", "--trace", "{trace}", "--predictors", "freq", "--batch-sizes", "1", "--json", "{out}", *extra]
+
+
+def compare(*extra: str) -> list[str]:
+    return ["compare-caches", "--trace", "{trace}", "--policies", "lru,mrs", "--capacity", "0.5", "--batch-size", "1",
+            "--json", "{out}", *extra]
+
+
+def without(args: list[str], option: str) -> list[str]:
+    i = args.index(option)
+    return args[:i] + args[i + 2:]
+
+
+LONG_PROMPT = "def f(x): return x\n" * 200
+
+# id, argv, what the error line must say (a regex over the line after "error: ")
+CASES = [
+    ("generate: missing model dir", [*without(generate(), "--model"), "--model", "{tmp}/nowhere"],
+     r"model directory .*nowhere does not exist; give"),
+    ("generate: empty model dir", [*without(generate(), "--model"), "--model", "{empty}"],
+     r"empty has no config.json; expected a Hugging Face model directory"),
+    ("generate: dir without config.json", [*without(generate(), "--model"), "--model", "{no_config}"],
+     r"no_config has no config.json"),
+    ("generate: corrupt config.json", [*without(generate(), "--model"), "--model", "{bad_config}"],
+     r"bad_config/config.json is not valid JSON .*; restore"),
+    ("generate: unknown policy", generate("--policy", "bogus"), r"--policy: unknown cache policy 'bogus'; known"),
+    ("generate: belady cannot serve", generate("--policy", "belady"), r"'belady' cannot serve: .*serving policies"),
+    ("generate: static cannot serve", generate("--policy", "static"), r"'static' cannot serve: .*serving policies"),
+    ("generate: no new tokens", [*without(generate(), "--max-new-tokens"), "--max-new-tokens", "0"],
+     r"--max-new-tokens: 0 must be at least 1 \(see"),
+    ("generate: negative new tokens", [*without(generate(), "--max-new-tokens"), "--max-new-tokens", "-5"],
+     r"--max-new-tokens: -5 must be at least 1"),
+    ("generate: empty prompt", [*without(generate(), "--prompt"), "--prompt", ""],
+     r"the prompt is empty \(0 tokens\); give --prompt some text"),
+    ("generate: prompt beyond the context", [*without(generate(), "--prompt"), "--prompt", LONG_PROMPT],
+     r"the prompt is \d+ tokens .* beyond the model's context of 256 tokens; shorten"),
+    ("generate: unknown device", generate("--device", "bogus"), r"--device: device 'bogus' is not a device name; use"),
+    ("generate: predictor hparams disagree with its tensors", generate("--predictor", "{sida_hparams}"),
+     r"hyper-parameters in .*sida-hparams.json do not fit the tensors in .*sida-hparams.safetensors .*export"),
+    ("generate: predictor JSON cut short", generate("--predictor", "{sida_torn}"),
+     r"sida-torn.json is not valid JSON .*; export the predictor again"),
+    ("generate: --json is a directory", [*without(generate(), "--json"), "--json", "{a_dir}"],
+     r"--json: output .*a_dir is a directory, not a file; name a file"),
+    ("trace: window of 0 tokens", trace("--seq-len", "0"), r"--seq-len: 0 must be at least 1"),
+    ("trace: batch of 0 windows", trace("--batch-size", "0"), r"--batch-size: 0 must be at least 1"),
+    ("trace: negative token budget", trace("--max-tokens", "-5"), r"--max-tokens: -5 must be at least 1"),
+    ("trace: no logits kept", trace("--top-t", "0"), r"--top-t: 0 must be at least 1"),
+    ("trace: --out is a file", [*without(trace(), "--out"), "--out", "{a_file}"],
+     r"--out: .*a_file is a file, not a folder; name a folder"),
+    ("evaluate: batch size 0", [*without(evaluate(), "--batch-sizes"), "--batch-sizes", "0"],
+     r"--batch-sizes: 0 must be at least 1"),
+    ("evaluate: no predictors", [*without(evaluate(), "--predictors"), "--predictors", ""],
+     r"--predictors: '' lists nothing; give a comma list"),
+    ("evaluate: cross garbage", evaluate("--cross", "garbage"),
+     r"--cross: entry 'garbage' is not DATASET=TRAIN_TRACE:EVAL_TRACE:ARTIFACT"),
+    ("evaluate: expert id out of range", [*without(evaluate(), "--trace"), "--trace", "{trace_ids}"],
+     r"trace shard .*shard-00000.safetensors: column topk_ids holds expert id 99 .*outside 0..7.*; delete"),
+    ("evaluate: --json is a FIFO", [*without(evaluate(), "--json"), "--json", "{a_fifo}"],
+     r"--json: output .*a_fifo is a FIFO, not a file"),
+    ("compare-caches: expert id out of range", [*without(compare(), "--trace"), "--trace", "{trace_ids}"],
+     r"column topk_ids holds expert id 99 .*outside 0..7 \(the model has 8 experts\); delete .* trace again"),
+    ("compare-caches: NaN router logits", [*without(compare(), "--trace"), "--trace", "{trace_nan}"],
+     r"column topt_logits holds nan .*router logits must be finite; delete"),
+    ("compare-caches: --json inside a file", [*without(compare(), "--json"), "--json", "{a_file}/out.json"],
+     r"--json: output .*a_file/out.json: part of its folder path is a file; choose another path"),
+    ("train: batch size 0", train("--data.batch_size", "0"), r"--data.batch_size is 0; it must be at least 1"),
+    ("train: batch size not a number", train("--data.batch_size", "abc"),
+     r"Parser key \"data.batch_size\": Expected a <class 'int'>. Got value: abc \(see `prescient train --help`\)"),
+    ("train: missing checkpoint", train("--ckpt_path", "{tmp}/nowhere.ckpt"),
+     r"checkpoint .*nowhere.ckpt does not exist; give --ckpt_path"),
+    ("train: truncated checkpoint", train("--ckpt_path", "{truncated_ckpt}"),
+     r"checkpoint .*truncated.ckpt is truncated or not a checkpoint .*; resume from another"),
+    ("train: checkpoint the weights-only loader refuses", train("--ckpt_path", "{unsafe_ckpt}"),
+     r"unsafe.ckpt holds what the safe weights-only loader refuses .*; resume only from"),
+    ("train: another model than the trace's", train("--model.model_dir", "{other}"),
+     r"trace .* was built for model mixtral\(.*\) but is used with model mixtral\(.*\); rebuild"),
+    ("reference-model: truncated reference.json", ["reference-model", "--out", "{reference}"],
+     r"reference/reference.json is not valid JSON .*; delete .*reference to build the model again"),
+]
+if torch.cuda.is_available():  # only a machine without CUDA can refuse it
+    CASES = [case for case in CASES if case[0] != "generate: unknown device"]
+else:
+    CASES.append(("generate: CUDA without CUDA", generate("--device", "cuda"),
+                  r"--device: device 'cuda': CUDA is not available on this machine; use --device cpu"))
+
+
+def snapshot(paths: dict[str, Path]) -> dict[str, object]:
+    """Every input file's bytes (by hash), and each special node's type."""
+    files = {}
+    for root in {paths["model"], paths["tmp"]}:
+        for path in sorted(root.rglob("*")):
+            mode = path.lstat().st_mode
+            regular = stat.S_ISREG(mode)
+            files[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest() if regular else stat.S_IFMT(mode)
+    return files
+
+
+@pytest.mark.parametrize("argv, expected", [pytest.param(argv, expected, id=name) for name, argv, expected in CASES])
+def test_bad_input_is_one_line_and_exit_2(argv, expected, world, text_corpus, tmp_path, capsys, caplog):
+    out = tmp_path / "out.json"
+    names = {**world, "corpus": text_corpus, "out": out, "run": tmp_path / "run"}
+    args = [arg.format(**names) for arg in argv]
+    before = snapshot(world)
+    with caplog.at_level(logging.INFO), pytest.raises(SystemExit) as exit_info:
+        main(args)
+    err = capsys.readouterr().err
+    logged = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
+    lines = [line for line in err.splitlines() + logged if line.startswith("error:")]
+    assert exit_info.value.code == 2
+    assert len(lines) == 1 and re.search(expected, lines[0]), (err, logged)
+    assert "Traceback" not in err + "".join(logged)
+    assert not out.exists() and not out.with_suffix(".safetensors").exists()
+    assert snapshot(world) == before
+
+
+def test_a_damaged_trace_never_crashes_the_process(world, tmp_path):
+    """The case that once segfaulted the compiled cache (exit 139), run as its own process."""
+    out = tmp_path / "out.json"
+    done = subprocess.run([sys.executable, "-m", "cli.main", "compare-caches", "--trace", str(world["trace_ids"]),
+                           "--policies", "lru", "--capacity", "0.5", "--batch-size", "1", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [line for line in done.stderr.splitlines() if line.strip()]
+    assert [line for line in done.stderr.splitlines() if line.strip()][-1].startswith("error: trace shard")
+    assert "Traceback" not in done.stderr and not out.exists()
+
+
+def run_compare(world: dict[str, Path], json_path: str) -> None:
+    main(["compare-caches", "--trace", str(world["trace"]), "--policies", "lru", "--capacity", "0.5",
+          "--batch-size", "1", "--json", json_path])
+
+
+def test_json_through_a_symlink_lands_on_its_target(world, tmp_path):
+    target, link = tmp_path / "results.json", tmp_path / "link.json"
+    target.write_text("old\n")
+    link.symlink_to(target.name)
+    run_compare(world, str(link))
+    assert link.is_symlink() and os.readlink(link) == target.name
+    assert json.loads(target.read_text())["runs"]
+
+
+def test_a_character_device_is_written_in_place_never_replaced(world):
+    before = os.stat("/dev/null")
+    run_compare(world, "/dev/null")
+    after = os.stat("/dev/null")
+    assert stat.S_ISCHR(after.st_mode) and (after.st_ino, after.st_rdev) == (before.st_ino, before.st_rdev)
+
+
+def test_json_to_stdout_appends_after_the_table(world, capfd):
+    run_compare(world, "/dev/stdout")
+    out = capfd.readouterr().out
+    table, _, record = out.partition("{")
+    assert "hit" in table and json.loads("{" + record)["runs"]
+
+
+def test_a_damaged_trace_is_refused_before_a_result_is_replaced(world, tmp_path):
+    results = tmp_path / "results.json"
+    results.write_text('{"kept": true}\n')
+    with pytest.raises(SystemExit):
+        main(["compare-caches", "--trace", str(world["trace_nan"]), "--policies", "mrs", "--json", str(results)])
+    assert json.loads(results.read_text()) == {"kept": True}
+    assert load_trace(world["trace"])  # the good one still loads
