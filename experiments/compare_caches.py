@@ -173,17 +173,18 @@ def compare_caches(
         "predictor": None, "predictor_fit_on": None,
         "static_fit_on": fit_on if "static" in policies else None,
     }
-    scores = None
+    scores = pred = None
     if predictor is not None:
         name, pred, source = build_predictor(predictor, trace, fit, fit_on)
+    # before any scoring: a learned policy without a forecasting predictor is refused at once
+    chances = forecast_chances(pred, trace) if any(POLICIES[p].uses_forecasts for p in policies) else None
+    if predictor is not None:
         began = time.perf_counter()
         scores, info = trace_scores(pred, trace, name, decoding=True, true_previous_layer=horizon == 1)
         scores = scores.numpy()
         result["predictor"] = {"name": name, "kind": pred.kind, **source, **info,
                                "seconds": round(time.perf_counter() - began, 3)}
         result["predictor_fit_on"] = source["fit_on"]
-    chances = forecast_chances(pred if predictor is not None else None, trace) \
-        if any(POLICIES[p].uses_forecasts for p in policies) else None
     result["settings"] = {
         "policies": list(policies), "capacities": [capacity_value(c) for c in capacities], "capacity_slots": slots,
         "total_experts": total, "budget": "global", "batch_sizes": list(batch_sizes),
