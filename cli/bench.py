@@ -43,6 +43,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--store", choices=("disk", "host"), default="disk", help="where the offloaded experts live")
     p.add_argument("--keep-page-cache", action="store_true", help="disk store: leave read pages in the page cache")
     p.add_argument("--in-process", action="store_true", help="every run in this process (quick checks)")
+    p.add_argument("--simulate", action="store_true",
+                   help="replay each run in the time-true simulator, calibrated from this bench, and report its "
+                        "tokens/s beside the measured (Spearman, median relative error)")
     p.add_argument("--work-dir", help="keep fitted predictors and the oracle trace here (default: a temporary dir)")
     return p
 
@@ -72,7 +75,8 @@ def run(args: argparse.Namespace) -> dict:
         train_trace=args.train_trace, baselines=tuple(args.baselines), baseline_tokens=args.baseline_tokens,
         sample_seed=args.sample, transfer_workers=args.transfer_workers,
         hash_cost_predictor=hash_cost, threads=args.threads, store=args.store, drop_page_cache=not args.keep_page_cache,
-        isolate=not args.in_process, work_dir=args.work_dir, json_path=args.json, plot_path=args.plot,
+        isolate=not args.in_process, work_dir=args.work_dir, simulate=args.simulate, json_path=args.json,
+        plot_path=args.plot,
     )
     print(summary(result))
     return result

@@ -116,6 +116,7 @@ def bench_runtime(
     drop_page_cache: bool = True,
     isolate: bool = True,
     work_dir: str | Path | None = None,
+    simulate: bool = False,
     json_path: str | Path | None = None,
     plot_path: str | Path | None = None,
 ) -> dict[str, Any]:
@@ -124,7 +125,8 @@ def bench_runtime(
     the end). Prompts: the first `timed_prompts` + 1 of `texts` with `prompt_tokens` tokens
     (the first is the warm-up). `predictors`: name -> artifact path, or None for a built-in
     (freq, token, corr: fit on `train_trace`; oracle; none). `sample_seed`: sampled decoding
-    (see METHOD["decoding"]) instead of greedy."""
+    (see METHOD["decoding"]) instead of greedy. `simulate`: the time-true simulator's prediction
+    beside each run (`experiments.bench_runtime_simulated`; needs the all_resident baseline)."""
     from transformers import AutoConfig
 
     from prescient.fingerprint import ModelFingerprint
@@ -135,6 +137,11 @@ def bench_runtime(
     used = {spec.predictor for spec in runs} | {hash_cost_predictor}
     predictors = {name: path for name, path in predictors.items() if name in used}
     check_grid(runs, predictors, train_trace)
+    if simulate and "all_resident" not in baselines:
+        raise BenchError("--simulate calibrates the simulator's compute time on the all_resident baseline: keep it")
+    if simulate and not any(spec.predictor == "none" and spec.budget < 1 for spec in runs):
+        raise BenchError("--simulate calibrates the simulator's link on a run without a predictor below budget 1.0 "
+                         "(e.g. none:lru@0.5): add one")
     if min(new_tokens, baseline_tokens) < 2 or timed_prompts < 1:
         raise BenchError("decode speed needs at least 2 new tokens and 1 timed prompt")
     threads = threads or torch.get_num_threads()
@@ -172,9 +179,10 @@ def bench_runtime(
         with tqdm(total=total, desc="bench", unit="run") as bar:
             bar.set_postfix_str("all_resident")
             ref = execute(replace(base, kind="all_resident",
-                                  trace_out=str(oracle_trace) if "oracle" in predictors else None))
+                                  trace_out=str(oracle_trace) if "oracle" in predictors or simulate else None))
             reference = ref["token_ids"]
             fingerprint = ModelFingerprint.from_dict(ref.pop("fingerprint"))
+            result["model"]["fingerprint"] = fingerprint.to_dict()  # a timing calibration checks it
             if "all_resident" in baselines:
                 result["baselines"]["all_resident"] = {**record_of(None, "all_resident", dict(ref), reference),
                                                        "token_ids": reference}
@@ -197,6 +205,11 @@ def bench_runtime(
             if hash_cost_predictor is not None:
                 result["hash_thread_cost"] = _hash_thread_cost(execute, base, hash_cost_predictor,
                                                                paths.get(hash_cost_predictor), reference, bar)
+            if simulate:
+                from experiments.bench_runtime_simulated import simulate_bench
+
+                bar.set_postfix_str("simulating")
+                simulate_bench(result, oracle_trace, paths)
     finally:
         if temporary is not None:
             temporary.cleanup()

@@ -4,6 +4,7 @@ budget, and the summary printed at the end."""
 from __future__ import annotations
 
 import logging
+from statistics import median
 from typing import Any
 
 from experiments.bench_runtime_grid import BASELINES, RunSpec
@@ -44,27 +45,36 @@ def record_run(execute: Executor, job: Job, spec: RunSpec | None, reference: lis
 
 
 def ratios(runs: list[dict[str, Any]], baselines: dict[str, dict[str, Any]], budget: float) -> dict[str, Any]:
-    """Each run at `budget`: its tokens/s over none+lru's at that budget, and over each baseline's
-    (null where a side is missing)."""
-    key = ("none", "lru", budget)
-    none_lru = next((r for r in runs if (r.get("predictor"), r.get("policy"), r.get("budget")) == key), {})
-    sides = {"vs_none_lru": none_lru.get("tokens_per_s"),
+    """Each run at `budget` (the median over its repeats, with their range): its tokens/s over
+    none+lru's median at that budget, and over each baseline's (null where a side is missing)."""
+    speeds: dict[str, list[float]] = {}
+    for r in runs:
+        if r.get("budget") == budget and r.get("tokens_per_s"):
+            speeds.setdefault(r["label"], []).append(r["tokens_per_s"])
+    none_lru = speeds.get(RunSpec("none", "lru", budget).label)
+    sides = {"vs_none_lru": median(none_lru) if none_lru else None,
              **{f"vs_{name}": baselines.get(name, {}).get("tokens_per_s") for name in BASELINES}}
-    return {r["label"]: {"tokens_per_s": r["tokens_per_s"],
-                         **{key: r["tokens_per_s"] / side if side else None for key, side in sides.items()}}
-            for r in runs if r.get("budget") == budget and r.get("tokens_per_s")}
+    return {label: {"tokens_per_s": median(values), "repeats": len(values),
+                    "tokens_per_s_range": [min(values), max(values)],
+                    **{key: median(values) / side if side else None for key, side in sides.items()}}
+            for label, values in speeds.items()}
 
 
 def summary(result: dict[str, Any]) -> str:
     """One line per run and baseline: tokens/s, hit rate, peak RSS, exactness."""
     rows = [*result["baselines"].values(), *result["runs"]]
-    lines = [f"{'run':<24} {'tokens/s':>9} {'hit rate':>9} {'peak MiB':>9}  exact"]
+    lines = [f"{'run':<24} {'tokens/s':>9} {'simulated':>9} {'hit rate':>9} {'peak MiB':>9}  exact"]
     for r in rows:
         speed = f"{r['tokens_per_s']:.2f}" if r.get("tokens_per_s") else "-"
+        simulated = f"{r['simulated']['tokens_per_s']:.2f}" if r.get("simulated") else "-"
         hit = f"{r['hit_rate']:.1%}" if r.get("hit_rate") is not None else "-"
         peak = f"{r['peak_rss_mb']:.0f}" if r.get("peak_rss_mb") else "-"
         error = f"  {r['error']}" if "error" in r else ""
-        lines.append(f"{r['label']:<24} {speed:>9} {hit:>9} {peak:>9}  {r['exact']}{error}")
+        lines.append(f"{r['label']:<24} {speed:>9} {simulated:>9} {hit:>9} {peak:>9}  {r['exact']}{error}")
+    agree = (result.get("simulator") or {}).get("agreement")
+    if agree:
+        lines.append(f"simulator vs measured median tokens/s: Spearman {agree['spearman']}, "
+                     f"median relative error {agree['median_relative_error']}")
     cost = result.get("hash_thread_cost")
     if cost and cost.get("tokens_per_s_ratio"):
         lines.append(f"hash thread ({cost['predictor']}, tables ignored) / no thread at budget 1.0: "

@@ -43,7 +43,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from cache import POLICIES, Replay, expert_frequencies, make_policy, simulate
+from cache import POLICIES, EvictionPolicy, Replay, expert_frequencies, make_policy, simulate
 from cache.timing import LinkTiming
 from experiments.predictor_scores import forecast_scores, trace_scores
 from predictor.base import ExpertPredictor, PredictorError
@@ -122,6 +122,14 @@ def forecast_chances(pred: ExpertPredictor | None, trace: Trace) -> np.ndarray:
     pred.require_horizon(1)  # no heads: a ForecastHorizonError saying what to train
     current, ahead = forecast_scores(pred, trace, pred.horizon)
     return chance_of_use(current, ahead, trace.fingerprint.top_k).numpy()
+
+
+def policy_for(name: str, replay: Replay, top_k: int, frequencies: np.ndarray | None = None) -> EvictionPolicy:
+    """A fresh policy `name` for one simulation of `replay`, given what it reads: MRS the top-k,
+    Belady the replay's future, static-hot the expert frequencies."""
+    kwargs = {"mrs": {"top_k": top_k}, "belady": {"future": replay.future()},
+              "static": {"frequencies": frequencies}}.get(name, {})
+    return make_policy(name, **kwargs)
 
 
 # --- the comparison ----------------------------------------------------------------------------
@@ -226,9 +234,8 @@ def compare_caches(
     result["runs"] = []
     for b, prefetch, policy, given, n in tqdm(runs, desc="compare caches", unit="run", disable=not progress):
         replay = replays[b, prefetch]
-        kwargs = {"mrs": {"top_k": fp.top_k}, "belady": {"future": replay.future()},
-                  "static": {"frequencies": frequencies}}.get(policy, {})
-        sim = simulate(replay, n, make_policy(policy, **kwargs), horizon=horizon if prefetch else None,
+        sim = simulate(replay, n, policy_for(policy, replay, fp.top_k, frequencies),
+                       horizon=horizon if prefetch else None,
                        transfer_per_step=transfer_per_step if prefetch else None, timing=timing)
         record = {"policy": policy, "capacity": n, "capacity_fraction": n / total, "capacity_given": capacity_value(given),
                   "batch_size": b, "prefetch": prefetch, "hit_rate": sim.hit_rate, "stall_rate": sim.stall_rate}

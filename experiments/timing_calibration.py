@@ -111,9 +111,11 @@ def _link_bandwidth(hardware: HardwareProfile, store: str) -> float:
 
 
 # --- a runtime bench JSON -------------------------------------------------------------------
-def timing_from_bench(path: str | Path, *, fingerprint: ModelFingerprint | None = None) -> Calibration:
-    """The module doc's second source."""
-    data = _read_json(path)
+def timing_from_bench(source: str | Path | dict[str, Any], *,
+                      fingerprint: ModelFingerprint | None = None) -> Calibration:
+    """The module doc's second source: a bench JSON's path, or the JSON itself (a bench that
+    simulates its own runs)."""
+    data, path = (source, "this bench") if isinstance(source, dict) else (_read_json(source), source)
     model = _need(data, "model", path)
     checked = _check_model(model, fingerprint, path)
     resident = _need(_need(data, "baselines", path), "all_resident", path)

@@ -151,3 +151,38 @@ def test_command_line_runs_each_configuration_in_a_fresh_process(tiny_moe_dir, t
     failed = result["runs"][1]
     assert failed["label"] == "broken+lru@0.5" and not failed["exact"] and "missing" in failed["error"]
     assert "accelerate_disk" not in result["baselines"] and result["hash_thread_cost"] is None
+
+
+def test_simulate_puts_the_simulators_prediction_beside_each_run(tiny_moe_dir, text_corpus, tmp_path):
+    """`simulate`: every run gains the time-true simulator's figures on the recorded generation, with
+    the bench's own slots and a link calibrated from this bench; the agreement is computed."""
+    model = tiny_moe_dir("mixtral")
+    runs = parse_runs("none:lru@0.5,oracle:lru@0.5,none:lru@0.25,none:lru@0.5")
+    with pytest.raises(BenchError, match="all_resident"):
+        bench.bench_runtime(model, corpus_texts(text_corpus), predictors={"none": None}, runs=runs[:1],
+                            baselines=("accelerate_disk",), simulate=True, isolate=False)
+    with pytest.raises(BenchError, match="without a predictor"):
+        bench.bench_runtime(model, corpus_texts(text_corpus), predictors={"oracle": None}, runs=runs[1:2],
+                            baselines=("all_resident",), simulate=True, isolate=False)
+    result = bench.bench_runtime(model, corpus_texts(text_corpus), predictors={"none": None, "oracle": None},
+                                 runs=runs, new_tokens=6, baselines=("all_resident",), simulate=True, isolate=False)
+    assert result["model"]["fingerprint"] == fingerprint_model(*load_model(model)).to_dict()
+    for run in result["runs"]:
+        sim = run["simulated"]
+        assert sim["slots"] == run["stats"]["slots"] and sim["tokens_per_s"] > 0 and 0 <= sim["hit_rate"] <= 1
+    first, oracle, quarter, again = (r["simulated"] for r in result["runs"])
+    assert first == again  # one simulation per distinct run
+    headline = result["ratios"]["none+lru@0.5"]  # the median of its two repeats
+    assert headline["repeats"] == 2 and headline["vs_none_lru"] == 1.0
+    assert headline["tokens_per_s_range"][0] <= headline["tokens_per_s"] <= headline["tokens_per_s_range"][1]
+    assert oracle["hit_rate"] > first["hit_rate"]  # prefetching the router's true choices
+    assert quarter["mb_moved_per_token"] > first["mb_moved_per_token"]  # fewer slots, more loads
+    simulator = result["simulator"]
+    assert simulator["calibration"]["source"]["kind"] == "bench"
+    agreement = simulator["agreement"]
+    assert [r["label"] for r in agreement["runs"]] == ["none+lru@0.5", "oracle+lru@0.5", "none+lru@0.25"]
+    assert -1 <= agreement["spearman"] <= 1 and agreement["median_relative_error"] >= 0
+    for budget, sim in (("0.5", first), ("0.25", quarter)):
+        limit = simulator["bounds"][budget]
+        assert limit["belady_hit_rate"] >= sim["hit_rate"]  # no policy on demand loads less than Belady
+        assert limit["physical_limit_tokens_per_s"] >= limit["belady_simulated_tokens_per_s"] > 0

@@ -55,9 +55,10 @@ def test_signal_lets_the_running_request_finish_then_exits_0(tiny_moe_dir, sig):
         body = {"model": MODEL, "prompt": "x", "max_tokens": 250, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
             for line in stream.iter_lines():
-                if line:
-                    lines.append(line)
-                if len(lines) == 3:
+                if not line:  # the blank line between events
+                    continue
+                lines.append(line)
+                if len(lines) == 3:  # once: a second Ctrl-C is uvicorn's "force exit"
                     proc.send_signal(sig)  # mid-stream
         assert lines[-1] == "data: [DONE]"
         final = json.loads(lines[-2][len("data: "):])
