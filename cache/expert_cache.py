@@ -294,10 +294,11 @@ class ExpertCache:
                      transfer_s: float, scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
                      predicted: tuple[np.ndarray, np.ndarray] | None = None, ahead: int = 1,
                      forecasts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-                     ) -> tuple[int, np.ndarray, np.ndarray]:
+                     hide_only: bool = False) -> tuple[int, np.ndarray, np.ndarray]:
         """`replay` on a clock: each layer-step computes `compute_s` seconds once its experts are
         in, each expert's copy takes `transfer_s` on one link, demand loads ahead of prefetches
-        (see `cache.simulator`). The cache's decisions are those of `replay`. Returns (late
+        (see `cache.simulator`). The cache's decisions are those of `replay`; with `hide_only` a
+        prefetch is issued only if its copy can end before its layer starts. Returns (late
         prefetches, clock [simulated s, link idle at, stall s], loads [demand, prefetch, wasted])."""
         self._check_replay_args(n_layers, keys, offsets, scores, predicted, ahead, forecasts)
         checks.durations(compute_s=compute_s, transfer_s=transfer_s)
@@ -309,7 +310,8 @@ class ExpertCache:
             late, off = loops.replay_timed(
                 self.state.struct, n_layers, keys, offsets, *score_arrays, scores is not None,
                 *_forecast_arrays(forecasts), predicted_keys,
-                predicted_offsets, ahead, float(compute_s), float(transfer_s), inserted, evicted, clock, transfers)
+                predicted_offsets, ahead, float(compute_s), float(transfer_s), bool(hide_only), inserted, evicted,
+                clock, transfers)
             self._check_replay(keys, off)
             return int(late), clock, transfers
 

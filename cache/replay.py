@@ -226,14 +226,37 @@ def _issue(st, wanted, token, issued, seg, tq, q_key, q_time, queued, serial, mo
     tq[0], tq[1] = tail, depth
 
 
+@inline
+def _hideable(st, wanted, now, layers_ahead, compute_s, transfer_s, seg, depth, q_key, queued, serial, clock):
+    """`wanted` less the non-resident keys whose copy would not end before their layer starts,
+    `layers_ahead` layer computes after `now`: behind the copy in flight and the queued
+    prefetches, each copy takes `transfer_s` (resident keys stay: a call spares its own keys)."""
+    backlog = 0
+    for d in range(depth):
+        for c in range(seg[d, CUR], seg[d, END]):
+            if queued[q_key[c]] and serial[q_key[c]] == c:
+                backlog += 1
+    room = int((now + layers_ahead * compute_s - max(clock[FREE], now)) / transfer_s) - backlog
+    kept = np.empty(len(wanted), np.int64)
+    n = 0
+    for key in wanted:
+        if st.resident[key] or room > 0:
+            if not st.resident[key]:
+                room -= 1
+            kept[n] = key
+            n += 1
+    return kept[:n]
+
+
 @jit
 def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_offsets, use_scores,
                  fc_keys, fc_values, fc_offsets, predicted, predicted_offsets, ahead, compute_s, transfer_s,
-                 inserted, evicted, clock, loads):
+                 hide_only, inserted, evicted, clock, loads):
     """`replay_prefetch` (or `replay_demand`, with no predicted keys) on a clock: each layer-step
     computes `compute_s` once its experts are in; each transfer takes `transfer_s` on one link
-    (see `cache.simulator`). Fills `clock` and `loads`; returns (late prefetches, -1 or the
-    access number of a key off Belady's sequence)."""
+    (see `cache.simulator`); with `hide_only` a prefetch is issued only if its copy can end
+    before its layer starts (`_hideable`). Fills `clock` and `loads`; returns (late prefetches,
+    -1 or the access number of a key off Belady's sequence)."""
     n_keys = len(st.order)
     queued = np.zeros(n_keys, np.bool_)  # prefetched, slot taken, copy not started
     serial = np.zeros(n_keys, np.int64)
@@ -251,6 +274,9 @@ def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_of
         _forecast(st, t, fc_keys, fc_values, fc_offsets)
         for layer in range(ahead if prefetching else 0):
             wanted = predicted[predicted_offsets[base + layer]:predicted_offsets[base + layer + 1]]
+            if hide_only:
+                wanted = _hideable(st, wanted, clock[NOW], layer, compute_s, transfer_s, seg, tq[1], q_key, queued,
+                                   serial, clock)
             _issue(st, wanted, t, clock[NOW], seg, tq, q_key, q_time, queued, serial, moved, loads, inserted, evicted)
         for layer in range(n_layers):
             j = base + layer
@@ -294,6 +320,9 @@ def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_of
                 for key in step:  # the layer's experts stay pinned while it prefetches
                     st.pins[key] += 1
                 wanted = predicted[predicted_offsets[j + ahead]:predicted_offsets[j + ahead + 1]]
+                if hide_only:
+                    wanted = _hideable(st, wanted, ready, ahead, compute_s, transfer_s, seg, tq[1], q_key, queued,
+                                       serial, clock)
                 _issue(st, wanted, t, ready, seg, tq, q_key, q_time, queued, serial, moved, loads, inserted, evicted)
                 for key in step:
                     st.pins[key] -= 1

@@ -29,7 +29,10 @@ them, a prefetch still queued for it becomes a demand load, and one in flight is
 layer stalls until its last expert is in (a late prefetch counts the remaining time as stall).
 An evicted key's queued copy is cancelled; a prefetch copied and evicted before any use is
 wasted. Reported: simulated seconds, stall seconds, bytes moved and bytes wasted, per generated
-token (trace row), and tokens/s (`SimResult.timed`).
+token (trace row), and tokens/s (`SimResult.timed`). With `hide_only` (cost-aware prefetch's link
+half) a predicted key is prefetched only if, behind the copy in flight and the prefetches queued,
+its copy ends before its layer-step starts (the compute of the layer-steps in between, stalls
+not counted); the others are left to demand loads.
 """
 
 from __future__ import annotations
@@ -350,11 +353,14 @@ def simulate(
     horizon: int | None = None,
     transfer_per_step: int | None = None,
     timing: LinkTiming | None = None,
+    hide_only: bool = False,
 ) -> SimResult:
     """Replay through a fresh ExpertCache(capacity, policy). Prefetches when the replay holds
     predictions. `policy` must be a new object (a policy serves one cache). Policies with
     `uses_scores` get the replay's router scores before each layer-step. With `timing` the
-    replay runs on a clock (the module doc); `transfer_per_step` is the count-only link."""
+    replay runs on a clock (the module doc); `transfer_per_step` is the count-only link.
+    `hide_only` (with `timing`): a prefetch is issued only if the link can move it before its
+    layer starts, behind the copy in flight and the prefetches queued."""
     if replay.max_layer_keys > capacity:
         where = "per layer" if per_layer else "in all"
         raise CapacityError(
@@ -379,6 +385,8 @@ def simulate(
                           f"got {type(timing).__name__}")
     if timing is not None and transfer_per_step is not None:
         raise ValueError("give timing (the timed link) or transfer_per_step (the count-only link), not both")
+    if hide_only and timing is None:
+        raise TimingError("hide_only weighs a prefetch's link time against compute: give timing too")
 
     cache = ExpertCache(capacity, policy, per_layer=per_layer, n_layers=replay.n_layers, n_experts=replay.n_experts)
     if policy.uses_forecasts and replay.forecasts is None:
@@ -393,7 +401,8 @@ def simulate(
         late = cache.replay(replay.n_layers, replay.keys, replay.offsets, bandwidth=transfer_per_step, **replayed)
     else:
         late, clock, loads = cache.replay_timed(replay.n_layers, replay.keys, replay.offsets,
-                                                timing.layer_compute_s, timing.transfer_s, **replayed)
+                                                timing.layer_compute_s, timing.transfer_s, hide_only=hide_only,
+                                                **replayed)
         timed = TimedStats(timing, replay.tokens, float(clock[NOW]), float(clock[STALL]),
                            int(loads[DEMAND]), int(loads[PREFETCH]), int(loads[WASTED_LOADS]))
     seconds = time.perf_counter() - started

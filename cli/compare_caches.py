@@ -34,6 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="time-true link: calibrated from a `prescient bench` JSON, or a `prescient profile-hw` JSON "
                         "or preset with --model-config (default: count-only)")
     p.add_argument("--model-config", help="the model's config.json or directory, for --timing PROFILE")
+    p.add_argument("--hide-only", action="store_true",
+                   help="with --timing: prefetch an expert only if the link can move it before its layer runs")
     p.add_argument("--prefetch-k", type=positive_int, default=None,
                    help="predicted experts prefetched per row and layer (default: the model's top-k)")
     add_results_args(p, plot="PNG of hit and stall rates against capacity")
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> None:
                                   fingerprint=manifest.fingerprint if manifest else None)
     result = compare_caches(args.trace, args.policies, args.capacity, args.batch_size, args.predictor,
                             args.train_trace, args.horizon, args.transfer_per_step, args.prefetch_k,
-                            timing=calibration and calibration.timing)
+                            timing=calibration and calibration.timing, hide_only=args.hide_only)
     if calibration is not None:
         result["timing_calibration"] = calibration.to_dict()
     print(format_table(result))

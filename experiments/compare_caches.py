@@ -145,13 +145,15 @@ def compare_caches(
     prefetch_k: int | None = None,
     progress: bool = True,
     timing: LinkTiming | None = None,
+    hide_only: bool = False,
 ) -> dict[str, Any]:
     """Replay the trace at `trace_dir` through every (batch size, policy, capacity), on demand
     and, with `predictor` (a built-in name, an artifact path or a built predictor),
     with prefetching. Returns the JSON of the module doc. With `timing` every run is timed
     (`cache.simulator`'s time-true model, instead of `transfer_per_step`'s count-only link) and
     its record gains simulated seconds, stall seconds, bytes moved and wasted per token and
-    tokens/s (`cache.timing.TimedStats`); `settings.link_timing` holds the parameters."""
+    tokens/s (`cache.timing.TimedStats`); `settings.link_timing` holds the parameters. `hide_only`
+    (with `timing`): prefetch only what the link can move before its layer runs."""
     start = time.perf_counter()
     policies = check_policies(tuple(policies))
     if not batch_sizes or any(b < 1 for b in batch_sizes):
@@ -162,6 +164,8 @@ def compare_caches(
         raise CompareCachesError(f"transfer_per_step must be >= 0 experts (or None: instant), got {transfer_per_step}")
     if timing is not None and transfer_per_step is not None:
         raise CompareCachesError("give timing (the time-true link) or transfer_per_step (the count-only link), not both")
+    if hide_only and timing is None:
+        raise CompareCachesError("hide-only prefetch weighs each copy's link time against compute: give --timing")
     trace = load_trace(trace_dir)
     fp = trace.fingerprint
     total = fp.n_moe_layers * fp.n_experts
@@ -197,7 +201,7 @@ def compare_caches(
         "policies": list(policies), "capacities": [capacity_value(c) for c in capacities], "capacity_slots": slots,
         "total_experts": total, "budget": "global", "batch_sizes": list(batch_sizes),
         "horizon": horizon, "transfer_per_step": transfer_per_step,
-        "link_timing": timing.to_dict() if timing is not None else None,
+        "link_timing": timing.to_dict() if timing is not None else None, "hide_only": hide_only,
         "prefetch_k": prefetch_k if prefetch_k is not None else fp.top_k,
         "mrs": {"alpha": 0.5, "p": 2 * fp.top_k},
     }
@@ -236,7 +240,8 @@ def compare_caches(
         replay = replays[b, prefetch]
         sim = simulate(replay, n, policy_for(policy, replay, fp.top_k, frequencies),
                        horizon=horizon if prefetch else None,
-                       transfer_per_step=transfer_per_step if prefetch else None, timing=timing)
+                       transfer_per_step=transfer_per_step if prefetch else None, timing=timing,
+                       hide_only=hide_only and prefetch)
         record = {"policy": policy, "capacity": n, "capacity_fraction": n / total, "capacity_given": capacity_value(given),
                   "batch_size": b, "prefetch": prefetch, "hit_rate": sim.hit_rate, "stall_rate": sim.stall_rate}
         result["runs"].append({**record, **{k: v for k, v in sim.to_dict().items() if k not in record},

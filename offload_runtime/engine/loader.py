@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from cache import make_serving_policy
+from cache.timing import LinkTiming
 from offload_runtime.engine.runtime import OffloadRuntime
 from offload_runtime.engine.slots import SlotPool
 from offload_runtime.engine.store import ExpertStore
@@ -25,14 +26,17 @@ log = logging.getLogger(__name__)
 def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredictor | None = None,
                    policy: str = "lru", budget: Budget | float | int | str = 0.5, store: str = "disk",
                    drop_page_cache: bool = False, device: str | torch.device = "cpu",
-                   prefetch_per_layer: int | None = None, transfer_workers: int = 1):
+                   prefetch_per_layer: int | None = None, transfer_workers: int = 1,
+                   link_timing: LinkTiming | None = None):
     """A transformers model whose routed experts live in `store` ("disk" or "host") and are
     loaded into `budget` worth of slots on `device` (a `Budget`; or a fraction of all experts, bytes, or a
     string like "512MiB"). `predictor` (an artifact path, or a predictor) drives SiDA-style
     prefetching; one built for another model is a `FingerprintMismatchError`. It prefetches
     `prefetch_per_layer` experts per layer and predicted token (default: the model's top-k).
     `transfer_workers` copies run at once (on our CPU machine two made no measurable difference
-    to decode speed from disk; see the README).
+    to decode speed from disk; see the README). With `link_timing` (a `cache.timing.LinkTiming`,
+    e.g. `experiments.timing_calibration.load_timing(...).timing`) a predicted expert is prefetched
+    only if its copy can end before its layer runs; the others are left to demand loads.
 
     `generate(...)` works as usual. `model.offload_runtime` holds the runtime: `stats()`, and
     `close()`, which stops its threads; or run the model inside `with model.offload_runtime:`. A
@@ -55,7 +59,7 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
         pool = SlotPool.for_budget(expert_store.specs, layers[0].num_experts, layers[0].top_k, budget, device)
         model.offload_runtime = OffloadRuntime(model, layers, expert_store, pool, fingerprint, policy=eviction,
                                                predictor=predictor, prefetch_per_layer=prefetch_per_layer,
-                                               transfer_workers=transfer_workers)
+                                               transfer_workers=transfer_workers, link_timing=link_timing)
     except BaseException:
         expert_store.close()
         raise

@@ -8,7 +8,8 @@ to the hash-building thread. Per MoE layer (inference thread), in `use(layer, ex
   2. with a predictor: the forward's hash table, once ready, is turned into prefetches of the
      predicted experts of the stack's layers after this one, nearest layer first, as far as the slots
      not in use allow (one prefetch call never evicts a key of its own, so a prefetch never
-     evicts another wanted one); each layer tops this up
+     evicts another wanted one); each layer tops this up. With a `link_timing`, only those whose
+     copy can end before their layer runs (`_hideable`)
   3. every selected expert is waited for; the model's own expert math runs on the slots
      (see `offloaded_experts`); the experts are unpinned
 The cache decides residency; the slot map mirrors it: an insert takes a slot and requests its
@@ -41,6 +42,7 @@ import torch
 from torch import nn
 
 from cache import EvictionPolicy, ExpertCache, Key
+from cache.timing import LinkTiming
 from offload_runtime.engine.hash_builder import HashBuilder, HashBuilderError, HashTable
 from offload_runtime.engine.offloaded_experts import offload_experts
 from offload_runtime.engine.slots import SlotPool
@@ -85,7 +87,8 @@ class RuntimeStats:
 class OffloadRuntime:
     def __init__(self, model: nn.Module, layers: list[MoELayer], store: ExpertStore, pool: SlotPool,
                  fingerprint: ModelFingerprint, policy: EvictionPolicy, predictor: ExpertPredictor | None = None,
-                 prefetch_per_layer: int | None = None, transfer_workers: int = 1) -> None:
+                 prefetch_per_layer: int | None = None, transfer_workers: int = 1,
+                 link_timing: LinkTiming | None = None) -> None:
         self.model, self.layers, self.store, self.pool = model, layers, store, pool
         self.fingerprint = fingerprint  # computed once at load; CGOPipe checks predictors against it
         self.top_k = layers[0].top_k
@@ -94,6 +97,7 @@ class OffloadRuntime:
         self.cache = ExpertCache(pool.num_slots, self.policy, n_layers=len(layers), top_k=self.top_k,
                                  on_evict=self._on_evict)
         self.prefetch_per_layer = prefetch_per_layer or self.top_k
+        self.link_timing = link_timing  # hide-only prefetch (see _hideable); None: as many as the slots allow
         self.arrival_order = False  # see parts(); CGOPipe turns it on
         self.late_tables = 0
         self.tables_on_time = 0
@@ -269,10 +273,29 @@ class OffloadRuntime:
         if self._wanted is None or layer <= self._prefetched_after:
             return
         self._prefetched_after = layer
-        wanted = [key for keys in self._wanted[layer + 1:] for key in keys]
+        wanted = ([key for keys in self._wanted[layer + 1:] for key in keys] if self.link_timing is None
+                  else self._hideable(layer))
         # the cache spares every key of one prefetch call: a prefetch never evicts another wanted one
         inserted = self.prefetch(wanted, priority=self._step * _STEP_PRIORITY - self._rank - 1)
         self._rank += len(inserted)
+
+    def _hideable(self, layer: int) -> list[Key]:
+        """The predicted keys of the layers after `layer` whose copies can end before their layer
+        starts (cost-aware prefetch's link half, as the simulator's `hide_only`): layer l leaves
+        l - layer layer computes, less the copies waiting or running and those chosen for nearer
+        layers. Resident keys stay in the list (a prefetch call spares its own keys)."""
+        timing = self.link_timing
+        chosen = self.engine.pending
+        kept = []
+        for later in range(layer + 1, len(self._wanted)):
+            room = int((later - layer) * timing.layer_compute_s / timing.transfer_s)
+            for key in self._wanted[later]:
+                if key in self.cache:
+                    kept.append(key)
+                elif chosen < room:
+                    kept.append(key)
+                    chosen += 1
+        return kept
 
     def _predicted_keys(self, table: HashTable) -> list[list[Key]]:
         """Per layer of the running stack (other layers: none), the experts to prefetch, best

@@ -192,6 +192,12 @@ class TransferEngine:
         with self._cond:
             return sum(not t.future.done() and not t.future.running() for t in self._tickets.values())
 
+    @property
+    def pending(self) -> int:
+        """Copies waiting or running."""
+        with self._cond:
+            return sum(not t.future.done() for t in self._tickets.values())
+
     def close(self) -> None:
         """Cancel queued copies, let running ones finish, stop the workers. Idempotent."""
         with self._cond:

@@ -181,3 +181,33 @@ def test_timing_is_a_link_timing_and_not_both_link_models():
         simulate(replay, 1, make_policy("lru"), timing={"layer_compute_s": 1})
     with pytest.raises(ValueError, match="not both"):
         simulate(replay, 1, make_policy("lru"), transfer_per_step=1, timing=timing(1.0, 1.0))
+
+
+def test_hide_only_drops_the_prefetches_that_cannot_end_before_their_layer():
+    n = 20  # layer 1's copy (1.5 s) cannot hide behind layer 0's compute (1 s): none is issued
+    r = simulate(prefetched_layer_replay(n), 1, make_policy("lru"), per_layer=True, horizon=1,
+                 timing=timing(1.0, 1.5), hide_only=True)
+    t = r.timed
+    assert (t.prefetch_loads, r.prefetch_inserts, r.late_prefetches) == (0, 0, 0)
+    assert r.misses == 1 + n and t.stall_seconds == pytest.approx(1.5 * (1 + n))  # every one a demand load
+    fits = simulate(prefetched_layer_replay(n), 1, make_policy("lru"), per_layer=True, horizon=1,
+                    timing=timing(1.0, 0.9), hide_only=True)  # 0.9 s fits behind 1 s: all of layer 1's go
+    assert fits.timed.prefetch_loads == n and fits.misses == 1 and fits.timed.stall_seconds == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize("horizon", [1, None])
+def test_hide_only_on_a_link_slower_than_a_token_is_demand_loading(horizon):
+    replay = random_replay()
+    demand = Replay(replay.n_layers, replay.n_experts, replay.top_k, 1, replay.keys, replay.offsets,
+                    n_tokens=replay.n_tokens)
+    slow = timing(1e-3, 5e-3)  # one copy outlasts the compute of a token's 4 layers
+    gated = simulate(replay, 20, make_policy("lru"), horizon=horizon, timing=slow, hide_only=True)
+    alone = simulate(demand, 20, make_policy("lru"), timing=slow)
+    assert gated.timed.prefetch_loads == gated.prefetch_inserts == 0
+    assert (gated.hits, gated.misses, gated.timed.simulated_seconds) == (alone.hits, alone.misses,
+                                                                         alone.timed.simulated_seconds)
+    fast = timing(1e-3, 1e-4)
+    hidden = simulate(replay, 20, make_policy("lru"), horizon=horizon, timing=fast, hide_only=True)
+    assert hidden.timed.prefetch_loads > 0
+    with pytest.raises(TimingError, match="give timing"):
+        simulate(replay, 20, make_policy("lru"), hide_only=True)

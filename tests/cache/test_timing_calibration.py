@@ -157,3 +157,11 @@ def test_compare_caches_with_a_timing_adds_the_clock_to_every_record(tmp_path):
         assert "simulated_seconds" not in c
     with pytest.raises(CompareCachesError, match="not both"):
         compare_caches(trace, timing=timing, transfer_per_step=2, **kwargs)
+    with pytest.raises(CompareCachesError, match="give --timing"):
+        compare_caches(trace, hide_only=True, **kwargs)
+    slow = LinkTiming(0.01, 1000, 1000)  # a copy takes 1 s, a token 0.04 s: nothing can hide
+    gated = compare_caches(trace, timing=slow, hide_only=True, **kwargs)
+    assert gated["settings"]["hide_only"]
+    demand = {(r["policy"], r["capacity"]): r for r in gated["runs"] if not r["prefetch"]}
+    for r in (r for r in gated["runs"] if r["prefetch"]):
+        assert r["prefetch_inserts"] == 0 and r["misses"] == demand[r["policy"], r["capacity"]]["misses"]

@@ -1,5 +1,6 @@
 """Learned eviction in the serving runtime: the hash-building thread's tables carry the forecast
-heads' chances of use, the cache ranks by them, and generation stays exact."""
+heads' chances of use, the cache ranks by them, and generation stays exact; hide-only prefetch
+(a link timing) issues only the copies that can end before their layer runs."""
 
 import dataclasses
 
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from cache.timing import LinkTiming
 from offload_runtime.engine.loader import load_offloaded
 from predictor import ForecastHorizonError, PredictorError, PredictorMeta, SiDAHash, SiDAPredictor, SiDASizes
 from prescient.fingerprint import fingerprint_model
@@ -51,3 +53,19 @@ def test_learned_eviction_needs_a_predictor_with_forecast_heads(tiny_moe_dir, tm
         load_offloaded(path, policy="learned", budget=0.5)
     with pytest.raises(ForecastHorizonError, match="--model.horizon"):
         load_offloaded(path, predictor=save_tiny_predictor("frequency", path, tmp_path), policy="learned", budget=0.5)
+
+
+@pytest.mark.parametrize(("compute_s", "transfer_s", "prefetches"), [(1e-3, 1.0, False), (1.0, 1e-3, True)])
+def test_hide_only_prefetch_issues_only_what_the_link_can_hide(tiny_moe_dir, compute_s, transfer_s, prefetches):
+    path = tiny_moe_dir("mixtral")
+    inputs = encode(path, encoder_decoder=False)
+    plain, _ = load_model(path, dtype=torch.float32)
+    want = generate(plain, inputs, new_tokens=6)
+    link = LinkTiming(compute_s, 100.0, 100.0 / transfer_s)  # a copy takes transfer_s, a layer computes compute_s
+    model = load_offloaded(path, predictor=forecasting_sida(path), policy="lru", budget=0.5, link_timing=link)
+    wait_for_tables(model)
+    with model.offload_runtime as runtime:
+        out = generate(model, inputs, new_tokens=6)
+        stats = runtime.stats()
+    assert torch.equal(out, want)
+    assert stats.tables_on_time > 0 and (stats.prefetch_inserts > 0) == prefetches
