@@ -27,6 +27,7 @@ from typing import Any
 import pandas as pd
 
 from cache import POLICIES, Replay, simulate
+from cache.timing import LinkTiming
 from experiments.compare_caches import (
     SAME_TRACE,
     build_predictor,
@@ -61,7 +62,8 @@ def simulate_bench(result: dict[str, Any], trace_dir: str | Path, predictor_path
                            "method": " ".join(__doc__.split("\n\n")[1:3]).replace("\n", " ")}
 
 
-def simulate_run(trace: Trace, run: dict[str, Any], predictor_path: str | None, timing) -> dict[str, Any]:
+def simulate_run(trace: Trace, run: dict[str, Any], predictor_path: str | None,
+                 timing: LinkTiming) -> dict[str, Any]:
     """One bench run (its predictor, policy and slot count) replayed on `trace` with `timing`."""
     fp = trace.fingerprint
     total = fp.n_moe_layers * fp.n_experts

@@ -99,6 +99,7 @@ class TransferEngine:
         self._busy: set[int] = set()  # slots being copied into
         self._deferred: list[Ticket] = []  # popped while their slot was busy
         self._failed: list[Ticket] = []  # failures not yet raised in a caller
+        self._pending = 0  # tickets requested, neither finished nor cancelled
         self._stats = TransferStats()
         self._closed = False
         self._threads = [threading.Thread(target=self._run, name=f"expert-transfer-{i}", daemon=True)
@@ -130,6 +131,7 @@ class TransferEngine:
                 self._cancel(stale)
             ticket = Ticket(key, slot, demand, priority, after=after)
             self._tickets[key] = self._queued_in[slot] = ticket
+            self._pending += 1
             self._push(ticket)
             return ticket
 
@@ -194,9 +196,9 @@ class TransferEngine:
 
     @property
     def pending(self) -> int:
-        """Copies waiting or running."""
+        """Copies waiting or running (a counter: the runtime reads it on the decode path)."""
         with self._cond:
-            return sum(not t.future.done() for t in self._tickets.values())
+            return self._pending
 
     def close(self) -> None:
         """Cancel queued copies, let running ones finish, stop the workers. Idempotent."""
@@ -232,6 +234,7 @@ class TransferEngine:
         if ticket.future.cancelled() or not ticket.future.cancel():
             return False
         self._stats.cancelled += 1
+        self._pending -= 1
         if self._queued_in.get(ticket.slot) is ticket:
             del self._queued_in[ticket.slot]
         return True
@@ -263,6 +266,7 @@ class TransferEngine:
 
     def _finish(self, ticket: Ticket, error: Exception | None) -> None:
         self._busy.discard(ticket.slot)
+        self._pending -= 1
         for waiting in [t for t in self._deferred if t.slot == ticket.slot]:
             self._deferred.remove(waiting)
             self._push(waiting)

@@ -102,8 +102,9 @@ def test_cancel_stale_drops_queued_prefetches_but_not_running_ones():
         engine.request((0, 1), 1, priority=0.4)
         engine.request((0, 2), 2, priority=0.3)
         engine.request((0, 3), 3, demand=True)
-        assert engine.queued == 3
+        assert engine.queued == 3 and engine.pending == 4  # and (0, 0) running
         assert engine.cancel_stale(keep={(0, 2)}) == [(0, 1)]  # (0, 0) runs, (0, 3) is a demand
+        assert engine.pending == 3
         assert not engine.cancel((0, 0))
         store.gate.set()
         with pytest.raises(TransferCancelledError, match=r"\(0, 1\)"):
@@ -111,7 +112,7 @@ def test_cancel_stale_drops_queued_prefetches_but_not_running_ones():
         for key in [(0, 3), (0, 0), (0, 2)]:
             engine.wait(key, timeout=5)
         assert (0, 1) not in store.order()
-        assert engine.stats.cancelled == 1 and engine.stats.loads == 3
+        assert engine.stats.cancelled == 1 and engine.stats.loads == 3 and engine.pending == 0
         assert engine.ready((0, 0)) and not engine.ready((0, 1))
 
 
