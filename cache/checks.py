@@ -58,12 +58,17 @@ def replay_arrays(n_layers: int, max_layers: int, n_keys: int, keys: np.ndarray,
     if score_arrays is not None:
         _keyed_values("score", score_arrays, n_keys, len(offsets), scores)
     if predicted is not None:
-        _ids("predicted keys", predicted[0], n_keys)
-        _offsets("predicted offsets", predicted[1], len(predicted[0]), len(offsets))
+        predicted_keys("predicted", predicted, n_keys, len(offsets))
     if not _whole(ahead) or not 0 <= ahead <= n_layers:
         raise CacheError(f"ahead {ahead!r} must be in 0..{n_layers} layers")
     if forecasts is not None:  # any number of token-steps
         _keyed_values("forecast", forecasts, n_keys, max(len(forecasts[2]), 1), chances)
+
+
+def predicted_keys(name: str, predicted: tuple[np.ndarray, np.ndarray], n_keys: int, n_offsets: int) -> None:
+    """Predicted key ids below `n_keys`, with `n_offsets` offsets over them (one per layer-step + 1)."""
+    _ids(f"{name} keys", predicted[0], n_keys)
+    _offsets(f"{name} offsets", predicted[1], len(predicted[0]), n_offsets)
 
 
 def _keyed_values(name: str, arrays: tuple[np.ndarray, np.ndarray, np.ndarray], n_keys: int, n_offsets: int,

@@ -294,24 +294,32 @@ class ExpertCache:
                      transfer_s: float, scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
                      predicted: tuple[np.ndarray, np.ndarray] | None = None, ahead: int = 1,
                      forecasts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-                     hide_only: bool = False) -> tuple[int, np.ndarray, np.ndarray]:
+                     hide_only: bool = False,
+                     next_predicted: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[int, np.ndarray, np.ndarray]:
         """`replay` on a clock: each layer-step computes `compute_s` seconds once its experts are
         in, each expert's copy takes `transfer_s` on one link, demand loads ahead of prefetches
         (see `cache.simulator`). The cache's decisions are those of `replay`; with `hide_only` a
-        prefetch is issued only if its copy can end before its layer starts. Returns (late
-        prefetches, clock [simulated s, link idle at, stall s], loads [demand, prefetch, wasted])."""
+        prefetch is issued only if its copy can end before its layer starts. `next_predicted`
+        (keys, offsets per layer-step (t, l): the keys forecast at token t for (t+1, l)) adds
+        cross-token prefetch. Returns (late prefetches, clock [simulated s, link idle at, stall
+        s], loads [demand, prefetch, wasted])."""
         self._check_replay_args(n_layers, keys, offsets, scores, predicted, ahead, forecasts)
+        if next_predicted is not None:
+            if predicted is None:
+                raise CacheError("cross-token prefetch (next_predicted) extends prefetching: give predicted too")
+            with self._lock:
+                checks.predicted_keys("next predicted", next_predicted, len(self._keys), len(offsets))
         checks.durations(compute_s=compute_s, transfer_s=transfer_s)
-        score_arrays, inserted, evicted = self._replay_buffers(offsets, scores, predicted)
-        predicted_keys, predicted_offsets = predicted if predicted is not None else (
-            np.zeros(0, np.int64), np.zeros(1, np.int64))
+        score_arrays, inserted, evicted = self._replay_buffers(offsets, scores, predicted, next_predicted)
+        none = (np.zeros(0, np.int64), np.zeros(1, np.int64))
+        predicted_keys, predicted_offsets = predicted if predicted is not None else none
+        next_keys, next_offsets = next_predicted if next_predicted is not None else none
         clock, transfers = np.zeros(3, np.float64), np.zeros(3, np.int64)
         with self._lock:
             late, off = loops.replay_timed(
                 self.state.struct, n_layers, keys, offsets, *score_arrays, scores is not None,
-                *_forecast_arrays(forecasts), predicted_keys,
-                predicted_offsets, ahead, float(compute_s), float(transfer_s), bool(hide_only), inserted, evicted,
-                clock, transfers)
+                *_forecast_arrays(forecasts), predicted_keys, predicted_offsets, next_keys, next_offsets, ahead,
+                float(compute_s), float(transfer_s), bool(hide_only), inserted, evicted, clock, transfers)
             self._check_replay(keys, off)
             return int(late), clock, transfers
 
@@ -330,13 +338,14 @@ class ExpertCache:
 
     @staticmethod
     def _replay_buffers(offsets: np.ndarray, scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
-                        predicted: tuple[np.ndarray, np.ndarray] | None) -> tuple[tuple, np.ndarray, np.ndarray]:
+                        *predicted: tuple[np.ndarray, np.ndarray] | None) -> tuple[tuple, np.ndarray, np.ndarray]:
         """The score arrays (empty ones without scores) and the buffers of one call's changes."""
         empty_i, empty_f = np.zeros(1, np.int64), np.zeros(0, np.float64)
         score_arrays = scores if scores is not None else (empty_i, empty_f, empty_i)
         largest = max(int(np.diff(offsets).max(initial=0)), 1)  # the most keys one call inserts
-        if predicted is not None:
-            largest = max(largest, int(np.diff(predicted[1]).max(initial=0)))
+        for keys_offsets in predicted:
+            if keys_offsets is not None:
+                largest = max(largest, int(np.diff(keys_offsets[1]).max(initial=0)))
         return score_arrays, np.empty(largest, np.int64), np.empty(largest, np.int64)
 
     def _check_replay(self, keys: np.ndarray, off: int) -> None:

@@ -250,26 +250,31 @@ def _hideable(st, wanted, now, layers_ahead, compute_s, transfer_s, seg, depth, 
 
 @jit
 def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_offsets, use_scores,
-                 fc_keys, fc_values, fc_offsets, predicted, predicted_offsets, ahead, compute_s, transfer_s,
-                 hide_only, inserted, evicted, clock, loads):
+                 fc_keys, fc_values, fc_offsets, predicted, predicted_offsets, next_predicted, next_offsets, ahead,
+                 compute_s, transfer_s, hide_only, inserted, evicted, clock, loads):
     """`replay_prefetch` (or `replay_demand`, with no predicted keys) on a clock: each layer-step
     computes `compute_s` once its experts are in; each transfer takes `transfer_s` on one link
     (see `cache.simulator`); with `hide_only` a prefetch is issued only if its copy can end
-    before its layer starts (`_hideable`). Fills `clock` and `loads`; returns (late prefetches,
-    -1 or the access number of a key off Belady's sequence)."""
+    before its layer starts (`_hideable`). Cross-token prefetch, when `next_predicted` holds keys
+    (per layer-step (t, l): those forecast at token t for (t+1, l)): a layer `ahead` steps on
+    that falls in the next token is prefetched from them. Fills `clock` and `loads`; returns
+    (late prefetches, -1 or the access number of a key off Belady's sequence)."""
     n_keys = len(st.order)
     queued = np.zeros(n_keys, np.bool_)  # prefetched, slot taken, copy not started
     serial = np.zeros(n_keys, np.int64)
     done = np.zeros(n_keys, np.float64)  # when the key's last started copy ends
     moved = np.zeros(n_keys, np.bool_)  # copied by a prefetch, not used since
-    q_key = np.empty(len(predicted) + 1, np.int64)  # prefetches in issue order
-    q_time = np.empty(len(predicted) + 1, np.float64)
-    seg = np.zeros((len(predicted) + 1, 3), np.int64)  # a stack of per-token-step queue segments
+    n_issuable = len(predicted) + len(next_predicted) + 1
+    q_key = np.empty(n_issuable, np.int64)  # prefetches in issue order
+    q_time = np.empty(n_issuable, np.float64)
+    seg = np.zeros((n_issuable, 3), np.int64)  # a stack of per-token-step queue segments
     tq = np.zeros(2, np.int64)  # entries issued, segments on the stack
     waits = np.empty(len(inserted), np.int64)
     prefetching = len(predicted) > 0
+    crossing = len(next_offsets) > 1
+    n_steps = (len(offsets) - 1) // n_layers
     late = 0
-    for t in range((len(offsets) - 1) // n_layers):
+    for t in range(n_steps):
         base = t * n_layers
         _forecast(st, t, fc_keys, fc_values, fc_offsets)
         for layer in range(ahead if prefetching else 0):
@@ -316,10 +321,15 @@ def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_of
                 return late, offsets[j] + off
             for key in step:
                 moved[key] = False
-            if prefetching and layer + ahead < n_layers:
+            target = layer + ahead  # the layer prefetched for, counted on into the next token
+            if prefetching and (target < n_layers or crossing and t + 1 < n_steps):
                 for key in step:  # the layer's experts stay pinned while it prefetches
                     st.pins[key] += 1
-                wanted = predicted[predicted_offsets[j + ahead]:predicted_offsets[j + ahead + 1]]
+                if target < n_layers:
+                    wanted = predicted[predicted_offsets[j + ahead]:predicted_offsets[j + ahead + 1]]
+                else:
+                    wanted = next_predicted[next_offsets[base + target - n_layers]:
+                                            next_offsets[base + target - n_layers + 1]]
                 if hide_only:
                     wanted = _hideable(st, wanted, ready, ahead, compute_s, transfer_s, seg, tq[1], q_key, queued,
                                        serial, clock)

@@ -69,6 +69,7 @@ class Replay:
     score_top: int | None = None  # scores keep only each step's score_top highest (None: all)
     n_tokens: int | None = None  # trace rows replayed (None: n_steps · batch_size)
     forecasts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # keys, chances, offsets per token-step
+    next_predicted: tuple[np.ndarray, np.ndarray] | None = None  # per (t, l): keys forecast at t for (t+1, l)
 
     @property
     def n_steps(self) -> int:
@@ -126,6 +127,8 @@ class Replay:
         score_top: int | None = None,
         n_experts: int | None = None,
         forecast_chances: np.ndarray | None = None,
+        next_chances: np.ndarray | None = None,
+        next_min_chance: float = 0.0,
     ) -> "Replay":
         """`topk_ids` [N, L, k] and `seq_id` [N] in trace order (a sequence's rows contiguous,
         in position order). `topt_ids`/`topt_logits` [N, L, T]: router scores for policies that
@@ -134,7 +137,10 @@ class Replay:
         and makes the replay faster. `predicted_scores` [N, L, E]: each row's top `prefetch_k`
         (default k) experts per layer are prefetched. `forecast_chances` [N, L, E] in [0, 1]: each
         row's predicted chance that an expert is used soon (learned eviction); a step takes the
-        largest over its batch."""
+        largest over its batch. `next_chances` [N, L, E] in [0, 1]: each row's forecast chance that
+        its sequence's next token uses an expert (cross-token prefetch, timed replays only): the
+        `prefetch_k` likeliest per layer with a chance of at least `next_min_chance`, united over
+        the batch."""
         topk_ids = np.asarray(topk_ids)
         if topk_ids.ndim != 3:
             raise ReplayInputError(f"topk_ids must be [N, L, k], got shape {topk_ids.shape}")
@@ -148,7 +154,11 @@ class Replay:
             n_experts = int(max(highs)) + 1
             if predicted_scores is not None:
                 n_experts = max(n_experts, np.asarray(predicted_scores).shape[2])
+        if next_chances is not None and predicted_scores is None:
+            raise ReplayInputError("next_chances (cross-token prefetch) extend predicted_scores: give both")
         _check_inputs(topk_ids, topt_ids, topt_logits, predicted_scores, n_experts)
+        if next_chances is not None:
+            _check_scores("next_chances", next_chances, (n, n_layers, n_experts))
         if len(seq_id) != n:
             raise ReplayInputError(f"seq_id has {len(seq_id)} rows, topk_ids {n}")
         if (topt_ids is None) != (topt_logits is None):
@@ -158,14 +168,19 @@ class Replay:
         scores = None
         if topt_ids is not None:
             scores = _router_scores(np.asarray(topt_ids), np.asarray(topt_logits), rows, n_experts, score_top)
-        predicted = None
+        predicted = next_predicted = None
         if predicted_scores is not None:
             predicted = _predicted_keys(np.asarray(predicted_scores), top_k if prefetch_k is None else prefetch_k,
                                         rows, n_experts)
+            next_predicted = None
+            if next_chances is not None:
+                next_predicted = _predicted_keys(np.asarray(next_chances), top_k if prefetch_k is None else prefetch_k,
+                                                 rows, n_experts, next_min_chance)
         forecasts = None
         if forecast_chances is not None:
             forecasts = _forecast_steps(np.asarray(forecast_chances), rows, n_experts)
-        return cls(n_layers, n_experts, top_k, batch_size, keys, offsets, scores, predicted, score_top, n, forecasts)
+        return cls(n_layers, n_experts, top_k, batch_size, keys, offsets, scores, predicted, score_top, n, forecasts,
+                   next_predicted)
 
 
 def _check_inputs(topk_ids: np.ndarray, topt_ids: np.ndarray | None, topt_logits: np.ndarray | None,
@@ -182,11 +197,14 @@ def _check_inputs(topk_ids: np.ndarray, topt_ids: np.ndarray | None, topt_logits
         _check_ids("topt_ids", topt_ids, n_experts)
         _check_finite("topt_logits", topt_logits)
     if predicted_scores is not None:
-        predicted_scores = np.asarray(predicted_scores)
-        if predicted_scores.shape != (n, n_layers, n_experts):
-            raise ReplayInputError(f"predicted_scores has shape {list(predicted_scores.shape)}, expected "
-                                   f"{[n, n_layers, n_experts]}")
-        _check_finite("predicted_scores", predicted_scores)
+        _check_scores("predicted_scores", predicted_scores, (n, n_layers, n_experts))
+
+
+def _check_scores(name: str, scores: np.ndarray, shape: tuple[int, int, int]) -> None:
+    scores = np.asarray(scores)
+    if scores.shape != shape:
+        raise ReplayInputError(f"{name} has shape {list(scores.shape)}, expected {list(shape)}")
+    _check_finite(name, scores)
 
 
 def _check_ids(name: str, ids: np.ndarray, n_experts: int) -> None:
@@ -287,14 +305,19 @@ def _router_scores(
 
 
 def _predicted_keys(
-    predicted_scores: np.ndarray, m: int, rows: np.ndarray, n_experts: int
+    predicted_scores: np.ndarray, m: int, rows: np.ndarray, n_experts: int, min_score: float | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's top-m predicted experts per layer, best first, united over the batch."""
+    """Each row's top-m predicted experts per layer (those scored `min_score` or more), best
+    first, united over the batch."""
     if not 1 <= m <= predicted_scores.shape[-1]:
         raise ValueError(f"prefetch_k must be in 1..{predicted_scores.shape[-1]} (the predicted experts), got {m}")
     top = np.argpartition(-predicted_scores, m - 1, axis=-1)[..., :m]
-    order = np.argsort(-np.take_along_axis(predicted_scores, top, axis=-1), axis=-1, kind="stable")
-    return _union_keys(np.take_along_axis(top, order, axis=-1), rows, n_experts)
+    top_scores = np.take_along_axis(predicted_scores, top, axis=-1)
+    order = np.argsort(-top_scores, axis=-1, kind="stable")
+    top = np.take_along_axis(top, order, axis=-1)
+    if min_score is not None:
+        top = np.where(np.take_along_axis(top_scores, order, axis=-1) >= min_score, top, -1)  # -1: dropped
+    return _union_keys(top, rows, n_experts)
 
 
 def _forecast_steps(chances: np.ndarray, rows: np.ndarray, n_experts: int) -> tuple[np.ndarray, ...]:
@@ -387,6 +410,8 @@ def simulate(
         raise ValueError("give timing (the timed link) or transfer_per_step (the count-only link), not both")
     if hide_only and timing is None:
         raise TimingError("hide_only weighs a prefetch's link time against compute: give timing too")
+    if replay.next_predicted is not None and timing is None:
+        raise TimingError("cross-token prefetch (a Replay with next_scores) hides loads behind compute: give timing")
 
     cache = ExpertCache(capacity, policy, per_layer=per_layer, n_layers=replay.n_layers, n_experts=replay.n_experts)
     if policy.uses_forecasts and replay.forecasts is None:
@@ -402,7 +427,7 @@ def simulate(
     else:
         late, clock, loads = cache.replay_timed(replay.n_layers, replay.keys, replay.offsets,
                                                 timing.layer_compute_s, timing.transfer_s, hide_only=hide_only,
-                                                **replayed)
+                                                next_predicted=replay.next_predicted, **replayed)
         timed = TimedStats(timing, replay.tokens, float(clock[NOW]), float(clock[STALL]),
                            int(loads[DEMAND]), int(loads[PREFETCH]), int(loads[WASTED_LOADS]))
     seconds = time.perf_counter() - started

@@ -75,6 +75,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def chance(text: str) -> float:
+    """A chance of use: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is not a chance in [0, 1]")
+    return value
+
+
 def list_of(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
     """An argparse type for a non-empty comma list whose items `item` reads."""
     def parse(text: str) -> tuple[T, ...]:
@@ -109,3 +120,26 @@ def add_results_args(parser: argparse.ArgumentParser, what: str = "results file"
     parser.add_argument("--json", required=True, type=output_file, metavar="OUT", help=what)
     if plot is not None:
         parser.add_argument("--plot", type=output_file, metavar="OUT.png", help=plot)
+
+
+def add_prefetch_args(p: argparse.ArgumentParser) -> None:
+    """Cost-aware prefetch for a command that serves: hide-only and cross-token (see `prefetch_options`)."""
+    p.add_argument("--hide-only", metavar="BENCH.json|PROFILE.json",
+                   help="prefetch an expert only if the link can move it before its layer runs, the link calibrated "
+                        "from a `prescient bench` JSON or a `prescient profile-hw` JSON (default: prefetch as many "
+                        "as the slots allow)")
+    p.add_argument("--next-token", action="store_true",
+                   help="cross-token prefetch: load the next token's likely experts while this token's layers "
+                        "compute (needs a --predictor with forecast heads)")
+    p.add_argument("--next-min-chance", type=chance, default=0.5,
+                   help="with --next-token: the least forecast chance of use of a next-token expert (default 0.5)")
+
+
+def prefetch_options(args: argparse.Namespace) -> dict:
+    """`load_offloaded`'s link_timing and next_token_min_chance from `add_prefetch_args`' options."""
+    link_timing = None
+    if args.hide_only:
+        from experiments.timing_calibration import load_timing
+
+        link_timing = load_timing(args.hide_only, model_config=args.model).timing
+    return {"link_timing": link_timing, "next_token_min_chance": args.next_min_chance if args.next_token else None}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import add_results_args, budgets, names, positive_int, predictor_specs
+from cli.args import add_results_args, budgets, chance, names, positive_int, predictor_specs
 
 BASELINES = "all_resident,accelerate_disk"
 
@@ -23,7 +23,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--grid", choices=("default", "full"), default="default",
                    help="default: per budget none+lru, each predictor with mrs and lru, sida with every policy; "
                         "full: budgets x predictors x policies")
-    p.add_argument("--runs", help="these runs instead of a grid: PREDICTOR:POLICY@BUDGET,...")
+    p.add_argument("--runs", help="these runs instead of a grid: PREDICTOR:POLICY@BUDGET[+hide][+next],... "
+                                  "(+hide: hide-only prefetch, needs --link-timing; +next: cross-token prefetch, "
+                                  "needs a predictor with forecast heads)")
     p.add_argument("--train-trace", help="trace that freq / token / corr are fit on")
     p.add_argument("--new-tokens", type=positive_int, default=12, help="new tokens per timed prompt")
     p.add_argument("--prompts", type=positive_int, default=2, help="timed prompts (one more is the warm-up)")
@@ -46,6 +48,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--simulate", action="store_true",
                    help="replay each run in the time-true simulator, calibrated from this bench, and report its "
                         "tokens/s beside the measured (Spearman, median relative error)")
+    p.add_argument("--link-timing", metavar="BENCH.json|PROFILE.json",
+                   help="the link that +hide runs weigh copies against: calibrated from a `prescient bench` JSON, "
+                        "or a `prescient profile-hw` JSON with the model's config")
+    p.add_argument("--next-min-chance", type=chance, default=0.5,
+                   help="+next runs prefetch a next-token expert forecast at least this likely (default 0.5)")
     p.add_argument("--work-dir", help="keep fitted predictors and the oracle trace here (default: a temporary dir)")
     return p
 
@@ -75,7 +82,8 @@ def run(args: argparse.Namespace) -> dict:
         train_trace=args.train_trace, baselines=tuple(args.baselines), baseline_tokens=args.baseline_tokens,
         sample_seed=args.sample, transfer_workers=args.transfer_workers,
         hash_cost_predictor=hash_cost, threads=args.threads, store=args.store, drop_page_cache=not args.keep_page_cache,
-        isolate=not args.in_process, work_dir=args.work_dir, simulate=args.simulate, json_path=args.json,
+        isolate=not args.in_process, work_dir=args.work_dir, simulate=args.simulate, link_timing=args.link_timing,
+        next_min_chance=args.next_min_chance, json_path=args.json,
         plot_path=args.plot,
     )
     print(summary(result))

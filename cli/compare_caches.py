@@ -36,6 +36,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--model-config", help="the model's config.json or directory, for --timing PROFILE")
     p.add_argument("--hide-only", action="store_true",
                    help="with --timing: prefetch an expert only if the link can move it before its layer runs")
+    p.add_argument("--next-token", action="store_true",
+                   help="with --timing and a --predictor with forecast heads: cross-token prefetch, the next token's "
+                        "layers prefetched from its forecast while this token's layers compute (--horizon all: a "
+                        "whole token ahead)")
+    p.add_argument("--next-min-chance", type=float, default=0.5,
+                   help="with --next-token: prefetch a next-token expert only if its forecast chance of use is at "
+                        "least this (default 0.5)")
     p.add_argument("--prefetch-k", type=positive_int, default=None,
                    help="predicted experts prefetched per row and layer (default: the model's top-k)")
     add_results_args(p, plot="PNG of hit and stall rates against capacity")
@@ -56,7 +63,8 @@ def run(args: argparse.Namespace) -> None:
                                   fingerprint=manifest.fingerprint if manifest else None)
     result = compare_caches(args.trace, args.policies, args.capacity, args.batch_size, args.predictor,
                             args.train_trace, args.horizon, args.transfer_per_step, args.prefetch_k,
-                            timing=calibration and calibration.timing, hide_only=args.hide_only)
+                            timing=calibration and calibration.timing, hide_only=args.hide_only,
+                            next_token=args.next_token, next_min_chance=args.next_min_chance)
     if calibration is not None:
         result["timing_calibration"] = calibration.to_dict()
     print(format_table(result))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from cli.args import budget, device, output_file, positive_int, serving_policy
+from cli.args import add_prefetch_args, budget, device, output_file, positive_int, prefetch_options, serving_policy
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--drop-page-cache", action="store_true", help="disk store: drop read pages from the page cache")
     p.add_argument("--device", type=device, default="cpu")
     p.add_argument("--transfer-workers", type=positive_int, default=1, help="expert copies that run at once")
+    add_prefetch_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
     p.add_argument("--json", type=output_file, default=None, metavar="OUT",
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> dict:
     record = generate_offloaded(args.model, args.prompt, args.max_new_tokens, predictor=args.predictor,
                                 policy=args.policy, budget=args.budget, store=args.store,
                                 drop_page_cache=args.drop_page_cache, device=args.device,
-                                transfer_workers=args.transfer_workers)
+                                transfer_workers=args.transfer_workers, **prefetch_options(args))
     print(record["text"])
     print(summary(record))
     if args.json:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import budget, device, positive_int
+from cli.args import add_prefetch_args, budget, device, positive_int, prefetch_options
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -30,6 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--drop-page-cache", action="store_true", help="disk store: drop read pages from the page cache")
     p.add_argument("--device", type=device, default="cpu")
     p.add_argument("--transfer-workers", type=positive_int, default=1, help="expert copies that run at once")
+    add_prefetch_args(p)
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
@@ -46,4 +47,4 @@ def run(args: argparse.Namespace) -> None:
                predictor=args.predictor, policy=args.policy, budget=args.budget,
                served_model_name=args.served_model_name, max_batch=args.max_batch, max_queue=args.max_queue,
                shutdown_timeout=args.shutdown_timeout, store=args.store, drop_page_cache=args.drop_page_cache,
-               device=args.device, transfer_workers=args.transfer_workers)
+               device=args.device, transfer_workers=args.transfer_workers, **prefetch_options(args))

@@ -38,6 +38,7 @@ from experiments.bench_runtime_load import Job
 from experiments.bench_runtime_measure import Executor
 from experiments.bench_runtime_records import ratios, record_of, record_run
 from experiments.machine import machine_info
+from experiments.timing_calibration import load_timing
 from prescient.atomic import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,8 @@ def bench_runtime(
     isolate: bool = True,
     work_dir: str | Path | None = None,
     simulate: bool = False,
+    link_timing: str | Path | None = None,
+    next_min_chance: float = 0.5,
     json_path: str | Path | None = None,
     plot_path: str | Path | None = None,
 ) -> dict[str, Any]:
@@ -126,7 +129,10 @@ def bench_runtime(
     (the first is the warm-up). `predictors`: name -> artifact path, or None for a built-in
     (freq, token, corr: fit on `train_trace`; oracle; none). `sample_seed`: sampled decoding
     (see METHOD["decoding"]) instead of greedy. `simulate`: the time-true simulator's prediction
-    beside each run (`experiments.bench_runtime_simulated`; needs the all_resident baseline)."""
+    beside each run (`experiments.bench_runtime_simulated`; needs the all_resident baseline).
+    A run's prefetch modes: `hide` prefetches only what the link of `link_timing` (a bench or
+    hardware-profile JSON, `experiments.timing_calibration.load_timing`) can hide behind compute, `next` reaches into the next token for experts forecast at least `next_min_chance`
+    likely."""
     from transformers import AutoConfig
 
     from prescient.fingerprint import ModelFingerprint
@@ -142,6 +148,11 @@ def bench_runtime(
     if simulate and not any(spec.predictor == "none" and spec.budget < 1 for spec in runs):
         raise BenchError("--simulate calibrates the simulator's link on a run without a predictor below budget 1.0 "
                          "(e.g. none:lru@0.5): add one")
+    hiding = any("hide" in spec.modes for spec in runs)
+    if hiding and link_timing is None:
+        raise BenchError("+hide runs weigh each copy against compute: pass --link-timing BENCH.json|PROFILE.json")
+    if hiding:
+        load_timing(link_timing, model_config=model_dir)  # a bad file fails before any run; its model is checked below
     if min(new_tokens, baseline_tokens) < 2 or timed_prompts < 1:
         raise BenchError("decode speed needs at least 2 new tokens and 1 timed prompt")
     threads = threads or torch.get_num_threads()
@@ -160,7 +171,8 @@ def bench_runtime(
                      "baseline_tokens": baseline_tokens, "sample_seed": sample_seed,
                      "transfer_workers": transfer_workers, "train_trace": train_trace and str(train_trace),
                      "store": store, "drop_page_cache": drop_page_cache, "isolated_processes": isolate,
-                     "headline_budget": HEADLINE_BUDGET},
+                     "headline_budget": HEADLINE_BUDGET,
+                     "link_timing": None, "next_min_chance": next_min_chance},
         "machine": machine_info(threads), "model": {"dir": str(model_dir)},
         "prompts": {"warmup": ids[0], "timed": ids[1:]}, "method": METHOD,
         "baselines": {}, "runs": [], "hash_thread_cost": None, "ratios": {}, "complete": False,
@@ -183,6 +195,11 @@ def bench_runtime(
             reference = ref["token_ids"]
             fingerprint = ModelFingerprint.from_dict(ref.pop("fingerprint"))
             result["model"]["fingerprint"] = fingerprint.to_dict()  # a timing calibration checks it
+            link = None
+            if hiding:
+                calibration = load_timing(link_timing, model_config=model_dir, fingerprint=fingerprint)
+                link = calibration.timing
+                result["settings"]["link_timing"] = calibration.to_dict()
             if "all_resident" in baselines:
                 result["baselines"]["all_resident"] = {**record_of(None, "all_resident", dict(ref), reference),
                                                        "token_ids": reference}
@@ -197,7 +214,9 @@ def bench_runtime(
             for spec in runs:
                 bar.set_postfix_str(spec.label)
                 job = replace(base, budget=spec.budget, policy=spec.policy, predictor_path=paths.get(spec.predictor),
-                              predictor=None if spec.predictor == "none" else spec.predictor)
+                              predictor=None if spec.predictor == "none" else spec.predictor,
+                              link_timing=link if "hide" in spec.modes else None,
+                              next_token_min_chance=next_min_chance if "next" in spec.modes else None)
                 result["runs"].append(record := record_run(execute, job, spec, reference))
                 result["model"].update(record.pop("model_info", None) or {})
                 bar.update()
@@ -209,7 +228,7 @@ def bench_runtime(
                 from experiments.bench_runtime_simulated import simulate_bench
 
                 bar.set_postfix_str("simulating")
-                simulate_bench(result, oracle_trace, paths)
+                simulate_bench(result, oracle_trace, paths, next_min_chance)
     finally:
         if temporary is not None:
             temporary.cleanup()

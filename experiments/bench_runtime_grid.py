@@ -18,15 +18,19 @@ class BenchError(PrescientError):
     """A benchmark was asked for with missing or malformed inputs."""
 
 
+PREFETCH_MODES = ("hide", "next")  # hide-only prefetch (needs a link timing), cross-token prefetch
+
+
 @dataclass(frozen=True)
 class RunSpec:
     predictor: str  # "none", a built-in name, or the NAME of a NAME=PATH artifact
     policy: str
     budget: float
+    modes: tuple[str, ...] = ()  # of PREFETCH_MODES, in that order
 
     @property
     def label(self) -> str:
-        return f"{self.predictor}+{self.policy}@{self.budget:g}"
+        return f"{self.predictor}+{self.policy}@{self.budget:g}" + "".join(f"+{mode}" for mode in self.modes)
 
 
 def default_grid(budgets: list[float], predictors: list[str], policies: list[str]) -> list[RunSpec]:
@@ -45,18 +49,26 @@ def full_grid(budgets: list[float], predictors: list[str], policies: list[str]) 
 
 
 def parse_runs(text: str) -> list[RunSpec]:
-    """`none:lru@0.5,sida:mrs@0.25` -> run specs (budgets are fractions of all experts)."""
+    """`none:lru@0.5,sida:mrs@0.25+hide+next` -> run specs (budgets are fractions of all experts;
+    `+hide`, `+next`: the prefetch modes of `PREFETCH_MODES`)."""
     runs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        head, _, budget = item.partition("@")
+        head, _, tail = item.partition("@")
         predictor, _, policy = head.partition(":")
+        budget, *modes = tail.split("+")
         try:
             if not (predictor and policy and budget):
                 raise ValueError("a part is missing")
-            runs.append(RunSpec(canonical_name(predictor), policy, fraction(Budget.parse(budget))))
+            unknown = [m for m in modes if m not in PREFETCH_MODES]
+            if unknown or len(set(modes)) < len(modes):
+                raise ValueError(f"prefetch modes are +{' +'.join(PREFETCH_MODES)}, each once; got {modes}")
+            if modes and canonical_name(predictor) == "none":
+                raise ValueError("prefetch modes need a predictor")
+            runs.append(RunSpec(canonical_name(predictor), policy, fraction(Budget.parse(budget)),
+                                tuple(m for m in PREFETCH_MODES if m in modes)))
         except (ValueError, BenchError) as exc:  # CapacityError is a ValueError
-            raise BenchError(f"--runs entry {item!r} is not PREDICTOR:POLICY@BUDGET (e.g. sida:mrs@0.5): "
-                             f"{exc}") from None
+            raise BenchError(f"--runs entry {item!r} is not PREDICTOR:POLICY@BUDGET[+hide][+next] (e.g. "
+                             f"sida:mrs@0.5): {exc}") from None
     return runs
 
 

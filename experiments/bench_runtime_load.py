@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cache.timing import LinkTiming
 from predictor.base import ExpertPredictor
 
 
@@ -41,6 +42,8 @@ class Job:
     trace_out: str | None = None  # all_resident: write the router choices of every prompt here
     transfer_workers: int = 1
     sample_seed: int | None = None  # None: greedy; else sampled, see `bench_runtime_measure.generate_ids`
+    link_timing: LinkTiming | None = None  # hide-only prefetch
+    next_token_min_chance: float | None = None  # cross-token prefetch
 
 
 class _IgnoredTables(ExpertPredictor):
@@ -135,7 +138,8 @@ def load_job(job: Job, stack: ExitStack) -> tuple[nn.Module, Any, dict[str, Any]
                      else load_predictor(job.predictor_path))
         predictor = _IgnoredTables(predictor) if job.ignore_tables else predictor
     model = load_offloaded(job.model_dir, predictor=predictor, policy=job.policy, budget=job.budget,
-                           store=job.store, drop_page_cache=job.drop_page_cache, transfer_workers=job.transfer_workers)
+                           store=job.store, drop_page_cache=job.drop_page_cache, transfer_workers=job.transfer_workers,
+                           link_timing=job.link_timing, next_token_min_chance=job.next_token_min_chance)
     runtime = stack.enter_context(model.offload_runtime)
     layers, store = runtime.layers, runtime.store
     return model, runtime, {"model_info": {

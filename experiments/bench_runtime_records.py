@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 def _head(spec: RunSpec | None, kind: str) -> dict[str, Any]:
     head: dict[str, Any] = {"label": spec.label if spec else kind, "kind": kind}
     if spec is not None:
-        head.update(predictor=spec.predictor, policy=spec.policy, budget=spec.budget)
+        head.update(predictor=spec.predictor, policy=spec.policy, budget=spec.budget, modes=list(spec.modes))
     return head
 
 

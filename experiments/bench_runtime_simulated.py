@@ -4,7 +4,8 @@ The bench records the router's choices of the all-resident generation (the oracl
 tokens every exact run generates). Each distinct (predictor, policy, budget) of the bench is then
 replayed on that trace by `cache.simulator` with the bench's own slot count, prefetching at the
 token's start like the runtime's hash table (every later layer of the forward), learned policies
-ranking by the predictor's forecasts, on a `LinkTiming` calibrated from this bench JSON
+ranking by the predictor's forecasts, a run's prefetch modes as in the runtime (`hide`: gated by
+the simulator's own link timing; `next`: cross-token prefetch from the forecast heads), on a `LinkTiming` calibrated from this bench JSON
 (`experiments.timing_calibration.timing_from_bench`: all-resident compute, on-demand LRU's link).
 
 What differs from the runtime, by construction: the simulator replays every trace row one token at
@@ -32,18 +33,22 @@ from experiments.compare_caches import (
     SAME_TRACE,
     build_predictor,
     forecast_chances,
+    forecasts,
     policy_for,
 )
 from experiments.predictor_scores import trace_scores
+from predictor.forecast import chance_selected
 from experiments.timing_calibration import Calibration, timing_from_bench
 from prescient.budget import Budget
 from prescient.fingerprint import ModelFingerprint
 from prescient.traces import Trace, load_trace
 
 
-def simulate_bench(result: dict[str, Any], trace_dir: str | Path, predictor_paths: dict[str, str]) -> None:
+def simulate_bench(result: dict[str, Any], trace_dir: str | Path, predictor_paths: dict[str, str],
+                   next_min_chance: float = 0.5) -> None:
     """Add the module doc's `simulated` to every offloaded run of `result` and its `simulator`
-    section. `predictor_paths`: the bench's predictor name -> artifact (the oracle: its trace)."""
+    section. `predictor_paths`: the bench's predictor name -> artifact (the oracle: its trace);
+    `next_min_chance`: cross-token prefetch's, for the runs with the `next` mode."""
     fingerprint = ModelFingerprint.from_dict(result["model"]["fingerprint"])
     calibration = timing_from_bench(result, fingerprint=fingerprint)
     trace = load_trace(trace_dir)
@@ -52,7 +57,8 @@ def simulate_bench(result: dict[str, Any], trace_dir: str | Path, predictor_path
     simulated: dict[str, dict[str, Any]] = {}
     for label in dict.fromkeys(r["label"] for r in runs):
         first = next(r for r in runs if r["label"] == label)
-        simulated[label] = simulate_run(trace, first, predictor_paths.get(first["predictor"]), calibration.timing)
+        simulated[label] = simulate_run(trace, first, predictor_paths.get(first["predictor"]), calibration.timing,
+                                        next_min_chance)
     for run in runs:
         run["simulated"] = simulated[run["label"]]
     slots = {r["budget"]: r["simulated"]["slots"] for r in runs}
@@ -62,9 +68,10 @@ def simulate_bench(result: dict[str, Any], trace_dir: str | Path, predictor_path
                            "method": " ".join(__doc__.split("\n\n")[1:3]).replace("\n", " ")}
 
 
-def simulate_run(trace: Trace, run: dict[str, Any], predictor_path: str | None,
-                 timing: LinkTiming) -> dict[str, Any]:
-    """One bench run (its predictor, policy and slot count) replayed on `trace` with `timing`."""
+def simulate_run(trace: Trace, run: dict[str, Any], predictor_path: str | None, timing: LinkTiming,
+                 next_min_chance: float = 0.5) -> dict[str, Any]:
+    """One bench run (its predictor, policy, slot count and prefetch modes) replayed on `trace`
+    with `timing` (which the `hide` mode also weighs copies with)."""
     fp = trace.fingerprint
     total = fp.n_moe_layers * fp.n_experts
     slots = (run.get("stats") or {}).get("slots") or Budget.of(run["budget"]).slots(total)
@@ -78,10 +85,15 @@ def simulate_run(trace: Trace, run: dict[str, Any], predictor_path: str | None,
         _, pred, _ = build_predictor(spec, trace, trace, SAME_TRACE)
         scores, _ = trace_scores(pred, trace, run["predictor"], decoding=True, true_previous_layer=False)
         build["predicted_scores"] = scores.numpy()
+    modes = run.get("modes") or ()
     if POLICIES[run["policy"]].uses_forecasts:
         build["forecast_chances"] = forecast_chances(pred, trace)
+    if "next" in modes:
+        build.update(next_chances=chance_selected(forecasts(pred, trace, "cross-token prefetch")[1][:, 0],
+                                                  fp.top_k).numpy(), next_min_chance=next_min_chance)
     replay = Replay.build(columns["topk_ids"], columns["seq_id"], 1, **build)
-    sim = simulate(replay, slots, policy_for(run["policy"], replay, fp.top_k), horizon=None, timing=timing)
+    sim = simulate(replay, slots, policy_for(run["policy"], replay, fp.top_k), horizon=None, timing=timing,
+                   hide_only="hide" in modes)
     figures = sim.to_dict()
     return {"tokens_per_s": round(figures["tokens_per_s"], 3),
             "stall_ms_per_token": round(1e3 * figures["stall_seconds_per_token"], 2),

@@ -38,6 +38,7 @@ import logging
 import time
 
 import numpy as np
+import torch
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ from cache import POLICIES, EvictionPolicy, Replay, expert_frequencies, make_pol
 from cache.timing import LinkTiming
 from experiments.predictor_scores import forecast_scores, trace_scores
 from predictor.base import ExpertPredictor, PredictorError
-from predictor.forecast import chance_of_use
+from predictor.forecast import chance_of_use, chance_selected
 from predictor.registry import resolve_predictor
 from prescient.atomic import write_atomic
 from prescient.budget import Budget
@@ -113,14 +114,20 @@ def build_predictor(spec: str | Path | ExpertPredictor, trace: Trace, fit: Trace
     return (name if "artifact" not in source else Path(name).stem), pred, source
 
 
+def forecasts(pred: ExpertPredictor | None, trace: Trace, needed_by: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The predictor's scores [N, L, E] for each token and its forecasts [N, H, L, E] of the next
+    ones, for `needed_by` (what asks for them, named in the error when there are none)."""
+    if pred is None:
+        raise CompareCachesError(f"{needed_by} needs a predictor's forecasts: pass --predictor, an artifact with "
+                                 "forecast heads (train one with --model.horizon 2)")
+    pred.require_horizon(1)  # no heads: a ForecastHorizonError saying what to train
+    return forecast_scores(pred, trace, pred.horizon)
+
+
 def forecast_chances(pred: ExpertPredictor | None, trace: Trace) -> np.ndarray:
     """[N, L, E] chances of use soon (`predictor.forecast.chance_of_use`) from the predictor's
     scores for each token and its forecasts of the next ones: what learned eviction ranks by."""
-    if pred is None:
-        raise CompareCachesError("learned eviction ranks experts by a predictor's forecasts: pass --predictor, "
-                                 "an artifact with forecast heads (train one with --model.horizon 2)")
-    pred.require_horizon(1)  # no heads: a ForecastHorizonError saying what to train
-    current, ahead = forecast_scores(pred, trace, pred.horizon)
+    current, ahead = forecasts(pred, trace, "learned eviction")
     return chance_of_use(current, ahead, trace.fingerprint.top_k).numpy()
 
 
@@ -146,6 +153,8 @@ def compare_caches(
     progress: bool = True,
     timing: LinkTiming | None = None,
     hide_only: bool = False,
+    next_token: bool = False,
+    next_min_chance: float = 0.5,
 ) -> dict[str, Any]:
     """Replay the trace at `trace_dir` through every (batch size, policy, capacity), on demand
     and, with `predictor` (a built-in name, an artifact path or a built predictor),
@@ -153,7 +162,10 @@ def compare_caches(
     (`cache.simulator`'s time-true model, instead of `transfer_per_step`'s count-only link) and
     its record gains simulated seconds, stall seconds, bytes moved and wasted per token and
     tokens/s (`cache.timing.TimedStats`); `settings.link_timing` holds the parameters. `hide_only`
-    (with `timing`): prefetch only what the link can move before its layer runs."""
+    (with `timing`): prefetch only what the link can move before its layer runs. `next_token`
+    (with `timing` and a predictor with forecast heads): cross-token prefetch, a layer `horizon`
+    steps on in the next token is prefetched from the forecast of that token, an expert only if
+    its forecast chance of use is at least `next_min_chance`."""
     start = time.perf_counter()
     policies = check_policies(tuple(policies))
     if not batch_sizes or any(b < 1 for b in batch_sizes):
@@ -166,6 +178,9 @@ def compare_caches(
         raise CompareCachesError("give timing (the time-true link) or transfer_per_step (the count-only link), not both")
     if hide_only and timing is None:
         raise CompareCachesError("hide-only prefetch weighs each copy's link time against compute: give --timing")
+    if next_token and (timing is None or predictor is None):
+        raise CompareCachesError("cross-token prefetch hides next-token loads behind compute: give --timing and a "
+                                 "--predictor with forecast heads")
     trace = load_trace(trace_dir)
     fp = trace.fingerprint
     total = fp.n_moe_layers * fp.n_experts
@@ -189,7 +204,12 @@ def compare_caches(
     if predictor is not None:
         name, pred, source = build_predictor(predictor, trace, fit, fit_on)
     # before any scoring: a learned policy without a forecasting predictor is refused at once
-    chances = forecast_chances(pred, trace) if any(POLICIES[p].uses_forecasts for p in policies) else None
+    learned = any(POLICIES[p].uses_forecasts for p in policies)
+    chances = next_chances = None
+    if learned or next_token:
+        current, ahead = forecasts(pred, trace, "learned eviction" if learned else "cross-token prefetch")
+        chances = chance_of_use(current, ahead, fp.top_k).numpy() if learned else None
+        next_chances = chance_selected(ahead[:, 0], fp.top_k).numpy() if next_token else None
     if predictor is not None:
         began = time.perf_counter()
         scores, info = trace_scores(pred, trace, name, decoding=True, true_previous_layer=horizon == 1)
@@ -202,6 +222,7 @@ def compare_caches(
         "total_experts": total, "budget": "global", "batch_sizes": list(batch_sizes),
         "horizon": horizon, "transfer_per_step": transfer_per_step,
         "link_timing": timing.to_dict() if timing is not None else None, "hide_only": hide_only,
+        "next_token": next_token, "next_min_chance": next_min_chance if next_token else None,
         "prefetch_k": prefetch_k if prefetch_k is not None else fp.top_k,
         "mrs": {"alpha": 0.5, "p": 2 * fp.top_k},
     }
@@ -216,7 +237,7 @@ def compare_caches(
         if scores is not None:
             replays[b, True] = Replay.build(columns["topk_ids"], columns["seq_id"], b, predicted_scores=scores,
                                             prefetch_k=prefetch_k, n_experts=fp.n_experts, forecast_chances=chances,
-                                            **router)
+                                            next_chances=next_chances, next_min_chance=next_min_chance, **router)
     need = {b: replays[b, False].max_layer_keys for b in batch_sizes}
     result["min_capacity"] = {str(b): n for b, n in need.items()}
     smallest = min(batch_sizes)

@@ -15,6 +15,11 @@ def chance_of_use(current: torch.Tensor, forecasts: torch.Tensor | None, top_k: 
     """[..., L, E] chances in [0, 1] from the current token's scores [..., L, E] and forecasts
     [..., H, L, E] (None: the current token alone)."""
     steps = current.unsqueeze(-3) if forecasts is None else torch.cat([current.unsqueeze(-3), forecasts], dim=-3)
-    selected = (top_k * torch.softmax(steps.float(), dim=-1)).clamp(max=1.0)  # [..., H+1, L, E]
+    selected = chance_selected(steps, top_k)  # [..., H+1, L, E]
     weights = discount ** torch.arange(steps.shape[-3], dtype=torch.float32)
     return torch.einsum("...hle,h->...le", selected, weights / weights.sum())
+
+
+def chance_selected(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[..., E] each expert's chance of being among the router's top-k: k·softmax, capped at 1."""
+    return (top_k * torch.softmax(scores.float(), dim=-1)).clamp(max=1.0)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from predictor.forecast import chance_of_use
+from predictor.forecast import chance_of_use, chance_selected
 from prescient.errors import PrescientError
 
 log = logging.getLogger(__name__)
@@ -50,14 +50,20 @@ class HashTable:
     scores: torch.Tensor  # [L, E]: predicted scores summed over the forward's (unpadded) tokens
     tokens: int  # how many tokens were summed
     chances: torch.Tensor | None = None  # [L, E] chance of use soon after the forward's last token (learned eviction)
+    next_chances: torch.Tensor | None = None  # [L, E] chance the next forward uses each expert (cross-token prefetch)
+
+
+_Forecasts = tuple[torch.Tensor | None, torch.Tensor | None]  # HashTable's chances and next_chances
 
 
 class HashBuilder:
     """Owns the predictor's decode state; only its thread touches the predictor."""
 
-    def __init__(self, predictor: Any, keep: int = 4, join_timeout: float = 10.0, forecasts: bool = False) -> None:
+    def __init__(self, predictor: Any, keep: int = 4, join_timeout: float = 10.0, forecasts: bool = False,
+                 next_token: bool = False) -> None:
         self.predictor = predictor
         self.forecasts = forecasts  # tables also carry chances of use from the forecast heads
+        self.next_token = next_token  # tables also carry the next forward's chances (forecast head t+1)
         self.keep = keep  # tables kept for polling: the newest `keep` forwards
         self.join_timeout = join_timeout
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -111,7 +117,7 @@ class HashBuilder:
 
     @torch.inference_mode()
     def _predict(self, input_ids: torch.Tensor, new_sequence: bool, mask: torch.Tensor | None,
-                 stream: int) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+                 stream: int) -> tuple[torch.Tensor, int, _Forecasts]:
         if new_sequence or stream not in self._states:
             self._states[stream] = self.predictor.start(input_ids.shape[0])
         state = self._states[stream]
@@ -125,13 +131,13 @@ class HashBuilder:
             summed = step_scores.sum(0)
             scores = summed if scores is None else scores + summed
         tokens = int(mask.sum()) if mask is not None else input_ids.numel()
-        return scores, tokens, self._chances(state, step_scores)
+        return scores, tokens, self._forecasts(state, step_scores)
 
     @torch.inference_mode()
     def _predict_rows(self, input_ids: torch.Tensor, mask: torch.Tensor | None, stream: int,
-                      rows: list[Hashable]) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+                      rows: list[Hashable]) -> tuple[torch.Tensor, int, _Forecasts]:
         """Each row with its own sequence's batch-1 state, over the row's real tokens only."""
-        scores, tokens, chances = None, 0, None
+        scores, tokens, forecasts = None, 0, (None, None)
         for row, sequence in enumerate(rows):
             key = (stream, sequence)
             if key not in self._states:
@@ -144,18 +150,21 @@ class HashBuilder:
                 scores = step_scores.sum(0) if scores is None else scores + step_scores.sum(0)
                 tokens += 1
             if real:
-                row_chances = self._chances(state, step_scores)
-                chances = row_chances if chances is None else torch.maximum(chances, row_chances)
+                forecasts = tuple(row if seen is None else torch.maximum(seen, row)
+                                  for seen, row in zip(forecasts, self._forecasts(state, step_scores)))
         if scores is None:  # no real token at all
             scores = torch.zeros(self.predictor.n_layers, self.predictor.n_experts)
-        return scores, tokens, chances
+        return scores, tokens, forecasts
 
-    def _chances(self, state: Any, last_scores: torch.Tensor) -> torch.Tensor | None:
-        """[L, E] chance of use soon after the state's last token, the largest over its rows."""
-        if not self.forecasts:
-            return None
-        forecasts = self.predictor.forecast(state).float()  # [B, H, L, E]
-        return chance_of_use(last_scores, forecasts, self.predictor.meta.fingerprint.top_k).amax(0)
+    def _forecasts(self, state: Any, last_scores: torch.Tensor) -> _Forecasts:
+        """After the state's last token, the largest over its rows of: [L, E] chances of use soon
+        (if `forecasts`), and [L, E] chances of use by the next token (if `next_token`)."""
+        if not (self.forecasts or self.next_token):
+            return None, None
+        ahead = self.predictor.forecast(state).float()  # [B, H, L, E]
+        top_k = self.predictor.meta.fingerprint.top_k
+        return (chance_of_use(last_scores, ahead, top_k).amax(0) if self.forecasts else None,
+                chance_selected(ahead[:, 0], top_k).amax(0) if self.next_token else None)
 
     def _run(self) -> None:
         while True:
@@ -169,13 +178,13 @@ class HashBuilder:
             step, input_ids, new_sequence, mask, stream, rows = request
             try:
                 if rows is None:
-                    scores, tokens, chances = self._predict(input_ids, new_sequence, mask, stream)
+                    scores, tokens, forecasts = self._predict(input_ids, new_sequence, mask, stream)
                 else:
-                    scores, tokens, chances = self._predict_rows(input_ids, mask, stream, rows)
+                    scores, tokens, forecasts = self._predict_rows(input_ids, mask, stream, rows)
             except BaseException as exc:  # raised in the inference thread by submit() / poll()
                 log.error("hash-building thread failed at forward %d: %r", step, exc)
                 self._error = exc
                 return
             with self._lock:
                 self._tables = {s: t for s, t in self._tables.items() if s > step - self.keep}
-                self._tables[step] = HashTable(step, scores, tokens, chances)
+                self._tables[step] = HashTable(step, scores, tokens, *forecasts)

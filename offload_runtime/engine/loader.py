@@ -27,7 +27,7 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
                    policy: str = "lru", budget: Budget | float | int | str = 0.5, store: str = "disk",
                    drop_page_cache: bool = False, device: str | torch.device = "cpu",
                    prefetch_per_layer: int | None = None, transfer_workers: int = 1,
-                   link_timing: LinkTiming | None = None):
+                   link_timing: LinkTiming | None = None, next_token_min_chance: float | None = None):
     """A transformers model whose routed experts live in `store` ("disk" or "host") and are
     loaded into `budget` worth of slots on `device` (a `Budget`; or a fraction of all experts, bytes, or a
     string like "512MiB"). `predictor` (an artifact path, or a predictor) drives SiDA-style
@@ -36,7 +36,9 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
     `transfer_workers` copies run at once (on our CPU machine two made no measurable difference
     to decode speed from disk; see the README). With `link_timing` (a `cache.timing.LinkTiming`,
     e.g. `experiments.timing_calibration.load_timing(...).timing`) a predicted expert is prefetched
-    only if its copy can end before its layer runs; the others are left to demand loads.
+    only if its copy can end before its layer runs; the others are left to demand loads. With
+    `next_token_min_chance` (a predictor with forecast heads) prefetching reaches into the next
+    token: the experts its forecast gives at least that chance of use (cross-token prefetch).
 
     `generate(...)` works as usual. `model.offload_runtime` holds the runtime: `stats()`, and
     `close()`, which stops its threads; or run the model inside `with model.offload_runtime:`. A
@@ -53,13 +55,16 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
     if predictor is not None:
         check_tracing_convention(predictor.meta, is_encoder_decoder(model))
     if eviction.uses_forecasts:
-        require_forecasts(predictor, policy)
+        require_forecasts(predictor, f"cache policy {policy!r}")
+    if next_token_min_chance is not None:
+        require_forecasts(predictor, "cross-token prefetch")
     expert_store = ExpertStore(model_dir, model, layers, mode=store, drop_page_cache=drop_page_cache)
     try:
         pool = SlotPool.for_budget(expert_store.specs, layers[0].num_experts, layers[0].top_k, budget, device)
         model.offload_runtime = OffloadRuntime(model, layers, expert_store, pool, fingerprint, policy=eviction,
                                                predictor=predictor, prefetch_per_layer=prefetch_per_layer,
-                                               transfer_workers=transfer_workers, link_timing=link_timing)
+                                               transfer_workers=transfer_workers, link_timing=link_timing,
+                                               next_token_min_chance=next_token_min_chance)
     except BaseException:
         expert_store.close()
         raise
@@ -73,9 +78,9 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
     return model
 
 
-def require_forecasts(predictor: ExpertPredictor | None, policy: str) -> None:
-    """A policy that ranks experts by forecasts needs a predictor with forecast heads."""
+def require_forecasts(predictor: ExpertPredictor | None, needed_by: str) -> None:
+    """What `needed_by` names (a learned policy, cross-token prefetch) needs a predictor with forecast heads."""
     if predictor is None:
-        raise PredictorError(f"cache policy {policy!r} ranks experts by a predictor's forecasts: pass a predictor "
+        raise PredictorError(f"{needed_by} needs a predictor's forecasts: pass a predictor "
                              "with forecast heads (train one with `prescient train ... --model.horizon 2`)")
     predictor.require_horizon(1)  # no heads: a ForecastHorizonError saying what to train

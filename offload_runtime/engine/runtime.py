@@ -8,8 +8,10 @@ to the hash-building thread. Per MoE layer (inference thread), in `use(layer, ex
   2. with a predictor: the forward's hash table, once ready, is turned into prefetches of the
      predicted experts of the stack's layers after this one, nearest layer first, as far as the slots
      not in use allow (one prefetch call never evicts a key of its own, so a prefetch never
-     evicts another wanted one); each layer tops this up. With a `link_timing`, only those whose
-     copy can end before their layer runs (`_hideable`)
+     evicts another wanted one); each layer tops this up. With `next_token_min_chance`
+     (cross-token prefetch), the forecast of the next forward follows: its layers up to this one,
+     the experts forecast at least that likely. With a `link_timing`, only those whose copy can
+     end before their layer runs (`_hideable`)
   3. every selected expert is waited for; the model's own expert math runs on the slots
      (see `offloaded_experts`); the experts are unpinned
 The cache decides residency; the slot map mirrors it: an insert takes a slot and requests its
@@ -48,7 +50,7 @@ from offload_runtime.engine.offloaded_experts import offload_experts
 from offload_runtime.engine.slots import SlotPool
 from offload_runtime.engine.store import ExpertStore
 from offload_runtime.engine.transfer import Ticket, TransferEngine
-from predictor.base import ExpertPredictor
+from predictor.base import ExpertPredictor, PredictorError
 from prescient.arch import MoELayer, moe_stacks
 from prescient.fingerprint import ModelFingerprint
 
@@ -88,7 +90,13 @@ class OffloadRuntime:
     def __init__(self, model: nn.Module, layers: list[MoELayer], store: ExpertStore, pool: SlotPool,
                  fingerprint: ModelFingerprint, policy: EvictionPolicy, predictor: ExpertPredictor | None = None,
                  prefetch_per_layer: int | None = None, transfer_workers: int = 1,
-                 link_timing: LinkTiming | None = None) -> None:
+                 link_timing: LinkTiming | None = None, next_token_min_chance: float | None = None) -> None:
+        if next_token_min_chance is not None:  # checked before any thread starts
+            if not 0.0 <= next_token_min_chance <= 1.0:
+                raise PredictorError(f"cross-token prefetch's least chance of use must be in [0, 1], "
+                                     f"got {next_token_min_chance}")
+            if predictor is not None:
+                predictor.require_horizon(1)  # no forecast heads: a ForecastHorizonError saying what to train
         self.model, self.layers, self.store, self.pool = model, layers, store, pool
         self.fingerprint = fingerprint  # computed once at load; CGOPipe checks predictors against it
         self.top_k = layers[0].top_k
@@ -98,12 +106,14 @@ class OffloadRuntime:
                                  on_evict=self._on_evict)
         self.prefetch_per_layer = prefetch_per_layer or self.top_k
         self.link_timing = link_timing  # hide-only prefetch (see _hideable); None: as many as the slots allow
+        self.next_token_min_chance = next_token_min_chance  # cross-token prefetch (see _next_keys); None: off
         self.arrival_order = False  # see parts(); CGOPipe turns it on
         self.late_tables = 0
         self.tables_on_time = 0
         self._step = -1
         self._layers = range(len(layers))  # the MoE layers of the running stack
         self._wanted: list[list[Key]] | None = None  # this forward's predicted keys, per layer
+        self._wanted_next: list[list[Key]] = []  # the next forward's forecast keys, per layer (cross-token)
         self._table_counted = False
         self._prefetched_after = -1  # last layer whose prefetches were issued this forward
         self._rank = 0  # prefetches requested this forward
@@ -119,7 +129,8 @@ class OffloadRuntime:
         if getattr(self.policy, "uses_scores", False):
             self._handles += [layer.router.register_forward_hook(self._router_scores(layer)) for layer in layers]
         self.engine = TransferEngine(store, pool, workers=transfer_workers)
-        self.builder = HashBuilder(predictor, forecasts=policy.uses_forecasts) if predictor is not None else None
+        self.builder = HashBuilder(predictor, forecasts=policy.uses_forecasts,
+                                   next_token=next_token_min_chance is not None) if predictor is not None else None
         self._stop = weakref.finalize(self, _stop_threads, self.engine, self.builder, self.store)
 
     @property
@@ -135,7 +146,8 @@ class OffloadRuntime:
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
             self._step += 1
             self._layers = layers
-            self._wanted, self._table_counted, self._prefetched_after, self._rank = None, False, -1, 0
+            self._wanted, self._wanted_next, self._table_counted = None, [], False
+            self._prefetched_after, self._rank = -1, 0
             if self.builder is None:
                 return
             input_ids = kwargs["input_ids"] if "input_ids" in kwargs else (args[0] if args else None)
@@ -262,6 +274,8 @@ class OffloadRuntime:
                 return
             if table is not None:
                 self._wanted = self._predicted_keys(table)
+                if table.next_chances is not None:
+                    self._wanted_next = self._next_keys(table.next_chances)
                 if table.chances is not None:  # learned eviction: keep what is predicted soonest
                     self.cache.on_forecast(table.chances.numpy())
         if not self._table_counted:
@@ -273,23 +287,27 @@ class OffloadRuntime:
         if self._wanted is None or layer <= self._prefetched_after:
             return
         self._prefetched_after = layer
-        wanted = ([key for keys in self._wanted[layer + 1:] for key in keys] if self.link_timing is None
-                  else self._hideable(layer))
+        # the stack's layers after this one, then (cross-token) the next forward's up to this one
+        ahead = [self._wanted[later] for later in self._layers if later > layer]
+        if self._wanted_next:
+            ahead += [self._wanted_next[later] for later in self._layers if later <= layer]
+        wanted = [key for keys in ahead for key in keys] if self.link_timing is None else self._hideable(layer, ahead)
         # the cache spares every key of one prefetch call: a prefetch never evicts another wanted one
         inserted = self.prefetch(wanted, priority=self._step * _STEP_PRIORITY - self._rank - 1)
         self._rank += len(inserted)
 
-    def _hideable(self, layer: int) -> list[Key]:
-        """The predicted keys of the layers after `layer` whose copies can end before their layer
-        starts (cost-aware prefetch's link half, as the simulator's `hide_only`): layer l leaves
-        l - layer layer computes, less the copies waiting or running and those chosen for nearer
-        layers. Resident keys stay in the list (a prefetch call spares its own keys)."""
+    def _hideable(self, layer: int, ahead: list[list[Key]]) -> list[Key]:
+        """Of `ahead` (the predicted keys of the layer-steps after `layer`, nearest first), those
+        whose copies can end before their layer starts (cost-aware prefetch's link half, as the
+        simulator's `hide_only`): the i-th layer-step on leaves i layer computes, less the copies
+        waiting or running and those chosen for nearer ones. Resident keys stay in the list (a
+        prefetch call spares its own keys)."""
         timing = self.link_timing
         chosen = self.engine.pending
         kept = []
-        for later in range(layer + 1, len(self._wanted)):
-            room = int((later - layer) * timing.layer_compute_s / timing.transfer_s)
-            for key in self._wanted[later]:
+        for steps, keys in enumerate(ahead, start=1):
+            room = int(steps * timing.layer_compute_s / timing.transfer_s)
+            for key in keys:
                 if key in self.cache:
                     kept.append(key)
                 elif chosen < room:
@@ -304,6 +322,15 @@ class OffloadRuntime:
         count = min(self.n_experts, self.prefetch_per_layer * max(table.tokens, 1))
         top = torch.topk(table.scores, count, dim=-1)
         return [[(layer, int(e)) for s, e in zip(values.tolist(), experts.tolist()) if s > 0]
+                if layer in self._layers else []
+                for layer, (values, experts) in enumerate(zip(top.values, top.indices))]
+
+    def _next_keys(self, chances: torch.Tensor) -> list[list[Key]]:
+        """Per layer of the running stack, the experts the next forward is forecast to use with a
+        chance of at least `next_token_min_chance`, likeliest first, `prefetch_per_layer` at most
+        (the chances are the largest over the rows)."""
+        top = torch.topk(chances, min(self.n_experts, self.prefetch_per_layer), dim=-1)
+        return [[(layer, int(e)) for c, e in zip(values.tolist(), experts.tolist()) if c >= self.next_token_min_chance]
                 if layer in self._layers else []
                 for layer, (values, experts) in enumerate(zip(top.values, top.indices))]
 

@@ -37,6 +37,7 @@ from offload_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from offload_runtime.server.scheduler import (Event, QueueFullError, Request as Sequence, SamplingParams, Scheduler,
                                               SchedulerClosedError)
 from offload_runtime.server.text import TextStream, chat_prompt
+from cache.timing import LinkTiming
 from predictor.base import ExpertPredictor
 from prescient.budget import Budget
 from prescient.errors import PrescientError
@@ -65,6 +66,8 @@ class ServeConfig:
     device: str = "cpu"
     transfer_workers: int = 1
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish at shutdown
+    link_timing: LinkTiming | None = None  # hide-only prefetch (see load_offloaded)
+    next_token_min_chance: float | None = None  # cross-token prefetch (see load_offloaded)
 
     @property
     def name(self) -> str:
@@ -120,7 +123,8 @@ class Service:
             tokenizer = load_tokenizer(c.model_dir)
             model = load_offloaded(c.model_dir, predictor=c.predictor, policy=c.policy, budget=Budget.of(c.budget),
                                    store=c.store, drop_page_cache=c.drop_page_cache, device=c.device,
-                                   transfer_workers=c.transfer_workers)
+                                   transfer_workers=c.transfer_workers, link_timing=c.link_timing,
+                                   next_token_min_chance=c.next_token_min_chance)
             if model.config.is_encoder_decoder:
                 model.offload_runtime.close()
                 raise UnsupportedModelError(f"{c.model_dir} is an encoder-decoder model; serving decodes "

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cache import Replay, make_policy, simulate
+from cache.errors import ReplayInputError
 from cache.timing import LinkTiming, TimingError
 
 E = 8  # experts per layer in the hand-made replays
@@ -211,3 +212,45 @@ def test_hide_only_on_a_link_slower_than_a_token_is_demand_loading(horizon):
     assert hidden.timed.prefetch_loads > 0
     with pytest.raises(TimingError, match="give timing"):
         simulate(replay, 20, make_policy("lru"), hide_only=True)
+
+
+def next_token_replay(n_tokens, forecast=True):
+    """Two layers: layer 0 uses expert 1, 2, 3, 1, ... in turn, layer 1 always expert 0; each
+    layer-step predicts its own experts and, with `forecast`, (t, l) also forecasts (t+1, l)."""
+    accessed = [step for t in range(n_tokens) for step in ([(0, 1 + t % 3)], [(1, 0)])]
+    replay = hand_replay(2, accessed, accessed)
+    if forecast:
+        following = accessed[2:] + [[], []]
+        keys = np.array([layer * E + e for step in following for layer, e in step], np.int64)
+        replay.next_predicted = keys, np.r_[0, np.cumsum([len(s) for s in following])].astype(np.int64)
+    return replay
+
+
+def test_cross_token_prefetch_hides_the_next_tokens_first_layer_behind_this_ones_compute():
+    n = 10  # a copy (1.5 s) outlasts a layer's compute (1 s) but not a token's (2 s)
+    alone = simulate(next_token_replay(n, forecast=False), 2, make_policy("lru"), per_layer=True, horizon=None,
+                     timing=timing(1.0, 1.5), hide_only=True)
+    assert alone.timed.prefetch_loads == 0 and alone.timed.stall_seconds == pytest.approx(1.5 * (n + 1))
+    r = simulate(next_token_replay(n), 2, make_policy("lru"), per_layer=True, horizon=None, timing=timing(1.0, 1.5),
+                 hide_only=True)
+    t = r.timed
+    # token 0: layer 0 misses (1.5 s); its compute issues token 1's layer-0 expert (1.5-3.0 s), ahead of
+    # which layer 1's miss waits (3.0-4.5 s); every later token finds both experts in
+    assert t.stall_seconds == pytest.approx(1.5 + 2.0)
+    assert t.simulated_seconds == pytest.approx(5.5 + 2.0 * (n - 1))
+    assert (t.demand_loads, t.prefetch_loads, t.wasted_loads) == (2, n - 1, 0)
+    assert r.misses == 2 and r.late_prefetches == 0
+
+
+def test_cross_token_prefetch_keeps_the_likely_experts_and_needs_timing():
+    topk = np.array([[[0], [1]], [[2], [3]]])  # 2 tokens, 2 layers, top-1
+    chances = np.zeros((2, 2, 4))
+    chances[0, 0, 2], chances[0, 1, 3], chances[0, 1, 0] = 0.9, 0.4, 0.3
+    replay = Replay.build(topk, np.zeros(2, np.int64), predicted_scores=np.zeros((2, 2, 4)), n_experts=4,
+                          next_chances=chances, next_min_chance=0.5)
+    keys, offsets = replay.next_predicted
+    assert keys.tolist() == [2] and offsets.tolist() == [0, 1, 1, 1, 1]  # (0, 2) for token 1; (1, 3) below 0.5
+    with pytest.raises(TimingError, match="give timing"):
+        simulate(replay, 2, make_policy("lru"))
+    with pytest.raises(ReplayInputError, match="give both"):
+        Replay.build(topk, np.zeros(2, np.int64), n_experts=4, next_chances=chances)

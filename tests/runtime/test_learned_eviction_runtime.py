@@ -1,6 +1,7 @@
 """Learned eviction in the serving runtime: the hash-building thread's tables carry the forecast
 heads' chances of use, the cache ranks by them, and generation stays exact; hide-only prefetch
-(a link timing) issues only the copies that can end before their layer runs."""
+(a link timing) issues only the copies that can end before their layer runs; cross-token
+prefetch reaches into the next forward with the forecast of its token."""
 
 import dataclasses
 
@@ -69,3 +70,50 @@ def test_hide_only_prefetch_issues_only_what_the_link_can_hide(tiny_moe_dir, com
         stats = runtime.stats()
     assert torch.equal(out, want)
     assert stats.tables_on_time > 0 and (stats.prefetch_inserts > 0) == prefetches
+
+
+def test_cross_token_prefetch_loads_the_next_forwards_layers_and_stays_exact(tiny_moe_dir):
+    path = tiny_moe_dir("mixtral")
+    inputs = encode(path, encoder_decoder=False)
+    plain, _ = load_model(path, dtype=torch.float32)
+    want = generate(plain, inputs, new_tokens=6)
+    model = load_offloaded(path, predictor=forecasting_sida(path), policy="lru", budget=0.5, next_token_min_chance=0.0)
+    wait_for_tables(model)
+    runtime = model.offload_runtime
+    layer_now, early = [-1], []  # prefetched keys of a layer not after the one running: the next forward's
+    prefetch_after, prefetch = runtime._prefetch_after, runtime.prefetch
+
+    def spy_layer(layer):
+        layer_now[0] = layer
+        prefetch_after(layer)
+
+    def spy_prefetch(keys, priority=0.0):
+        early.extend(key for key in keys if key[0] <= layer_now[0])
+        return prefetch(keys, priority)
+
+    runtime._prefetch_after, runtime.prefetch = spy_layer, spy_prefetch
+    with runtime:
+        out = generate(model, inputs, new_tokens=6)
+    assert torch.equal(out, want)
+    assert early, "no prefetch reached into the next forward"
+    assert all(len(keys) <= runtime.prefetch_per_layer for keys in runtime._wanted_next)
+
+
+def test_cross_token_prefetch_keeps_only_likely_experts(tiny_moe_dir):
+    path = tiny_moe_dir("mixtral")
+    model = load_offloaded(path, predictor=forecasting_sida(path), policy="lru", budget=0.5, next_token_min_chance=0.5)
+    with model.offload_runtime as runtime:
+        chances = torch.zeros(len(runtime.layers), runtime.n_experts)
+        chances[0, 3], chances[1, 1], chances[1, 2] = 0.9, 0.5, 0.49
+        assert runtime._next_keys(chances)[:2] == [[(0, 3)], [(1, 1)]]
+
+
+def test_cross_token_prefetch_bad_input(tiny_moe_dir, tmp_path):
+    path = tiny_moe_dir("mixtral")
+    with pytest.raises(PredictorError, match="cross-token prefetch needs a predictor's forecasts"):
+        load_offloaded(path, policy="lru", budget=0.5, next_token_min_chance=0.5)
+    with pytest.raises(ForecastHorizonError, match="--model.horizon"):
+        load_offloaded(path, predictor=save_tiny_predictor("frequency", path, tmp_path), policy="lru", budget=0.5,
+                       next_token_min_chance=0.5)
+    with pytest.raises(PredictorError, match=r"must be in \[0, 1\], got 1.5"):
+        load_offloaded(path, predictor=forecasting_sida(path), policy="lru", budget=0.5, next_token_min_chance=1.5)
