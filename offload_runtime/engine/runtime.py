@@ -198,11 +198,11 @@ class OffloadRuntime:
         keys = [(layer, e) for e in experts]
         self.cache.access_many(keys, pin=True)
         try:
-            for key in keys:
-                if self.pool.map.slot_of(key) is None:
-                    self._load(key, demand=True)
+            missing = [key for key in keys if self.pool.map.slot_of(key) is None]
+            for key in missing:
+                self._load(key, demand=True)
             if self.builder is not None:
-                self._prefetch_after(layer)
+                self._prefetch_after(layer, len(missing))
             for key in keys if wait else ():
                 self.engine.wait(key)
             yield self.pool.map.table[layer].to(device, copy=True)
@@ -265,7 +265,7 @@ class OffloadRuntime:
             futures.wait([old.future])  # evicted while copying into its old slot: let that copy end
         self._tickets[key] = self.engine.request(key, slot, priority=priority, demand=demand)
 
-    def _prefetch_after(self, layer: int) -> None:
+    def _prefetch_after(self, layer: int, demand_loads: int = 0) -> None:
         if self._wanted is None:
             try:
                 table = self.builder.poll(self._step)
@@ -291,19 +291,21 @@ class OffloadRuntime:
         ahead = [self._wanted[later] for later in self._layers if later > layer]
         if self._wanted_next:
             ahead += [self._wanted_next[later] for later in self._layers if later <= layer]
-        wanted = [key for keys in ahead for key in keys] if self.link_timing is None else self._hideable(layer, ahead)
+        wanted = ([key for keys in ahead for key in keys] if self.link_timing is None
+                  else self._hideable(ahead, demand_loads))
         # the cache spares every key of one prefetch call: a prefetch never evicts another wanted one
         inserted = self.prefetch(wanted, priority=self._step * _STEP_PRIORITY - self._rank - 1)
         self._rank += len(inserted)
 
-    def _hideable(self, layer: int, ahead: list[list[Key]]) -> list[Key]:
-        """Of `ahead` (the predicted keys of the layer-steps after `layer`, nearest first), those
-        whose copies can end before their layer starts (cost-aware prefetch's link half, as the
-        simulator's `hide_only`): the i-th layer-step on leaves i layer computes, less the copies
-        waiting or running and those chosen for nearer ones. Resident keys stay in the list (a
-        prefetch call spares its own keys)."""
+    def _hideable(self, ahead: list[list[Key]], demand_loads: int) -> list[Key]:
+        """Of `ahead` (the predicted keys of the layer-steps after the running one, nearest
+        first), those whose copies can end before their layer starts (cost-aware prefetch's link
+        half, as the simulator's `hide_only`): the i-th layer-step on leaves i layer computes,
+        counted from when the running layer's own `demand_loads` are in (its compute waits for
+        them), less the other copies waiting or running and those chosen for nearer ones.
+        Resident keys stay in the list (a prefetch call spares its own keys)."""
         timing = self.link_timing
-        chosen = self.engine.pending
+        chosen = max(self.engine.pending - demand_loads, 0)
         kept = []
         for steps, keys in enumerate(ahead, start=1):
             room = int(steps * timing.layer_compute_s / timing.transfer_s)

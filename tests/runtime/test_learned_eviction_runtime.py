@@ -83,9 +83,9 @@ def test_cross_token_prefetch_loads_the_next_forwards_layers_and_stays_exact(tin
     layer_now, early = [-1], []  # prefetched keys of a layer not after the one running: the next forward's
     prefetch_after, prefetch = runtime._prefetch_after, runtime.prefetch
 
-    def spy_layer(layer):
+    def spy_layer(layer, *args):
         layer_now[0] = layer
-        prefetch_after(layer)
+        prefetch_after(layer, *args)
 
     def spy_prefetch(keys, priority=0.0):
         early.extend(key for key in keys if key[0] <= layer_now[0])
