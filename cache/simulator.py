@@ -32,7 +32,9 @@ wasted. Reported: simulated seconds, stall seconds, bytes moved and bytes wasted
 token (trace row), and tokens/s (`SimResult.timed`). With `hide_only` (cost-aware prefetch's link
 half) a predicted key is prefetched only if, behind the copy in flight and the prefetches queued,
 its copy ends before its layer-step starts (the compute of the layer-steps in between, stalls
-not counted); the others are left to demand loads.
+not counted); the others are left to demand loads. Cross-token prefetch (a Replay built with
+`next_chances`, timed only): when a layer-step's `horizon` reaches past the token's last layer,
+it prefetches the layer it reaches in the next token from the forecast made at this token.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ by token (causal, incremental), and publishes one hash table per forward: per Mo
 predicted expert scores summed over the forward's tokens. Each token stream (an encoder-decoder
 has two: the encoder's prompt and the decoder's tokens) keeps its own predictor state. The
 inference thread only polls: a table not ready when a layer needs it is late, and that layer
-proceeds with demand loads.
+proceeds with demand loads. With forecast heads a table can also carry chances of use soon
+(learned eviction) and the next forward's chances of use (cross-token prefetch).
 
 Serving decodes many sequences in one batch whose rows come and go: `submit(..., rows=ids)` names
 each row's sequence, and each (stream, sequence) keeps its own batch-1 state, started the first time
