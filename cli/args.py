@@ -131,8 +131,14 @@ def add_prefetch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--next-token", action="store_true",
                    help="cross-token prefetch: load the next token's likely experts while this token's layers "
                         "compute (needs a --predictor with forecast heads)")
+    add_next_min_chance(p, "with --next-token")
+
+
+def add_next_min_chance(p: argparse.ArgumentParser, applies: str) -> None:
+    """`--next-min-chance`, the one threshold of cross-token prefetch; `applies` says when it is read."""
     p.add_argument("--next-min-chance", type=chance, default=0.5,
-                   help="with --next-token: the least forecast chance of use of a next-token expert (default 0.5)")
+                   help=f"{applies}: prefetch a next-token expert only if its forecast chance of use is at least "
+                        "this (default 0.5)")
 
 
 def prefetch_options(args: argparse.Namespace) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import add_results_args, budgets, chance, names, positive_int, predictor_specs
+from cli.args import add_next_min_chance, add_results_args, budgets, names, positive_int, predictor_specs
 
 BASELINES = "all_resident,accelerate_disk"
 
@@ -51,8 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--link-timing", metavar="BENCH.json|PROFILE.json",
                    help="the link that +hide runs weigh copies against: calibrated from a `prescient bench` JSON, "
                         "or a `prescient profile-hw` JSON with the model's config")
-    p.add_argument("--next-min-chance", type=chance, default=0.5,
-                   help="+next runs prefetch a next-token expert forecast at least this likely (default 0.5)")
+    add_next_min_chance(p, "+next runs")
     p.add_argument("--work-dir", help="keep fitted predictors and the oracle trace here (default: a temporary dir)")
     return p
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import add_results_args, budgets, chance, names, positive_int, positive_ints
+from cli.args import add_next_min_chance, add_results_args, budgets, names, positive_int, positive_ints
 from predictor.registry import NAMES_HELP
 
 POLICIES_HELP = "lru, lfu, fifo, mrs, static, belady, learned (needs a --predictor with forecast heads), learned-belady"
@@ -40,9 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="with --timing and a --predictor with forecast heads: cross-token prefetch, the next token's "
                         "layers prefetched from its forecast while this token's layers compute (--horizon all: a "
                         "whole token ahead)")
-    p.add_argument("--next-min-chance", type=chance, default=0.5,
-                   help="with --next-token: prefetch a next-token expert only if its forecast chance of use is at "
-                        "least this (default 0.5)")
+    add_next_min_chance(p, "with --next-token")
     p.add_argument("--prefetch-k", type=positive_int, default=None,
                    help="predicted experts prefetched per row and layer (default: the model's top-k)")
     add_results_args(p, plot="PNG of hit and stall rates against capacity")

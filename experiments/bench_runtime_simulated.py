@@ -32,12 +32,10 @@ from cache.timing import LinkTiming
 from experiments.compare_caches import (
     SAME_TRACE,
     build_predictor,
-    forecast_chances,
-    forecasts,
+    forecast_inputs,
     policy_for,
 )
 from experiments.predictor_scores import trace_scores
-from predictor.forecast import chance_selected
 from experiments.timing_calibration import Calibration, timing_from_bench
 from prescient.budget import Budget
 from prescient.fingerprint import ModelFingerprint
@@ -86,11 +84,8 @@ def simulate_run(trace: Trace, run: dict[str, Any], predictor_path: str | None, 
         scores, _ = trace_scores(pred, trace, run["predictor"], decoding=True, true_previous_layer=False)
         build["predicted_scores"] = scores.numpy()
     modes = run.get("modes") or ()
-    if POLICIES[run["policy"]].uses_forecasts:
-        build["forecast_chances"] = forecast_chances(pred, trace)
-    if "next" in modes:
-        build.update(next_chances=chance_selected(forecasts(pred, trace, "cross-token prefetch")[1][:, 0],
-                                                  fp.top_k).numpy(), next_min_chance=next_min_chance)
+    build.update(forecast_inputs(pred, trace, POLICIES[run["policy"]].uses_forecasts, "next" in modes),
+                 next_min_chance=next_min_chance)
     replay = Replay.build(columns["topk_ids"], columns["seq_id"], 1, **build)
     sim = simulate(replay, slots, policy_for(run["policy"], replay, fp.top_k), horizon=None, timing=timing,
                    hide_only="hide" in modes)

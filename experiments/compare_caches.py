@@ -38,7 +38,6 @@ import logging
 import time
 
 import numpy as np
-import torch
 from pathlib import Path
 from typing import Any
 
@@ -114,21 +113,25 @@ def build_predictor(spec: str | Path | ExpertPredictor, trace: Trace, fit: Trace
     return (name if "artifact" not in source else Path(name).stem), pred, source
 
 
-def forecasts(pred: ExpertPredictor | None, trace: Trace, needed_by: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The predictor's scores [N, L, E] for each token and its forecasts [N, H, L, E] of the next
-    ones, for `needed_by` (what asks for them, named in the error when there are none)."""
+def forecast_inputs(pred: ExpertPredictor | None, trace: Trace, learned: bool,
+                    next_token: bool) -> dict[str, np.ndarray]:
+    """`Replay.build`'s `forecast_chances` [N, L, E] (a learned policy ranks by them: chances of use
+    soon, `predictor.forecast.chance_of_use`) and `next_chances` [N, L, E] (cross-token prefetch:
+    each expert's chance of use by the next token), those asked for, from one pass of the
+    predictor's forecasts."""
+    if not (learned or next_token):
+        return {}
+    needed_by = "learned eviction" if learned else "cross-token prefetch"
     if pred is None:
         raise CompareCachesError(f"{needed_by} needs a predictor's forecasts: pass --predictor, an artifact with "
                                  "forecast heads (train one with --model.horizon 2)")
     pred.require_horizon(1)  # no heads: a ForecastHorizonError saying what to train
-    return forecast_scores(pred, trace, pred.horizon)
-
-
-def forecast_chances(pred: ExpertPredictor | None, trace: Trace) -> np.ndarray:
-    """[N, L, E] chances of use soon (`predictor.forecast.chance_of_use`) from the predictor's
-    scores for each token and its forecasts of the next ones: what learned eviction ranks by."""
-    current, ahead = forecasts(pred, trace, "learned eviction")
-    return chance_of_use(current, ahead, trace.fingerprint.top_k).numpy()
+    current, ahead = forecast_scores(pred, trace, pred.horizon)
+    top_k = trace.fingerprint.top_k
+    inputs = {"forecast_chances": chance_of_use(current, ahead, top_k).numpy()} if learned else {}
+    if next_token:
+        inputs["next_chances"] = chance_selected(ahead[:, 0], top_k).numpy()
+    return inputs
 
 
 def policy_for(name: str, replay: Replay, top_k: int, frequencies: np.ndarray | None = None) -> EvictionPolicy:
@@ -204,12 +207,8 @@ def compare_caches(
     if predictor is not None:
         name, pred, source = build_predictor(predictor, trace, fit, fit_on)
     # before any scoring: a learned policy without a forecasting predictor is refused at once
-    learned = any(POLICIES[p].uses_forecasts for p in policies)
-    chances = next_chances = None
-    if learned or next_token:
-        current, ahead = forecasts(pred, trace, "learned eviction" if learned else "cross-token prefetch")
-        chances = chance_of_use(current, ahead, fp.top_k).numpy() if learned else None
-        next_chances = chance_selected(ahead[:, 0], fp.top_k).numpy() if next_token else None
+    forecast = forecast_inputs(pred, trace, any(POLICIES[p].uses_forecasts for p in policies), next_token)
+    chances = forecast.get("forecast_chances")
     if predictor is not None:
         began = time.perf_counter()
         scores, info = trace_scores(pred, trace, name, decoding=True, true_previous_layer=horizon == 1)
@@ -237,7 +236,8 @@ def compare_caches(
         if scores is not None:
             replays[b, True] = Replay.build(columns["topk_ids"], columns["seq_id"], b, predicted_scores=scores,
                                             prefetch_k=prefetch_k, n_experts=fp.n_experts, forecast_chances=chances,
-                                            next_chances=next_chances, next_min_chance=next_min_chance, **router)
+                                            next_chances=forecast.get("next_chances"),
+                                            next_min_chance=next_min_chance, **router)
     need = {b: replays[b, False].max_layer_keys for b in batch_sizes}
     result["min_capacity"] = {str(b): n for b, n in need.items()}
     smallest = min(batch_sizes)

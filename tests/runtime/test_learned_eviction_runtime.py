@@ -117,3 +117,14 @@ def test_cross_token_prefetch_bad_input(tiny_moe_dir, tmp_path):
                        next_token_min_chance=0.5)
     with pytest.raises(PredictorError, match=r"must be in \[0, 1\], got 1.5"):
         load_offloaded(path, predictor=forecasting_sida(path), policy="lru", budget=0.5, next_token_min_chance=1.5)
+
+
+def test_hide_only_counts_from_when_the_running_layers_own_demand_loads_are_in(tiny_moe_dir, monkeypatch):
+    path = tiny_moe_dir("mixtral")
+    link = LinkTiming(1.0, 100.0, 100.0 / 0.9)  # one copy (0.9 s) fits behind one layer's compute (1 s)
+    model = load_offloaded(path, predictor=forecasting_sida(path), policy="lru", budget=0.5, link_timing=link)
+    with model.offload_runtime as runtime:
+        key = next((1, e) for e in range(runtime.n_experts) if (1, e) not in runtime.cache)
+        monkeypatch.setattr(type(runtime.engine), "pending", property(lambda _engine: 1))  # a copy waiting
+        assert runtime._hideable([[key]], demand_loads=1) == [key]  # it is this layer's demand load: the link is free
+        assert runtime._hideable([[key]], demand_loads=0) == []  # another prefetch: no room left
