@@ -44,7 +44,7 @@ def scores(values: np.ndarray) -> np.ndarray:
 def replay_arrays(n_layers: int, max_layers: int, n_keys: int, keys: np.ndarray, offsets: np.ndarray,
                   score_arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
                   predicted: tuple[np.ndarray, np.ndarray] | None, ahead: int,
-                  forecasts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+                  forecasts: tuple | None = None) -> None:
     """A replay's arrays (see `ExpertCache.replay`): key ids below `n_keys` (the numbered keys),
     offsets that start at 0 or later, never decrease and stay within their keys, as many offsets
     in each array (forecasts: any number of token-steps), finite scores, chances in [0, 1],
@@ -62,7 +62,10 @@ def replay_arrays(n_layers: int, max_layers: int, n_keys: int, keys: np.ndarray,
     if not _whole(ahead) or not 0 <= ahead <= n_layers:
         raise CacheError(f"ahead {ahead!r} must be in 0..{n_layers} layers")
     if forecasts is not None:  # any number of token-steps
-        _keyed_values("forecast", forecasts, n_keys, max(len(forecasts[2]), 1), chances)
+        keys, soon, later, steps = forecasts
+        _keyed_values("forecast", (keys, soon, steps), n_keys, max(len(steps), 1), chances)
+        if later is not None:
+            _keyed_values("later forecast", (keys, later, steps), n_keys, max(len(steps), 1), chances)
 
 
 def predicted_keys(name: str, predicted: tuple[np.ndarray, np.ndarray], n_keys: int, n_offsets: int) -> None:

@@ -29,6 +29,10 @@ from cache.errors import CacheError, CacheFullError, CapacityError
 from cache.policy import EvictionPolicy, Key
 from cache.rules import on_forecast, on_router_scores
 
+# A replay's forecasts: key ids, chances of use soon, chances of use by later tokens (None: not
+# given), offsets per token-step.
+Forecasts = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]
+
 
 @dataclass
 class CacheStats:
@@ -238,17 +242,19 @@ class ExpertCache:
 
     # -- policy hook -------------------------------------------------------------------------
 
-    def on_forecast(self, chances: np.ndarray) -> None:
+    def on_forecast(self, chances: np.ndarray, layer: int | None = None) -> None:
         """Learned eviction: [L, E] predicted chances of use soon, each in [0, 1] (see
-        `predictor.forecast.chance_of_use`), for every key of every layer."""
+        `predictor.forecast.chances_of_use`), for every key of every layer; with `layer`, for that
+        layer's keys only (a token has run the layer: pass the chances of use by later tokens)."""
         if not self.policy.uses_forecasts:
             return
         chances = checks.chances(np.asarray(chances, dtype=np.float64))
         if chances.ndim != 2:
             raise CacheError(f"forecast chances must be [layers, experts], got shape {list(chances.shape)}")
+        layers = range(chances.shape[0]) if layer is None else [layer]
         with self._lock:
-            ids = self.key_ids([(layer, e) for layer in range(chances.shape[0]) for e in range(chances.shape[1])])
-            on_forecast(self.state.struct, ids, chances.ravel())
+            ids = self.key_ids([(row, e) for row in layers for e in range(chances.shape[1])])
+            on_forecast(self.state.struct, ids, chances[list(layers)].ravel())
 
     def on_step(self, layer: int, scores: Mapping[int, float] | Sequence[float]) -> None:
         """Forward one layer-step's router scores (expert -> score, or a dense vector over
@@ -268,13 +274,14 @@ class ExpertCache:
                scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
                predicted: tuple[np.ndarray, np.ndarray] | None = None,
                ahead: int = 1, bandwidth: int | None = None,
-               forecasts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> int:
+               forecasts: Forecasts | None = None) -> int:
         """Run layer-steps j = t·n_layers + l through the cache: `keys[offsets[j]:offsets[j+1]]`
         are accessed (ids from `key_ids`), after router `scores` (key ids, values, offsets) reach
         the policy; with `predicted` (key ids, offsets) the predicted keys are prefetched `ahead`
         layers early over a link moving `bandwidth` transfers per layer-step (None: instant);
-        `forecasts` (key ids, chances of use, offsets per token-step) reach the policy as each
-        token-step starts. The same as the per-call API driven step by step. Returns the late
+        `forecasts` (key ids, chances of use, chances of use by later tokens or None, offsets per
+        token-step) reach the policy as each token-step starts, the later chances of a layer's
+        keys once the token-step has run that layer. The same as the per-call API driven step by step. Returns the late
         prefetches."""
         self._check_replay_args(n_layers, keys, offsets, scores, predicted, ahead, forecasts)
         score_arrays, inserted, evicted = self._replay_buffers(offsets, scores, predicted)
@@ -293,7 +300,7 @@ class ExpertCache:
     def replay_timed(self, n_layers: int, keys: np.ndarray, offsets: np.ndarray, compute_s: float,
                      transfer_s: float, scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
                      predicted: tuple[np.ndarray, np.ndarray] | None = None, ahead: int = 1,
-                     forecasts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                     forecasts: Forecasts | None = None,
                      hide_only: bool = False,
                      next_predicted: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[int, np.ndarray, np.ndarray]:
         """`replay` on a clock: each layer-step computes `compute_s` seconds once its experts are
@@ -328,7 +335,7 @@ class ExpertCache:
     def _check_replay_args(self, n_layers: int, keys: np.ndarray, offsets: np.ndarray,
                            scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
                            predicted: tuple[np.ndarray, np.ndarray] | None, ahead: int,
-                           forecasts: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> None:
+                           forecasts: Forecasts | None) -> None:
         """A replay's arguments, checked so that the kernels stay inside their arrays."""
         with self._lock:
             checks.replay_arrays(n_layers, len(self.state.scale), len(self._keys), keys, offsets, scores,
@@ -363,8 +370,11 @@ class ExpertCache:
             raise self.policy.off_sequence(position, self._keys[ids[off]])
 
 
-def _forecast_arrays(forecasts: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, ...]:
-    """Forecast key ids, chances and per-token-step offsets; empty ones (no token-step) if none."""
+def _forecast_arrays(forecasts: Forecasts | None) -> tuple[np.ndarray, ...]:
+    """Forecast key ids, chances, later chances and per-token-step offsets; empty ones (no
+    token-step, no later chances) where absent."""
+    none = np.zeros(0, np.float64)
     if forecasts is None:
-        return np.zeros(0, np.int64), np.zeros(0, np.float64), np.zeros(1, np.int64)
-    return forecasts
+        return np.zeros(0, np.int64), none, none, np.zeros(1, np.int64)
+    keys, soon, later, steps = forecasts
+    return keys, soon, none if later is None else later, steps

@@ -3,7 +3,8 @@
 A replay is a sequence of layer-steps (token-step t, layer l at index t·L + l) held as flat arrays:
 `keys[offsets[j]:offsets[j + 1]]` are the key ids layer-step j accesses, and likewise for router
 scores and predicted keys; forecasts (key ids and predicted chances of use, for learned
-eviction) are per token-step t and reach the policy as the token-step starts. See
+eviction) are per token-step t and reach the policy as the token-step starts, and their chances
+of use by later tokens (if given) as each layer of it has run. See
 `cache.simulator` for what is modelled.
 """
 
@@ -23,9 +24,18 @@ def _forecast(st, t, fc_keys, fc_values, fc_offsets):
         on_forecast(st, fc_keys[fc_offsets[t]:fc_offsets[t + 1]], fc_values[fc_offsets[t]:fc_offsets[t + 1]])
 
 
+@inline
+def _forecast_run(st, t, layer, fc_keys, fc_later, fc_offsets):
+    """Token-step t has run `layer`: that layer's keys take their chances of use by later tokens
+    (none when the replay has none)."""
+    if len(fc_later) and t + 1 < len(fc_offsets):
+        s, e = fc_offsets[t], fc_offsets[t + 1]
+        on_forecast(st, fc_keys[s:e], fc_later[s:e], layer)
+
+
 @jit
 def replay_demand(st, n_layers, keys, offsets, score_keys, score_values, score_offsets, use_scores,
-                  fc_keys, fc_values, fc_offsets, inserted, evicted):
+                  fc_keys, fc_values, fc_later, fc_offsets, inserted, evicted):
     """Every layer-step: forecasts (as a token-step starts) and router scores (if `use_scores`)
     to the policy, then the keys are loaded and used. Returns -1, or the access number of a key
     off Belady's sequence."""
@@ -40,6 +50,7 @@ def replay_demand(st, n_layers, keys, offsets, score_keys, score_values, score_o
         off = use(st, step)
         if off >= 0:
             return offsets[j] + off
+        _forecast_run(st, j // n_layers, j % n_layers, fc_keys, fc_later, fc_offsets)
     return -1
 
 
@@ -90,7 +101,7 @@ def _transfer(bandwidth, pending, serial, queue, link):
 
 @jit
 def replay_prefetch(st, n_layers, keys, offsets, score_keys, score_values, score_offsets, use_scores,
-                    fc_keys, fc_values, fc_offsets, predicted, predicted_offsets, ahead, bandwidth, inserted, evicted):
+                    fc_keys, fc_values, fc_later, fc_offsets, predicted, predicted_offsets, ahead, bandwidth, inserted, evicted):
     """Demand accesses plus the predicted keys prefetched `ahead` layers early; the link moves
     `bandwidth` queued transfers per layer-step (-1: unlimited, transfers are instant).
     Returns (late prefetches, -1 or the access number of a key off Belady's sequence)."""
@@ -123,6 +134,7 @@ def replay_prefetch(st, n_layers, keys, offsets, score_keys, score_values, score
             off = use(st, step)
             if off >= 0:
                 return late, offsets[j] + off
+            _forecast_run(st, t, layer, fc_keys, fc_later, fc_offsets)
             if layer + ahead < n_layers:
                 for key in step:  # the layer's experts stay pinned while it prefetches
                     st.pins[key] += 1
@@ -250,7 +262,7 @@ def _hideable(st, wanted, now, layers_ahead, compute_s, transfer_s, seg, depth, 
 
 @jit
 def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_offsets, use_scores,
-                 fc_keys, fc_values, fc_offsets, predicted, predicted_offsets, next_predicted, next_offsets, ahead,
+                 fc_keys, fc_values, fc_later, fc_offsets, predicted, predicted_offsets, next_predicted, next_offsets, ahead,
                  compute_s, transfer_s, hide_only, inserted, evicted, clock, loads):
     """`replay_prefetch` (or `replay_demand`, with no predicted keys) on a clock: each layer-step
     computes `compute_s` once its experts are in; each transfer takes `transfer_s` on one link
@@ -319,6 +331,7 @@ def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_of
             off = use(st, step)
             if off >= 0:
                 return late, offsets[j] + off
+            _forecast_run(st, t, layer, fc_keys, fc_later, fc_offsets)
             for key in step:
                 moved[key] = False
             target = layer + ahead  # the layer prefetched for, counted on into the next token

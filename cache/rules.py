@@ -10,7 +10,8 @@ eviction, and (MRS) moved by router scores. The victim is always the lowest-rank
   (the order within a layer is unchanged) and adds α·s to the top-p experts' S.
 - learned: rank = the predicted chance of use soon (in [0, 1], from the predictor's forecasts,
   `on_forecast`), tiebreak = tick of the last use, so the key predicted least is evicted first
-  and unpredicted keys go least recently used first. With marking (Lykouris & Vassilvitskii's
+  and unpredicted keys go least recently used first. Once a token has run a layer, that layer's
+  keys take their chance of use by later tokens (`on_forecast` with `layer`). With marking (Lykouris & Vassilvitskii's
   predictive marker) a use also adds MARKED: keys used in the current phase are evicted only
   once no unmarked key is left, which then starts a new phase (`new_phase`).
 """
@@ -110,13 +111,16 @@ def on_router_scores(st, layer, keys, scores):
 
 
 @jit
-def on_forecast(st, keys, scores):
+def on_forecast(st, keys, scores, layer=-1):
     """Learned eviction: the predicted chance of use soon of `keys` (ids), each in [0, 1], replaces
-    their previous one; resident keys keep their mark. Other policies ignore forecasts."""
+    their previous one; resident keys keep their mark. `layer` >= 0: only that layer's keys take
+    theirs. Other policies ignore forecasts."""
     if st.params[KIND] != LEARNED:
         return
     for i in range(len(keys)):
         key = keys[i]
+        if layer >= 0 and st.layer[key] != layer:
+            continue
         st.outside[key] = scores[i]
         if st.pos[key] >= 0:
             st.rank[key] = scores[i] + (MARKED if st.rank[key] >= MARKED else 0.0)

@@ -46,7 +46,7 @@ from functools import cached_property
 import numpy as np
 
 from cache.errors import CapacityError, ReplayInputError
-from cache.expert_cache import ExpertCache
+from cache.expert_cache import ExpertCache, Forecasts
 from cache.policy import EvictionPolicy
 from cache.replay import DEMAND, NOW, PREFETCH, STALL, WASTED_LOADS
 from cache.timing import LinkTiming, TimedStats, TimingError
@@ -70,7 +70,7 @@ class Replay:
     predicted: tuple[np.ndarray, np.ndarray] | None = None  # keys, offsets
     score_top: int | None = None  # scores keep only each step's score_top highest (None: all)
     n_tokens: int | None = None  # trace rows replayed (None: n_steps · batch_size)
-    forecasts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # keys, chances, offsets per token-step
+    forecasts: Forecasts | None = None  # keys, chances, later chances (or None), offsets per token-step
     next_predicted: tuple[np.ndarray, np.ndarray] | None = None  # per (t, l): keys forecast at t for (t+1, l)
 
     @property
@@ -129,6 +129,7 @@ class Replay:
         score_top: int | None = None,
         n_experts: int | None = None,
         forecast_chances: np.ndarray | None = None,
+        later_chances: np.ndarray | None = None,
         next_chances: np.ndarray | None = None,
         next_min_chance: float = 0.0,
     ) -> "Replay":
@@ -139,10 +140,11 @@ class Replay:
         and makes the replay faster. `predicted_scores` [N, L, E]: each row's top `prefetch_k`
         (default k) experts per layer are prefetched. `forecast_chances` [N, L, E] in [0, 1]: each
         row's predicted chance that an expert is used soon (learned eviction); a step takes the
-        largest over its batch. `next_chances` [N, L, E] in [0, 1]: each row's forecast chance that
-        its sequence's next token uses an expert (cross-token prefetch, timed replays only): the
-        `prefetch_k` likeliest per layer with a chance of at least `next_min_chance`, united over
-        the batch."""
+        largest over its batch; `later_chances` [N, L, E] likewise, counted from the row's next
+        token on: a layer's keys take them once the step has run the layer. `next_chances`
+        [N, L, E] in [0, 1]: each row's forecast chance that its sequence's next token uses an
+        expert (cross-token prefetch, timed replays only): the `prefetch_k` likeliest per layer
+        with a chance of at least `next_min_chance`, united over the batch."""
         topk_ids = np.asarray(topk_ids)
         if topk_ids.ndim != 3:
             raise ReplayInputError(f"topk_ids must be [N, L, k], got shape {topk_ids.shape}")
@@ -178,9 +180,15 @@ class Replay:
             if next_chances is not None:
                 next_predicted = _predicted_keys(np.asarray(next_chances), top_k if prefetch_k is None else prefetch_k,
                                                  rows, n_experts, next_min_chance)
+        if later_chances is not None and forecast_chances is None:
+            raise ReplayInputError("later_chances (a run layer's chances) refine forecast_chances: give both")
         forecasts = None
         if forecast_chances is not None:
-            forecasts = _forecast_steps(np.asarray(forecast_chances), rows, n_experts)
+            keys_fc, soon, steps = _forecast_steps("forecast_chances", np.asarray(forecast_chances), rows, n_experts)
+            later = None
+            if later_chances is not None:
+                later = _forecast_steps("later_chances", np.asarray(later_chances), rows, n_experts)[1]
+            forecasts = (keys_fc, soon, later, steps)
         return cls(n_layers, n_experts, top_k, batch_size, keys, offsets, scores, predicted, score_top, n, forecasts,
                    next_predicted)
 
@@ -322,12 +330,12 @@ def _predicted_keys(
     return _union_keys(top, rows, n_experts)
 
 
-def _forecast_steps(chances: np.ndarray, rows: np.ndarray, n_experts: int) -> tuple[np.ndarray, ...]:
+def _forecast_steps(name: str, chances: np.ndarray, rows: np.ndarray, n_experts: int) -> tuple[np.ndarray, ...]:
     """Per step, every key with the largest chance over the step's rows: keys, chances, offsets."""
     if chances.ndim != 3 or chances.shape[2] != n_experts:
-        raise ValueError(f"forecast_chances must be [N, L, {n_experts}], got shape {chances.shape}")
+        raise ValueError(f"{name} must be [N, L, {n_experts}], got shape {chances.shape}")
     if not np.isfinite(chances).all() or chances.min(initial=0.0) < 0 or chances.max(initial=0.0) > 1:
-        raise ValueError("forecast_chances must be finite chances in [0, 1]")
+        raise ValueError(f"{name} must be finite chances in [0, 1]")
     n_steps, n_layers = len(rows), chances.shape[1]
     per_step = np.where((rows >= 0)[..., None, None], chances[np.maximum(rows, 0)], 0.0).max(axis=1)  # [S, L, E]
     keys = np.tile(np.arange(n_layers * n_experts, dtype=np.int64), n_steps)

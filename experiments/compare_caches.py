@@ -47,7 +47,7 @@ from cache import POLICIES, EvictionPolicy, Replay, expert_frequencies, make_pol
 from cache.timing import LinkTiming
 from experiments.predictor_scores import forecast_scores, trace_scores
 from predictor.base import ExpertPredictor, PredictorError
-from predictor.forecast import chance_of_use, chance_selected
+from predictor.forecast import chance_selected, chances_of_use
 from predictor.registry import resolve_predictor
 from prescient.atomic import write_atomic
 from prescient.budget import Budget
@@ -115,10 +115,10 @@ def build_predictor(spec: str | Path | ExpertPredictor, trace: Trace, fit: Trace
 
 def forecast_inputs(pred: ExpertPredictor | None, trace: Trace, learned: bool,
                     next_token: bool) -> dict[str, np.ndarray]:
-    """`Replay.build`'s `forecast_chances` [N, L, E] (a learned policy ranks by them: chances of use
-    soon, `predictor.forecast.chance_of_use`) and `next_chances` [N, L, E] (cross-token prefetch:
-    each expert's chance of use by the next token), those asked for, from one pass of the
-    predictor's forecasts."""
+    """`Replay.build`'s `forecast_chances` and `later_chances` [N, L, E] (a learned policy ranks by
+    them: chances of use soon, `predictor.forecast.chances_of_use`) and `next_chances` [N, L, E]
+    (cross-token prefetch: each expert's chance of use by the next token), those asked for, from
+    one pass of the predictor's forecasts."""
     if not (learned or next_token):
         return {}
     needed_by = "learned eviction" if learned else "cross-token prefetch"
@@ -128,7 +128,10 @@ def forecast_inputs(pred: ExpertPredictor | None, trace: Trace, learned: bool,
     pred.require_horizon(1)  # no heads: a ForecastHorizonError saying what to train
     current, ahead = forecast_scores(pred, trace, pred.horizon)
     top_k = trace.fingerprint.top_k
-    inputs = {"forecast_chances": chance_of_use(current, ahead, top_k).numpy()} if learned else {}
+    inputs = {}
+    if learned:
+        soon, later = chances_of_use(current, ahead, top_k)
+        inputs.update(forecast_chances=soon.numpy(), later_chances=later.numpy())
     if next_token:
         inputs["next_chances"] = chance_selected(ahead[:, 0], top_k).numpy()
     return inputs
@@ -208,7 +211,7 @@ def compare_caches(
         name, pred, source = build_predictor(predictor, trace, fit, fit_on)
     # before any scoring: a learned policy without a forecasting predictor is refused at once
     forecast = forecast_inputs(pred, trace, any(POLICIES[p].uses_forecasts for p in policies), next_token)
-    chances = forecast.get("forecast_chances")
+    chances = {name: forecast[name] for name in ("forecast_chances", "later_chances") if name in forecast}
     if predictor is not None:
         began = time.perf_counter()
         scores, info = trace_scores(pred, trace, name, decoding=True, true_previous_layer=horizon == 1)
@@ -232,10 +235,10 @@ def compare_caches(
     replays: dict[tuple[int, bool], Replay] = {}
     for b in batch_sizes:
         replays[b, False] = Replay.build(columns["topk_ids"], columns["seq_id"], b, n_experts=fp.n_experts,
-                                         forecast_chances=chances, **router)
+                                         **chances, **router)
         if scores is not None:
             replays[b, True] = Replay.build(columns["topk_ids"], columns["seq_id"], b, predicted_scores=scores,
-                                            prefetch_k=prefetch_k, n_experts=fp.n_experts, forecast_chances=chances,
+                                            prefetch_k=prefetch_k, n_experts=fp.n_experts, **chances,
                                             next_chances=forecast.get("next_chances"),
                                             next_min_chance=next_min_chance, **router)
     need = {b: replays[b, False].max_layer_keys for b in batch_sizes}

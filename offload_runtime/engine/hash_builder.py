@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from predictor.forecast import chance_of_use, chance_selected
+from predictor.forecast import chance_selected, chances_of_use
 from prescient.errors import PrescientError
 
 log = logging.getLogger(__name__)
@@ -51,10 +51,11 @@ class HashTable:
     scores: torch.Tensor  # [L, E]: predicted scores summed over the forward's (unpadded) tokens
     tokens: int  # how many tokens were summed
     chances: torch.Tensor | None = None  # [L, E] chance of use soon after the forward's last token (learned eviction)
+    later_chances: torch.Tensor | None = None  # [L, E] the same, from the next forward on (a layer this one has run)
     next_chances: torch.Tensor | None = None  # [L, E] chance the next forward uses each expert (cross-token prefetch)
 
 
-_Forecasts = tuple[torch.Tensor | None, torch.Tensor | None]  # HashTable's chances and next_chances
+_Forecasts = tuple[torch.Tensor | None, ...]  # HashTable's chances, later_chances and next_chances
 
 
 class HashBuilder:
@@ -138,7 +139,7 @@ class HashBuilder:
     def _predict_rows(self, input_ids: torch.Tensor, mask: torch.Tensor | None, stream: int,
                       rows: list[Hashable]) -> tuple[torch.Tensor, int, _Forecasts]:
         """Each row with its own sequence's batch-1 state, over the row's real tokens only."""
-        scores, tokens, forecasts = None, 0, (None, None)
+        scores, tokens, forecasts = None, 0, (None, None, None)
         for row, sequence in enumerate(rows):
             key = (stream, sequence)
             if key not in self._states:
@@ -159,13 +160,16 @@ class HashBuilder:
 
     def _forecasts(self, state: Any, last_scores: torch.Tensor) -> _Forecasts:
         """After the state's last token, the largest over its rows of: [L, E] chances of use soon
-        (if `forecasts`), and [L, E] chances of use by the next token (if `next_token`)."""
+        from this token and from the next one on (if `forecasts`), and [L, E] chances of use by
+        the next token (if `next_token`)."""
         if not (self.forecasts or self.next_token):
-            return None, None
+            return None, None, None
         ahead = self.predictor.forecast(state).float()  # [B, H, L, E]
         top_k = self.predictor.meta.fingerprint.top_k
-        return (chance_of_use(last_scores, ahead, top_k).amax(0) if self.forecasts else None,
-                chance_selected(ahead[:, 0], top_k).amax(0) if self.next_token else None)
+        soon = later = None
+        if self.forecasts:
+            soon, later = (chances.amax(0) for chances in chances_of_use(last_scores, ahead, top_k))
+        return soon, later, chance_selected(ahead[:, 0], top_k).amax(0) if self.next_token else None
 
     def _run(self) -> None:
         while True:

@@ -40,6 +40,7 @@ from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -114,6 +115,7 @@ class OffloadRuntime:
         self._layers = range(len(layers))  # the MoE layers of the running stack
         self._wanted: list[list[Key]] | None = None  # this forward's predicted keys, per layer
         self._wanted_next: list[list[Key]] = []  # the next forward's forecast keys, per layer (cross-token)
+        self._later: np.ndarray | None = None  # this forward's chances of use by later ones (learned eviction)
         self._table_counted = False
         self._prefetched_after = -1  # last layer whose prefetches were issued this forward
         self._rank = 0  # prefetches requested this forward
@@ -146,7 +148,7 @@ class OffloadRuntime:
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
             self._step += 1
             self._layers = layers
-            self._wanted, self._wanted_next, self._table_counted = None, [], False
+            self._wanted, self._wanted_next, self._later, self._table_counted = None, [], None, False
             self._prefetched_after, self._rank = -1, 0
             if self.builder is None:
                 return
@@ -278,6 +280,9 @@ class OffloadRuntime:
                     self._wanted_next = self._next_keys(table.next_chances)
                 if table.chances is not None:  # learned eviction: keep what is predicted soonest
                     self.cache.on_forecast(table.chances.numpy())
+                    self._later = table.later_chances.numpy()
+        if self._later is not None:  # this forward has run the layer: only later ones may use its experts
+            self.cache.on_forecast(self._later, layer=layer)
         if not self._table_counted:
             self._table_counted = True
             if self._wanted is None:

@@ -81,7 +81,8 @@ def test_replays_never_crash(policy, capacity, n_layers, ids, steps, score_ids, 
     cache = make_cache(policy, capacity, bounded=True)
     scores = (score_ids, values_for(score_ids, score_values), score_steps)
     predicted = (predicted_ids, predicted_steps) if which != "demand" else None
-    forecasts = (forecast_ids, values_for(forecast_ids, chances), forecast_steps) if policy == "learned" else None
+    forecasts = (forecast_ids, values_for(forecast_ids, chances), values_for(forecast_ids, chances[::-1]),
+                 forecast_steps) if policy == "learned" else None
     try:
         if which == "timed":
             cache.replay_timed(n_layers, ids, steps, 1e-3, 2e-3, scores=scores, predicted=predicted, ahead=ahead,

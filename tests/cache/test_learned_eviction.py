@@ -27,6 +27,19 @@ def test_evicts_the_expert_predicted_least_likely():
     assert cache.resident() == {A, C}
 
 
+def test_a_run_layer_keeps_only_its_chance_of_later_use():
+    cache = ExpertCache(2, make_policy("learned-belady"))
+    layer0, layer1, other = (0, 0), (1, 0), (1, 1)
+    soon = np.array([[0.9, 0.0], [0.5, 0.0]])  # counted from this token: (0, 0) is about to run
+    cache.on_forecast(soon)
+    cache.access(layer0)
+    cache.access(layer1)
+    cache.on_forecast(np.array([[0.1, 0.0], [0.0, 0.0]]), layer=0)  # the token has run layer 0
+    assert cache.state.outside[cache.key_ids([layer1])[0]] == 0.5  # layer 1's keep theirs
+    cache.access(other)  # (0, 0) is now predicted less likely than (1, 0)
+    assert cache.resident() == {layer1, other}
+
+
 def test_unpredicted_experts_go_least_recently_used_first():
     cache = ExpertCache(2, make_policy("learned-belady"))
     for key in (A, B, A):
@@ -63,11 +76,12 @@ def trace():
     return synthetic_trace(n_tokens=800, n_layers=4, n_experts=16, top_k=2, top_t=4, seq_len=200, repeat=0.5, seed=5)
 
 
-def oracle_chances(topk_ids: np.ndarray, n_experts: int, horizon: int = 6) -> np.ndarray:
-    """[N, L, E]: 1 for an expert used within the next `horizon` tokens, decaying with distance."""
+def oracle_chances(topk_ids: np.ndarray, n_experts: int, horizon: int = 6, first: int = 0) -> np.ndarray:
+    """[N, L, E]: 1 for an expert used within tokens `first`..`horizon` from now, decaying with
+    distance (`first` = 1: the chances of use by later tokens)."""
     n, n_layers, _ = topk_ids.shape
     out = np.zeros((n, n_layers, n_experts))
-    for h in range(horizon, -1, -1):
+    for h in range(horizon, first - 1, -1):
         used = np.zeros((n, n_layers, n_experts))
         rows = np.arange(n - h)
         for layer in range(n_layers):
@@ -76,8 +90,9 @@ def oracle_chances(topk_ids: np.ndarray, n_experts: int, horizon: int = 6) -> np
     return out
 
 
-def misses(trace, policy, forecast=None, capacity=24):
-    replay = Replay.build(trace["topk_ids"], trace["seq_id"], forecast_chances=forecast, n_experts=16)
+def misses(trace, policy, forecast=None, capacity=24, later=None):
+    replay = Replay.build(trace["topk_ids"], trace["seq_id"], forecast_chances=forecast, later_chances=later,
+                          n_experts=16)
     kwargs = {"future": replay.future()} if policy == "belady" else {}
     return simulate(replay, capacity, make_policy(policy, **kwargs)).misses
 
@@ -88,22 +103,36 @@ def test_perfect_forecasts_close_most_of_the_gap_to_belady(trace):
     assert belady < lru and learned < belady + 0.5 * (lru - belady)
 
 
+def test_chances_of_later_use_for_run_layers_save_misses(trace):
+    topk = trace["topk_ids"]
+    for capacity in (8, 12, 16):  # a small cache: a run layer's experts compete with the layers still to run
+        without = misses(trace, "learned-belady", oracle_chances(topk, 16), capacity)
+        with_later = misses(trace, "learned-belady", oracle_chances(topk, 16), capacity, oracle_chances(topk, 16, first=1))
+        assert with_later < without
+
+
 def test_useless_forecasts_stay_close_to_lru(trace):
     lru = misses(trace, "lru")
     noise = np.random.default_rng(0).random((len(trace["topk_ids"]), 4, 16))
     assert misses(trace, "learned", noise) <= 1.1 * lru
 
 
-def test_bulk_replay_equals_the_per_call_api(trace):
+@pytest.mark.parametrize("policy", ["learned", "learned-belady"])
+@pytest.mark.parametrize("with_later", [False, True])
+def test_bulk_replay_equals_the_per_call_api(trace, policy, with_later):
     forecast = oracle_chances(trace["topk_ids"], 16)
-    replay = Replay.build(trace["topk_ids"], trace["seq_id"], forecast_chances=forecast, n_experts=16)
-    bulk = simulate(replay, 24, make_policy("learned"))
-    cache = ExpertCache(24, make_policy("learned"), n_layers=4, n_experts=16)
+    later = oracle_chances(trace["topk_ids"], 16, first=1) if with_later else None
+    replay = Replay.build(trace["topk_ids"], trace["seq_id"], forecast_chances=forecast, later_chances=later,
+                          n_experts=16)
+    bulk = simulate(replay, 24, make_policy(policy))
+    cache = ExpertCache(24, make_policy(policy), n_layers=4, n_experts=16)
     steps, _, _ = replay.as_lists()
     for t, layers in enumerate(steps):
         cache.on_forecast(forecast[t])
-        for keys in layers:
+        for layer, keys in enumerate(layers):
             cache.access_many(keys)
+            if with_later:
+                cache.on_forecast(later[t], layer=layer)
     assert cache.stats.misses == bulk.misses
 
 
@@ -113,6 +142,8 @@ def test_learned_eviction_needs_forecasts(trace):
         simulate(replay, 24, make_policy("learned"))
     with pytest.raises(ValueError, match=r"in \[0, 1\]"):
         Replay.build(trace["topk_ids"], trace["seq_id"], forecast_chances=np.full((800, 4, 16), 2.0), n_experts=16)
+    with pytest.raises(ValueError, match="later_chances"):
+        Replay.build(trace["topk_ids"], trace["seq_id"], later_chances=np.zeros((800, 4, 16)), n_experts=16)
 
 
 def test_a_prefetch_displaces_only_an_expert_predicted_less_likely():

@@ -37,14 +37,24 @@ def test_learned_eviction_is_exact_and_ranks_by_the_forecasts(tiny_moe_dir, poli
     model = load_offloaded(path, predictor=forecasting_sida(path), policy=policy, budget=0.5)
     wait_for_tables(model)
     runtime = model.offload_runtime
-    fed = []
+    fed, after_layer = [], []
     on_forecast = runtime.cache.on_forecast
-    runtime.cache.on_forecast = lambda chances: (fed.append(np.array(chances)), on_forecast(chances))
+
+    def record(chances, layer=None):
+        (fed if layer is None else after_layer).append((layer, np.array(chances)))
+        on_forecast(chances, layer=layer)
+
+    runtime.cache.on_forecast = record
     with runtime:
         out = generate(model, inputs, new_tokens=6)
     assert torch.equal(out, want)
     assert len(fed) == runtime.stats().tables_on_time == 6  # one forecast per forward, from its table
-    assert all(f.shape == (len(runtime.layers), runtime.n_experts) and 0 <= f.min() and f.max() <= 1 for f in fed)
+    assert all(f.shape == (len(runtime.layers), runtime.n_experts) and 0 <= f.min() and f.max() <= 1 for _, f in fed)
+    # then, as each layer runs, its experts take their chances of use by later forwards: never above those
+    # counted from this forward, which add this forward's own chance
+    assert [layer for layer, _ in after_layer] == list(range(len(runtime.layers))) * 6
+    assert all((later <= fed[i // len(runtime.layers)][1] + 1e-6).all() for i, (_, later) in enumerate(after_layer))
+    assert any((later < fed[i // len(runtime.layers)][1] - 1e-3).any() for i, (_, later) in enumerate(after_layer))
     assert runtime.cache.state.outside.max() > 0  # the forecasts reached the ranks
 
 
