@@ -44,7 +44,7 @@ def scores(values: np.ndarray) -> np.ndarray:
 def replay_arrays(n_layers: int, max_layers: int, n_keys: int, keys: np.ndarray, offsets: np.ndarray,
                   score_arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
                   predicted: tuple[np.ndarray, np.ndarray] | None, ahead: int,
-                  forecasts: tuple | None = None) -> None:
+                  forecasts: tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray] | None = None) -> None:
     """A replay's arrays (see `ExpertCache.replay`): key ids below `n_keys` (the numbered keys),
     offsets that start at 0 or later, never decrease and stay within their keys, as many offsets
     in each array (forecasts: any number of token-steps), finite scores, chances in [0, 1],

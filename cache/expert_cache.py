@@ -281,8 +281,8 @@ class ExpertCache:
         layers early over a link moving `bandwidth` transfers per layer-step (None: instant);
         `forecasts` (key ids, chances of use, chances of use by later tokens or None, offsets per
         token-step) reach the policy as each token-step starts, the later chances of a layer's
-        keys once the token-step has run that layer. The same as the per-call API driven step by step. Returns the late
-        prefetches."""
+        keys once the token-step has run that layer. The same as the per-call API driven step by
+        step. Returns the late prefetches."""
         self._check_replay_args(n_layers, keys, offsets, scores, predicted, ahead, forecasts)
         score_arrays, inserted, evicted = self._replay_buffers(offsets, scores, predicted)
         fc_arrays = _forecast_arrays(forecasts)

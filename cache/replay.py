@@ -101,7 +101,8 @@ def _transfer(bandwidth, pending, serial, queue, link):
 
 @jit
 def replay_prefetch(st, n_layers, keys, offsets, score_keys, score_values, score_offsets, use_scores,
-                    fc_keys, fc_values, fc_later, fc_offsets, predicted, predicted_offsets, ahead, bandwidth, inserted, evicted):
+                    fc_keys, fc_values, fc_later, fc_offsets, predicted, predicted_offsets, ahead, bandwidth,
+                    inserted, evicted):
     """Demand accesses plus the predicted keys prefetched `ahead` layers early; the link moves
     `bandwidth` queued transfers per layer-step (-1: unlimited, transfers are instant).
     Returns (late prefetches, -1 or the access number of a key off Belady's sequence)."""
@@ -262,8 +263,8 @@ def _hideable(st, wanted, now, layers_ahead, compute_s, transfer_s, seg, depth, 
 
 @jit
 def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_offsets, use_scores,
-                 fc_keys, fc_values, fc_later, fc_offsets, predicted, predicted_offsets, next_predicted, next_offsets, ahead,
-                 compute_s, transfer_s, hide_only, inserted, evicted, clock, loads):
+                 fc_keys, fc_values, fc_later, fc_offsets, predicted, predicted_offsets, next_predicted, next_offsets,
+                 ahead, compute_s, transfer_s, hide_only, inserted, evicted, clock, loads):
     """`replay_prefetch` (or `replay_demand`, with no predicted keys) on a clock: each layer-step
     computes `compute_s` once its experts are in; each transfer takes `transfer_s` on one link
     (see `cache.simulator`); with `hide_only` a prefetch is issued only if its copy can end

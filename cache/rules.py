@@ -11,9 +11,10 @@ eviction, and (MRS) moved by router scores. The victim is always the lowest-rank
 - learned: rank = the predicted chance of use soon (in [0, 1], from the predictor's forecasts,
   `on_forecast`), tiebreak = tick of the last use, so the key predicted least is evicted first
   and unpredicted keys go least recently used first. Once a token has run a layer, that layer's
-  keys take their chance of use by later tokens (`on_forecast` with `layer`). With marking (Lykouris & Vassilvitskii's
-  predictive marker) a use also adds MARKED: keys used in the current phase are evicted only
-  once no unmarked key is left, which then starts a new phase (`new_phase`).
+  keys take their chance of use by later tokens (`on_forecast` with `layer`). With marking
+  (Lykouris & Vassilvitskii's predictive marker) a use also adds MARKED: keys used in the current
+  phase are evicted only once no unmarked key is left, which then starts a new phase
+  (`new_phase`).
 """
 
 from __future__ import annotations

@@ -107,7 +107,8 @@ def test_chances_of_later_use_for_run_layers_save_misses(trace):
     topk = trace["topk_ids"]
     for capacity in (8, 12, 16):  # a small cache: a run layer's experts compete with the layers still to run
         without = misses(trace, "learned-belady", oracle_chances(topk, 16), capacity)
-        with_later = misses(trace, "learned-belady", oracle_chances(topk, 16), capacity, oracle_chances(topk, 16, first=1))
+        with_later = misses(trace, "learned-belady", oracle_chances(topk, 16), capacity,
+                            later=oracle_chances(topk, 16, first=1))
         assert with_later < without
 
 
