@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-DISCOUNT = 0.85  # γ: the weight of token t+h relative to t+h-1 (best of 0.7, 0.85, 0.95 in a simulator sweep)
+DISCOUNT = 0.85  # γ: the weight of token t+h relative to t+h-1 (best of 0.7, 0.85, 0.95 in a simulator sweep
+#                  made before run layers took their later chances)
 
 
 def chances_of_use(current: torch.Tensor, forecasts: torch.Tensor, top_k: int,

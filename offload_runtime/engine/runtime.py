@@ -279,8 +279,11 @@ class OffloadRuntime:
                 if table.next_chances is not None:
                     self._wanted_next = self._next_keys(table.next_chances)
                 if table.chances is not None:  # learned eviction: keep what is predicted soonest
-                    self.cache.on_forecast(table.chances.numpy())
                     self._later = table.later_chances.numpy()
+                    chances = table.chances.numpy().copy()
+                    ran = [earlier for earlier in self._layers if earlier < layer]  # a late table: run already
+                    chances[ran] = self._later[ran]
+                    self.cache.on_forecast(chances)
         if self._later is not None:  # this forward has run the layer: only later ones may use its experts
             self.cache.on_forecast(self._later, layer=layer)
         if not self._table_counted:

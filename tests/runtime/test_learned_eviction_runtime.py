@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cache.timing import LinkTiming
+from offload_runtime.engine.hash_builder import HashTable
 from offload_runtime.engine.loader import load_offloaded
 from predictor import ForecastHorizonError, PredictorError, PredictorMeta, SiDAHash, SiDAPredictor, SiDASizes
 from prescient.fingerprint import fingerprint_model
@@ -56,6 +57,28 @@ def test_learned_eviction_is_exact_and_ranks_by_the_forecasts(tiny_moe_dir, poli
     assert all((later <= fed[i // len(runtime.layers)][1] + 1e-6).all() for i, (_, later) in enumerate(after_layer))
     assert any((later < fed[i // len(runtime.layers)][1] - 1e-3).any() for i, (_, later) in enumerate(after_layer))
     assert runtime.cache.state.outside.max() > 0  # the forecasts reached the ranks
+
+
+def test_a_late_table_gives_the_layers_already_run_their_later_chances(tiny_moe_dir):
+    path = tiny_moe_dir("mixtral")
+    model = load_offloaded(path, predictor=forecasting_sida(path), policy="learned-belady", budget=0.5)
+    with model.offload_runtime as runtime:
+        n_layers, n_experts = len(runtime.layers), runtime.n_experts
+        soon, later = torch.full((n_layers, n_experts), 0.8), torch.full((n_layers, n_experts), 0.2)
+        runtime.builder.poll = lambda step: HashTable(step, torch.zeros(n_layers, n_experts), 1, soon, later)
+        fed = []
+        on_forecast = runtime.cache.on_forecast
+
+        def record(chances, layer=None):
+            fed.append((layer, np.array(chances)))
+            on_forecast(chances, layer=layer)
+
+        runtime.cache.on_forecast = record
+        last = n_layers - 1
+        runtime._prefetch_after(last)  # the forward's table comes while its last layer runs
+        (whole_layer, whole), (run_layer, run) = fed
+        assert whole_layer is None and np.allclose(whole[:last], 0.2) and np.allclose(whole[last:], 0.8)
+        assert run_layer == last and np.allclose(run, 0.2)
 
 
 def test_learned_eviction_needs_a_predictor_with_forecast_heads(tiny_moe_dir, tmp_path):
