@@ -16,7 +16,8 @@ loaded `horizon` layers ahead (all layers at the token's start with `all`) over 
 Predicted scores come from running the predictor as it would run while decoding: tables see the
 token alone; a causal SiDA hash sees the sequence up to the token (`predict` over a traced window
 equals stepping through it); a bidirectional one is stepped token by token (`start`/`step`), so it
-never sees a future token; `oracle` is the trace's own router choices (the prefetch bound); `corr`
+never sees a future token; `oracle` is the trace's own router choices (the prefetch bound; its
+certain forecasts of the next tokens bound learned eviction and `--next-token` too); `corr`
 (Klotski) guesses layer 0 from its per-token table and, at horizon 1, layer l+1 from the experts
 the router truly chose at layer l (known when that prefetch is issued), else from its own guesses.
 freq, token, corr and static-hot's frequencies are fit on `--train-trace`, or on the replayed trace
@@ -47,7 +48,7 @@ from cache import POLICIES, EvictionPolicy, Replay, expert_frequencies, make_pol
 from cache.timing import LinkTiming
 from experiments.predictor_scores import forecast_scores, trace_scores
 from predictor.base import ExpertPredictor, PredictorError
-from predictor.forecast import chance_selected, chances_of_use
+from predictor.forecast import chances_of_use
 from predictor.registry import resolve_predictor
 from prescient.atomic import write_atomic
 from prescient.budget import Budget
@@ -130,10 +131,10 @@ def forecast_inputs(pred: ExpertPredictor | None, trace: Trace, learned: bool,
     top_k = trace.fingerprint.top_k
     inputs = {}
     if learned:
-        soon, later = chances_of_use(current, ahead, top_k)
+        soon, later = chances_of_use(current, ahead, top_k, to_chances=pred.chance_selected)
         inputs.update(forecast_chances=soon.numpy(), later_chances=later.numpy())
     if next_token:
-        inputs["next_chances"] = chance_selected(ahead[:, 0], top_k).numpy()
+        inputs["next_chances"] = pred.chance_selected(ahead[:, 0], top_k).numpy()
     return inputs
 
 

@@ -58,6 +58,7 @@ from tqdm.auto import tqdm
 from experiments.forecast_eval import forecast_report
 from experiments.predictor_scores import trace_scores
 from predictor.base import ExpertPredictor
+from predictor.baselines import OraclePredictor
 from predictor.metrics import recall_at
 from predictor.registry import builtin, check_name, resolve_predictor
 from prescient.errors import PrescientError
@@ -169,7 +170,9 @@ def evaluate_predictors(
         scores, info = trace_scores(pred, trace, name)
         result["predictors"][name] = {"kind": pred.kind, **source, **info,
                                       **predictor_metrics(scores, trace, batch_sizes)}
-        if pred.horizon > 0:  # forecast heads: recall per horizon beside the training-free forecasters
+        # forecast heads: recall per horizon beside the training-free forecasters (the oracle's are
+        # the trace itself: recall 1 at every horizon)
+        if pred.horizon > 0 and not isinstance(pred, OraclePredictor):
             result.setdefault("forecasts", {})[name] = forecast_report(trace, fit, pred)
         result["timing"]["predictors_s"][name] = round(time.perf_counter() - began, 3)
         log.info("%-10s recall@k %.3f  recall@2k %.3f", name, result["predictors"][name]["recall_at_k"],

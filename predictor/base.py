@@ -10,6 +10,8 @@ Scores are "higher is likelier"; callers take the top-k (or top-2k) per layer.
     forecast(state)                  -> [B, H, L, E]   optional: tokens t+1..t+H after the last
                                                        `step` (`horizon` H; 0 = no forecasts)
     predict_with_forecasts(input_ids) -> ([B, T, L, E], [B, T, H, L, E])   the same, whole prompts
+    chance_selected(scores, top_k)   -> [..., E]       what learned eviction ranks by: each
+                                                       expert's chance of being picked
 
 Kinds are registered by name (the style of transformers' `ExpertsInterface`) so an artifact's
 JSON `kind` picks the class that loads it; see `predictor.artifact`.
@@ -23,6 +25,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from predictor.forecast import chance_selected
 from prescient.errors import PrescientError
 from prescient.fingerprint import ModelFingerprint
 from prescient.traces import TraceManifest
@@ -124,6 +127,11 @@ class ExpertPredictor(ABC):
         """`predict` [B, T, L, E] and, for every token t, the forecasts [B, T, h, L, E] of t+1..t+h."""
         self.require_horizon(self.horizon if horizon is None else horizon)
         raise NotImplementedError(f"{type(self).__name__} has a horizon but no predict_with_forecasts")
+
+    def chance_selected(self, scores: torch.Tensor, top_k: int) -> torch.Tensor:
+        """[..., E] each expert's chance of being among the router's top-k, from this predictor's
+        scores (see `predictor.forecast`)."""
+        return chance_selected(scores, top_k)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors an artifact stores for this predictor."""

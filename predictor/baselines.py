@@ -116,26 +116,38 @@ class OraclePredictor(ExpertPredictor):
     `rows(seq_id, positions)` answers by trace coordinates. `predict` / `step` answer by token
     content: a token sequence is looked up by a hash of its prefix (from position 0 of a
     traced sequence), so any prefix of a traced sequence is known and anything else raises.
+    Its forecasts are the next `FORECAST_HORIZON` tokens' true choices (none past its sequence's
+    end), and its chances of being picked are certain, so that learned eviction and cross-token
+    prefetch with the oracle measure what perfect foresight would buy.
     Not saved as an artifact: the trace is its storage.
     """
 
     kind = "oracle"
+    FORECAST_HORIZON = 8  # as far ahead as the deepest forecast heads trained (runs/forecast/sida-h8)
     _SEED = 0x5EED
 
     def __init__(self, trace: Trace, trace_dir: str | None = None):
         self.trace = trace
         self.meta = PredictorMeta(self.kind, trace.fingerprint, training=describe_trace(trace.manifest, trace_dir))
         self._scores = rank_scores(trace["topk_ids"], self.n_experts)  # [N, L, E]
+        self._seq_id = trace["seq_id"]
         tokens = trace["token_id"].tolist()
         self._prefix_row: dict[int, int] = {}
         self._seq_start: dict[int, int] = {}
         for rows in trace.sequences():
             first = int(rows[0])
-            self._seq_start[int(trace["seq_id"][first])] = first
+            self._seq_start[int(self._seq_id[first])] = first
             h = self._SEED
             for row in rows.tolist():
                 h = hash((h, tokens[row]))
                 self._prefix_row.setdefault(h, row)
+
+    @property
+    def horizon(self) -> int:
+        return self.FORECAST_HORIZON
+
+    def chance_selected(self, scores: torch.Tensor, top_k: int) -> torch.Tensor:
+        return (scores > 0).float()  # `rank_scores` are positive exactly on the router's choices
 
     def rows(self, seq_id: int, positions: torch.Tensor) -> torch.Tensor:
         """Scores [len(positions), L, E] of positions (0-based) in traced sequence `seq_id`."""
@@ -149,15 +161,34 @@ class OraclePredictor(ExpertPredictor):
             raise PredictorError("the oracle only knows token sequences of its trace (from their first token)")
         return row
 
-    def predict(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _prompt_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] trace rows of every token of a batch of prompts."""
         out = []
         for sequence in input_ids.tolist():
             h, rows = self._SEED, []
             for token in sequence:
                 h = hash((h, token))
                 rows.append(self._row(h))
-            out.append(self._scores[rows])
-        return torch.stack(out)
+            out.append(rows)
+        return torch.tensor(out, dtype=torch.long)
+
+    def _ahead(self, rows: torch.Tensor, horizon: int) -> torch.Tensor:
+        """[..., horizon, L, E] the scores of the `horizon` rows after each of `rows` [...] in its
+        sequence; zeros past the sequence's end."""
+        later = rows[..., None] + torch.arange(1, horizon + 1)
+        inside = later.clamp(max=len(self._seq_id) - 1)
+        same = (later < len(self._seq_id)) & (self._seq_id[inside] == self._seq_id[rows][..., None])
+        return self._scores[inside] * same[..., None, None]
+
+    def predict(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._scores[self._prompt_rows(input_ids)]
+
+    def predict_with_forecasts(self, input_ids: torch.Tensor,
+                               horizon: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        horizon = self.horizon if horizon is None else horizon
+        self.require_horizon(horizon)
+        rows = self._prompt_rows(input_ids)
+        return self._scores[rows], self._ahead(rows, horizon)
 
     def start(self, batch_size: int) -> list[int]:
         return [self._SEED] * batch_size
@@ -166,3 +197,8 @@ class OraclePredictor(ExpertPredictor):
         for b, token in enumerate(token_ids.tolist()):
             state[b] = hash((state[b], token))
         return self._scores[[self._row(h) for h in state]]
+
+    def forecast(self, state: list[int], horizon: int | None = None) -> torch.Tensor:
+        horizon = self.horizon if horizon is None else horizon
+        self.require_horizon(horizon)
+        return self._ahead(torch.tensor([self._row(h) for h in state]), horizon)

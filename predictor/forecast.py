@@ -9,19 +9,23 @@ so that it compares with the chances of the layers still to run)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 DISCOUNT = 0.85  # γ: the weight of token t+h relative to t+h-1 (best of 0.7, 0.85, 0.95 in a simulator sweep
 #                  made before run layers took their later chances)
 
 
-def chances_of_use(current: torch.Tensor, forecasts: torch.Tensor, top_k: int,
-                   discount: float = DISCOUNT) -> tuple[torch.Tensor, torch.Tensor]:
+def chances_of_use(current: torch.Tensor, forecasts: torch.Tensor, top_k: int, discount: float = DISCOUNT,
+                   to_chances: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """From the current token's scores [..., L, E] and forecasts [..., H, L, E]: the [..., L, E]
     chances in [0, 1] of use soon counted from the current token, and counted from the next one
-    on (a layer the current token has run)."""
+    on (a layer the current token has run). `to_chances`: how scores become chances of being
+    picked (the predictor's `chance_selected`; default `chance_selected` below)."""
     steps = torch.cat([current.unsqueeze(-3), forecasts], dim=-3)
-    selected = chance_selected(steps, top_k)  # [..., H+1, L, E]
+    selected = (to_chances or chance_selected)(steps, top_k)  # [..., H+1, L, E]
     weights = discount ** torch.arange(steps.shape[-3], dtype=torch.float32)
     weights = weights / weights.sum()
     later = torch.einsum("...hle,h->...le", selected[..., 1:, :, :], weights[1:])

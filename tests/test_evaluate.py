@@ -93,6 +93,7 @@ def test_recall_of_the_tables_and_the_oracle(result):
     assert p["freq"]["recall_at_2k"] > p["freq"]["recall_at_k"]
     assert p["corr"]["per_layer"]["recall_at_k"] == [1.0] * LAYERS
     assert not any(p[n]["uses_true_previous_layer"] for n in ("freq", "token", "oracle"))
+    assert "forecasts" not in result  # the oracle forecasts too, with recall 1: no report of it
     assert p["token"]["fit_on"] == result["train_trace"]["dir"] and p["token"]["fit_on"].endswith("train") and p["token"]["causal"] is True
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from predictor.forecast import chance_selected, chances_of_use
+from predictor.forecast import chances_of_use
 from prescient.errors import PrescientError
 
 log = logging.getLogger(__name__)
@@ -168,8 +168,9 @@ class HashBuilder:
         top_k = self.predictor.meta.fingerprint.top_k
         soon = later = None
         if self.forecasts:
-            soon, later = (chances.amax(0) for chances in chances_of_use(last_scores, ahead, top_k))
-        return soon, later, chance_selected(ahead[:, 0], top_k).amax(0) if self.next_token else None
+            soon, later = (chances.amax(0) for chances in chances_of_use(
+                last_scores, ahead, top_k, to_chances=self.predictor.chance_selected))
+        return soon, later, self.predictor.chance_selected(ahead[:, 0], top_k).amax(0) if self.next_token else None
 
     def _run(self) -> None:
         while True:

@@ -17,6 +17,7 @@ from prescient.traces import load_trace
 
 # two sequences, 5 tokens, 3 layers, top-2 of 8 experts
 SEQUENCES = [[1, 2, 1, 3], [2, 1]]
+K = 2
 TOPK = torch.tensor([
     [[0, 1], [2, 3], [4, 5]],  # token 1
     [[6, 7], [2, 3], [0, 1]],  # token 2
@@ -104,3 +105,18 @@ def test_oracle_has_recall_one(hand_trace):
     assert torch.equal(oracle.rows(1, torch.arange(2)), torch.stack(steps, 1)[1])
     with pytest.raises(PredictorError, match="only knows token sequences of its trace"):
         oracle.predict(torch.tensor([[3, 3]]))
+
+
+def test_oracle_forecasts_are_the_next_tokens_true_choices_with_certain_chances(hand_trace):
+    oracle = OraclePredictor(hand_trace)
+    truth = torch.zeros(len(TOPK), 3, 8).scatter_(-1, TOPK.long(), 1.0)  # [N, L, E] the router's picks
+    current, ahead = oracle.predict_with_forecasts(torch.tensor([SEQUENCES[0]]), horizon=2)
+    assert ahead.shape == (1, 4, 2, 3, 8)
+    assert torch.equal(oracle.chance_selected(current[0], K), truth[:4])
+    chances = oracle.chance_selected(ahead[0], K)  # [T, h, L, E]
+    assert torch.equal(chances[:, 0], torch.cat([truth[1:4], torch.zeros(1, 3, 8)]))  # none past the end
+    assert torch.equal(chances[:, 1], torch.cat([truth[2:4], torch.zeros(2, 3, 8)]))
+    state = oracle.start(1)
+    oracle.step(state, torch.tensor([SEQUENCES[1][0]]))
+    assert torch.equal(oracle.forecast(state), torch.cat([oracle.rows(1, torch.tensor([1])),
+                                                          torch.zeros(oracle.horizon - 1, 3, 8)])[None])
