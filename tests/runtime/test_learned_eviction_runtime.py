@@ -13,6 +13,7 @@ from cache.timing import LinkTiming
 from offload_runtime.engine.hash_builder import HashTable
 from offload_runtime.engine.loader import load_offloaded
 from predictor import ForecastHorizonError, PredictorError, PredictorMeta, SiDAHash, SiDAPredictor, SiDASizes
+from predictor.forecast import DISCOUNT
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_model
 from tests.runtime.test_offloaded_generate import encode, generate, save_tiny_predictor, wait_for_tables
@@ -79,6 +80,31 @@ def test_a_late_table_gives_the_layers_already_run_their_later_chances(tiny_moe_
         (whole_layer, whole), (run_layer, run) = fed
         assert whole_layer is None and np.allclose(whole[:last], 0.2) and np.allclose(whole[last:], 0.8)
         assert run_layer == last and np.allclose(run, 0.2)
+
+
+def test_the_tables_chances_are_the_predictors_own(tiny_moe_dir):
+    """A predictor says how its scores become chances of being picked (the oracle's are certain)."""
+    path = tiny_moe_dir("mixtral")
+    predictor = forecasting_sida(path)
+    predictor.chance_selected = lambda scores, top_k: torch.ones_like(scores)  # certain of every expert
+    model = load_offloaded(path, predictor=predictor, policy="learned-belady", budget=0.5)
+    wait_for_tables(model)
+    runtime = model.offload_runtime
+    fed = []
+    on_forecast = runtime.cache.on_forecast
+
+    def record(chances, layer=None):
+        fed.append((layer, np.array(chances)))
+        on_forecast(chances, layer=layer)
+
+    runtime.cache.on_forecast = record
+    with runtime:
+        generate(model, encode(path, encoder_decoder=False), new_tokens=3)
+    soon = [chances for layer, chances in fed if layer is None]
+    later = [chances for layer, chances in fed if layer is not None]
+    assert soon and all(np.allclose(chances, 1.0) for chances in soon)
+    weights = DISCOUNT ** np.arange(predictor.horizon + 1)
+    assert later and all(np.allclose(chances, weights[1:].sum() / weights.sum()) for chances in later)
 
 
 def test_learned_eviction_needs_a_predictor_with_forecast_heads(tiny_moe_dir, tmp_path):
