@@ -174,13 +174,15 @@ def test_artifact_of_another_model_names_both_fingerprints(tmp_path, traces):
     assert "0" * 16 in str(err.value) and "f" * 16 in str(err.value)
 
 
-def test_learned_eviction_with_the_oracles_forecasts_lies_between_lru_and_belady(traces):
-    """The oracle forecasts with certainty: learned eviction then measures perfect foresight."""
+def test_learned_eviction_with_the_oracles_forecasts_closes_most_of_the_gap_to_belady(traces):
+    """The oracle forecasts with certainty: learned eviction then measures perfect foresight (here
+    76% and 90% of the LRU → Belady gap; read as k·softmax, its scores would give 59% and 81%)."""
     res = compare_caches(traces[0], ("lru", "learned-belady", "belady"), (0.25, 0.5), (1,), predictor="oracle",
                          progress=False)
     demand = {(r["policy"], r["capacity"]): r["misses"] for r in res["runs"] if not r["prefetch"]}
     for slots in res["settings"]["capacity_slots"]:
-        assert demand["belady", slots] <= demand["learned-belady", slots] < demand["lru", slots]
+        lru, learned, belady = (demand[policy, slots] for policy in ("lru", "learned-belady", "belady"))
+        assert belady <= learned and (lru - learned) >= 0.7 * (lru - belady)
 
 
 def test_unknown_policy_lists_the_known_ones(traces):

@@ -30,6 +30,20 @@ def forecasting_sida(path, horizon: int = 2) -> SiDAPredictor:
     return SiDAPredictor(hash_fn, PredictorMeta("sida", fingerprint, {**dataclasses.asdict(SIZES), "horizon": horizon}))
 
 
+def record_forecasts(runtime) -> list[tuple[int | None, np.ndarray]]:
+    """Every (layer, chances) the runtime hands its cache's `on_forecast` from now on, in order
+    (layer None: a forward's whole table), still passed on to the cache."""
+    fed = []
+    on_forecast = runtime.cache.on_forecast
+
+    def record(chances, layer=None):
+        fed.append((layer, np.array(chances)))
+        on_forecast(chances, layer=layer)
+
+    runtime.cache.on_forecast = record
+    return fed
+
+
 @pytest.mark.parametrize("policy", ["learned", "learned-belady"])
 def test_learned_eviction_is_exact_and_ranks_by_the_forecasts(tiny_moe_dir, policy):
     path = tiny_moe_dir("mixtral")
@@ -39,17 +53,12 @@ def test_learned_eviction_is_exact_and_ranks_by_the_forecasts(tiny_moe_dir, poli
     model = load_offloaded(path, predictor=forecasting_sida(path), policy=policy, budget=0.5)
     wait_for_tables(model)
     runtime = model.offload_runtime
-    fed, after_layer = [], []
-    on_forecast = runtime.cache.on_forecast
-
-    def record(chances, layer=None):
-        (fed if layer is None else after_layer).append((layer, np.array(chances)))
-        on_forecast(chances, layer=layer)
-
-    runtime.cache.on_forecast = record
+    recorded = record_forecasts(runtime)
     with runtime:
         out = generate(model, inputs, new_tokens=6)
     assert torch.equal(out, want)
+    fed = [(layer, chances) for layer, chances in recorded if layer is None]
+    after_layer = [(layer, chances) for layer, chances in recorded if layer is not None]
     assert len(fed) == runtime.stats().tables_on_time == 6  # one forecast per forward, from its table
     assert all(f.shape == (len(runtime.layers), runtime.n_experts) and 0 <= f.min() and f.max() <= 1 for _, f in fed)
     # then, as each layer runs, its experts take their chances of use by later forwards: never above those
@@ -67,14 +76,7 @@ def test_a_late_table_gives_the_layers_already_run_their_later_chances(tiny_moe_
         n_layers, n_experts = len(runtime.layers), runtime.n_experts
         soon, later = torch.full((n_layers, n_experts), 0.8), torch.full((n_layers, n_experts), 0.2)
         runtime.builder.poll = lambda step: HashTable(step, torch.zeros(n_layers, n_experts), 1, soon, later)
-        fed = []
-        on_forecast = runtime.cache.on_forecast
-
-        def record(chances, layer=None):
-            fed.append((layer, np.array(chances)))
-            on_forecast(chances, layer=layer)
-
-        runtime.cache.on_forecast = record
+        fed = record_forecasts(runtime)
         last = n_layers - 1
         runtime._prefetch_after(last)  # the forward's table comes while its last layer runs
         (whole_layer, whole), (run_layer, run) = fed
@@ -90,14 +92,7 @@ def test_the_tables_chances_are_the_predictors_own(tiny_moe_dir):
     model = load_offloaded(path, predictor=predictor, policy="learned-belady", budget=0.5)
     wait_for_tables(model)
     runtime = model.offload_runtime
-    fed = []
-    on_forecast = runtime.cache.on_forecast
-
-    def record(chances, layer=None):
-        fed.append((layer, np.array(chances)))
-        on_forecast(chances, layer=layer)
-
-    runtime.cache.on_forecast = record
+    fed = record_forecasts(runtime)
     with runtime:
         generate(model, encode(path, encoder_decoder=False), new_tokens=3)
     soon = [chances for layer, chances in fed if layer is None]
