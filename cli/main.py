@@ -23,6 +23,7 @@ COMMANDS = {
     "trace": "trace",
     "train": "train",
     "evaluate": "evaluate",
+    "routing-stats": "routing_stats",
     "compare-caches": "compare_caches",
     "generate": "generate",
     "bench": "bench",

@@ -64,11 +64,17 @@ def demo_steps(out: Path) -> list[tuple[str, Path | None, Callable[[], object]]]
             compare_caches(val, ("lru", "lfu", "fifo", "mrs", "static", "belady"), (0.25, 0.5), (1, 8),
                            predictor=sida, train_trace=train),
             out / "compare-caches.json", out / "compare-caches.png", plot_compare_caches)),
-        ("generate through the offloading runtime", out / "generate.json", lambda: write_results(
-            generate_offloaded(model, PROMPT, 48, predictor=sida, policy="mrs", budget=0.5),
-            out / "generate.json")),
+        ("generate through the offloading runtime", out / "generate.json", lambda: show_generation(
+            generate_offloaded(model, PROMPT, 48, predictor=sida, policy="mrs", budget=0.5), out / "generate.json")),
     ]
     return steps
+
+
+def show_generation(record: dict, path: Path) -> None:
+    """Write the generation record and print the prompt with its completion."""
+    write_results(record, path)
+    log.info("greedy completion through the offloading runtime (%.1f tokens/s):\n%s%s",
+             record["tokens_per_s"] or 0.0, record["prompt"], record["text"])
 
 
 def run_demo(out: str | Path = "runs/demo") -> Path:

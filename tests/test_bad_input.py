@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 
 from cli.main import main
@@ -62,6 +63,14 @@ def sida_artifact(model: Path, out: Path) -> Path:
     return save_predictor(SiDAPredictor(hash_fn, PredictorMeta("sida", fingerprint, dataclasses.asdict(sizes))), out)
 
 
+BAD_RECIPES = {  # name -> (section, field, value) changed in the tiny recipe
+    "recipe_heads": ("model", "num_attention_heads", 5),
+    "recipe_top_k": ("model", "num_experts_per_tok", 17),
+    "recipe_no_steps": ("training", "max_steps", 0),
+    "recipe_lr_text": ("training", "lr", "fast"),
+}
+
+
 class Unsafe:
     def __reduce__(self):
         return print, ("this must never run",)
@@ -98,6 +107,11 @@ def world(tmp_path_factory, tiny_moe_dir, tiny_tokenizer, text_corpus) -> dict[s
     paths["a_file"] = tmp / "a_file"
     os.mkfifo(tmp / "a_fifo")
     paths["a_fifo"] = tmp / "a_fifo"
+    for name, (section, field, value) in BAD_RECIPES.items():
+        spec = yaml.safe_load((ROOT / "configs/reference/tiny.yaml").read_text())
+        spec[section][field] = value
+        (tmp / f"{name}.yaml").write_text(yaml.safe_dump(spec))
+        paths[name] = tmp / f"{name}.yaml"
     torch.save({"state_dict": {}, "hook": Unsafe()}, tmp / "unsafe.ckpt")
     (tmp / "truncated.ckpt").write_bytes((tmp / "unsafe.ckpt").read_bytes()[:200])
     paths.update(unsafe_ckpt=tmp / "unsafe.ckpt", truncated_ckpt=tmp / "truncated.ckpt")
@@ -207,6 +221,16 @@ CASES = [
      r"trace .* was built for model mixtral\(.*\) but is used with model mixtral\(.*\); rebuild"),
     ("reference-model: truncated reference.json", ["reference-model", "--out", "{reference}"],
      r"reference/reference.json is not valid JSON .*; delete .*reference to build the model again"),
+    ("reference-model: heads that do not divide the hidden size", ["reference-model", "--recipe", "{recipe_heads}",
+     "--out", "{run}"], r"recipe_heads.yaml: model.num_attention_heads \(5\) must divide model.hidden_size \(128\)"),
+    ("reference-model: top-k above the expert count", ["reference-model", "--recipe", "{recipe_top_k}",
+     "--out", "{run}"], r"model.num_experts_per_tok \(17\) is above model.num_local_experts \(16\)"),
+    ("reference-model: zero steps", ["reference-model", "--recipe", "{recipe_no_steps}", "--out", "{run}"],
+     r"training.max_steps must be at least 1, not 0"),
+    ("reference-model: a learning rate that is not a number", ["reference-model", "--recipe", "{recipe_lr_text}",
+     "--out", "{run}"], r"training.lr must be float, not 'fast'"),
+    ("reference-model: a missing recipe file", ["reference-model", "--recipe", "{tmp}/nowhere.yaml", "--out", "{run}"],
+     r"cannot read the recipe .*nowhere.yaml"),
 ]
 if torch.cuda.is_available():  # only a machine without CUDA can refuse it
     CASES = [case for case in CASES if case[0] != "generate: unknown device"]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections.abc import Iterator
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Sampler, TensorDataset
 from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
@@ -39,27 +41,58 @@ def corpus_texts(spec: str, split: str, max_chars: int) -> list[str]:
     return texts
 
 
+class SeededOrder(Sampler[int]):
+    """A seeded shuffle, a new one each epoch, that can resume mid-epoch from its state."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch, self.served = n, seed, 0, 0
+
+    def __iter__(self) -> Iterator[int]:
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        for index in order[self.served:]:
+            self.served += 1
+            yield index
+        self.epoch, self.served = self.epoch + 1, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader whose place in the epoch Lightning saves in checkpoints and restores on a
+    resume, so a resumed build does not see the interrupted epoch's first batches twice."""
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.sampler.epoch, "served": self.sampler.served}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.epoch, self.sampler.served = state["epoch"], state["served"]
+
+
 class PackedCorporaData(L.LightningDataModule):
     """Both built-in corpora, tokenized and packed; validation keeps each corpus apart."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast, seq_len: int, batch_size: int,
-                 train_chars: int, val_windows: int, seed: int):
+                 corpus_chars: int, val_windows: int, seed: int):
         super().__init__()
         self.tokenizer, self.seq_len, self.batch_size = tokenizer, seq_len, batch_size
-        self.train_chars, self.val_windows, self.seed = train_chars, val_windows, seed
+        self.corpus_chars, self.val_windows, self.seed = corpus_chars, val_windows, seed
 
     def setup(self, stage: str | None = None) -> None:
-        train = [pack_windows(self.tokenizer, corpus_texts(c, "train", self.train_chars), self.seq_len) for c in CORPORA]
+        if hasattr(self, "train_windows"):  # fit, then validate: tokenize once
+            return
+        train = [pack_windows(self.tokenizer, corpus_texts(c, "train", self.corpus_chars), self.seq_len)
+                 for c in CORPORA]
         self.train_windows = torch.cat(train)
+        log.info("%d training windows of %d tokens", len(self.train_windows), self.seq_len)
         self.val_sets = [
-            pack_windows(self.tokenizer, corpus_texts(c, "validation", self.train_chars), self.seq_len)[: self.val_windows]
+            pack_windows(self.tokenizer, corpus_texts(c, "validation", self.corpus_chars), self.seq_len)[: self.val_windows]
             for c in CORPORA
         ]
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(TensorDataset(self.train_windows), batch_size=self.batch_size, shuffle=True,
-                          drop_last=True, generator=generator)
+        return ResumableLoader(TensorDataset(self.train_windows), batch_size=self.batch_size, drop_last=True,
+                               sampler=SeededOrder(len(self.train_windows), self.seed))
 
     def val_dataloader(self) -> list[DataLoader]:
         return [DataLoader(TensorDataset(w), batch_size=self.batch_size) for w in self.val_sets]
@@ -75,6 +108,64 @@ class StepStatus(L.Callback):
         step = trainer.global_step
         if step % self.every == 0 or step == trainer.max_steps:
             log.info("step %d/%d  loss %.3f", step, trainer.max_steps, float(outputs["loss"]))
+
+
+class ValidationCurve(L.Callback):
+    """Validation loss per corpus at every validation, kept in checkpoints so that a resumed
+    build reports its whole curve."""
+
+    def __init__(self):
+        self.points: list[dict] = []
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        losses = {c: float(trainer.callback_metrics[f"val/loss/{c}"]) for c in CORPORA}
+        point = {"step": trainer.global_step, "val_loss": losses}
+        self.points = [p for p in self.points if p["step"] != point["step"]] + [point]
+        log.info("step %d  validation loss %s", trainer.global_step, {c: round(v, 3) for c, v in losses.items()})
+
+    def last_tenth_improvement(self, max_steps: int) -> dict[str, float] | None:
+        """Per corpus, the relative drop of validation loss over the last tenth of the steps
+        (from the last validation at or before 90% of them); None without such a point."""
+        before = [p for p in self.points if p["step"] <= 0.9 * max_steps]
+        if not before or not self.points:
+            return None
+        start, end = before[-1]["val_loss"], self.points[-1]["val_loss"]
+        return {c: (start[c] - end[c]) / start[c] for c in start}
+
+    def state_dict(self) -> dict:
+        return {"points": self.points}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.points = state_dict["points"]
+
+
+class TrainClock(L.Callback):
+    """Seconds since construction plus those of earlier runs of the same build (restored from
+    the checkpoint a build resumes from)."""
+
+    def __init__(self):
+        self.started, self.before = time.monotonic(), 0.0
+
+    def seconds(self) -> float:
+        return self.before + time.monotonic() - self.started
+
+    def state_dict(self) -> dict:
+        return {"seconds": self.seconds()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.before = state_dict["seconds"]
+
+
+class CheckpointOnInterrupt(L.Callback):
+    """Saves the training state when training stops on an exception or Ctrl-C, so a rerun
+    resumes from the step reached, not from the last periodic checkpoint. (Lightning's
+    OnExceptionCheckpoint deletes its file at teardown.)"""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        trainer.save_checkpoint(self.path)
 
 
 class MoECausalLM(L.LightningModule):

@@ -1,50 +1,42 @@
 """`prescient reference-model`: build the project's own MoE, since no model hub is reachable.
 
-tiny   a Mixtral-architecture MoE (configs/reference/tiny.yaml) with a byte-level BPE
-       tokenizer, trained with Lightning on both built-in corpora.
-bench  tiny with every expert widened by zero rows/columns (configs/reference/bench.yaml):
+base   the reference: a Mixtral-architecture MoE (configs/reference/base.yaml) with a
+       byte-level BPE tokenizer, trained with Lightning on both built-in corpora until its
+       validation loss flattens; benchmarks and quality measurements use it.
+tiny   a smaller, shorter recipe of base that fits the demo's budget.
+bench  base with every expert widened by zero rows/columns (configs/reference/bench.yaml):
        over 2 GB of experts on disk, the same outputs and routing.
 
-Both are ordinary Hugging Face model directories. A finished directory carries
-`reference.json` (recipe, validation loss, expert load); a later call with the same recipe
-returns it at once.
+All are ordinary Hugging Face model directories. A finished directory carries
+`reference.json` (recipe, validation-loss curve, routing statistics); a later call with the
+same recipe returns it at once. Training checkpoints to `DIR/.train/` as it goes, so an
+interrupted build (a crash, Ctrl-C) resumes where it stopped when run again.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
+import shutil
+import sys
 from pathlib import Path
 
 import lightning as L
 import torch
-import yaml
-from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig
+from lightning.pytorch.callbacks import ModelCheckpoint
+from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, PreTrainedTokenizerFast
 
 from prescient.atomic import write_json_atomic
-from prescient.errors import PrescientError
-from training.reference_lm import CORPORA, MoECausalLM, PackedCorporaData, StepStatus, corpus_texts
+from training.reference_lm import (CORPORA, CheckpointOnInterrupt, MoECausalLM, PackedCorporaData, StepStatus,
+                                   TrainClock, ValidationCurve, corpus_texts)
+from training.reference_recipe import ReferenceModelError, read_recipe, recipe
+from training.routing_stats import routing_statistics
 from training.tokenizer import train_byte_level_bpe
 
 log = logging.getLogger(__name__)
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "reference"
-SIZES = ("tiny", "bench")
 REPORT = "reference.json"
-
-
-def recipe(size: str) -> dict:
-    if size not in SIZES:
-        raise ValueError(f"unknown reference size {size!r}; choose one of {', '.join(SIZES)}")
-    spec = yaml.safe_load((CONFIG_DIR / f"{size}.yaml").read_text())
-    if "base" in spec:
-        spec = {**spec, "base_recipe": recipe(spec["base"])}
-    return spec
-
-
-class ReferenceModelError(PrescientError):
-    """A reference model folder holds a damaged report."""
+TRAIN_DIR = ".train"  # checkpoints, tokenizer and recipe of a build in progress
 
 
 def cached(out: Path, spec: dict) -> bool:
@@ -63,59 +55,99 @@ def cached(out: Path, spec: dict) -> bool:
     return recorded.get("recipe") == spec
 
 
-def build_reference_model(size: str = "tiny", out: str | Path | None = None) -> Path:
-    """Build (or reuse) the reference model of `size` in `out`; returns the model directory."""
-    out = Path(out) if out is not None else Path("runs") / f"reference-{size}"
-    spec = recipe(size)
+def build_reference_model(size: str = "tiny", out: str | Path | None = None, recipe_file: str | Path | None = None) -> Path:
+    """Build (or reuse) the reference model of `size` (or of the recipe in `recipe_file`) in
+    `out`; returns the model directory."""
+    spec = read_recipe(recipe_file) if recipe_file is not None else recipe(size)
+    name = Path(recipe_file).stem if recipe_file is not None else size
+    out = Path(out) if out is not None else Path("runs") / f"reference-{name}"
     if cached(out, spec):
-        log.info("reference model %s already built in %s", size, out)
+        log.info("reference model %s already built in %s", name, out)
         return out
-    if size == "bench":
-        widen_experts(build_reference_model("tiny", out.parent / f"{out.name}-base"), out, spec)
+    if "base" in spec:
+        widen_experts(build_reference_model(spec["base"], out.parent / f"{out.name}-base"), out, spec)
     else:
-        train_tiny(out, spec)
+        train_reference(out, spec, name)
     return out
 
 
-def train_tiny(out: Path, spec: dict) -> None:
-    start = time.time()
+def train_reference(out: Path, spec: dict, name: str) -> None:
+    """Train the model of `spec` into `out`, resuming from `out/.train/` when it holds a
+    checkpoint of the same recipe."""
+    clock = TrainClock()  # seconds over every run of this build, an interrupted one included
     L.seed_everything(spec["seed"], workers=True, verbose=False)
-    tcfg, mcfg, train = spec["tokenizer"], spec["model"], spec["training"]
-    log.info("training a %d-token byte-level BPE tokenizer on both corpora", tcfg["vocab_size"])
-    texts = [t for corpus in CORPORA for t in corpus_texts(corpus, "train", tcfg["train_chars"])]
-    tokenizer = train_byte_level_bpe(texts, tcfg["vocab_size"])
+    mcfg, train = spec["model"], spec["training"]
+    work = out / TRAIN_DIR
+    resume = _resumable(work, spec)
+    tokenizer = _tokenizer(work, spec, fresh=resume is None)
     config = MixtralConfig(
         vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
         pad_token_id=tokenizer.pad_token_id, **mcfg,
     )
     module = MoECausalLM(config, lr=train["lr"], warmup_steps=train["warmup_steps"], max_steps=train["max_steps"],
-                         weight_decay=train["weight_decay"],
-                         layer_balance_coef=train["layer_balance_coef"])
-    data = PackedCorporaData(tokenizer, train["seq_len"], train["batch_size"], tcfg["train_chars"],
+                         weight_decay=train["weight_decay"], layer_balance_coef=train["layer_balance_coef"])
+    data = PackedCorporaData(tokenizer, train["seq_len"], train["batch_size"], train["corpus_chars"],
                              train["val_windows"], spec["seed"])
+    curve = ValidationCurve()
     trainer = L.Trainer(
         max_steps=train["max_steps"], accelerator="cpu", devices=1, logger=False,
-        enable_checkpointing=False, val_check_interval=train["max_steps"], check_val_every_n_epoch=None,
-        num_sanity_val_steps=0, gradient_clip_val=1.0, default_root_dir=str(out.parent),
-        enable_progress_bar=False, callbacks=[StepStatus()],
+        val_check_interval=train["val_every"], check_val_every_n_epoch=None,
+        num_sanity_val_steps=0, gradient_clip_val=1.0, default_root_dir=str(work),
+        enable_progress_bar=sys.stderr.isatty(),
+        callbacks=[StepStatus(), curve, clock, CheckpointOnInterrupt(work / "last.ckpt"),
+                   ModelCheckpoint(dirpath=work, save_last=True, save_top_k=0,
+                                   every_n_train_steps=min(100, train["val_every"]))],
     )
-    trainer.fit(module, datamodule=data)
-    metrics = trainer.validate(module, datamodule=data, verbose=False)
-    val_loss = {corpus: float(m[f"val/loss/{corpus}"]) for corpus, m in zip(CORPORA, metrics)}
+    if resume is not None:
+        log.info("resuming %s from %s", name, resume)
+    trainer.fit(module, datamodule=data, ckpt_path=resume)
+    if trainer.global_step < train["max_steps"]:
+        raise ReferenceModelError(f"training of {out} stopped at step {trainer.global_step}; run again to resume")
+    if not curve.points or curve.points[-1]["step"] != train["max_steps"]:
+        trainer.validate(module, datamodule=data, verbose=False)
+    module.model.eval()
+    stats = routing_statistics(module.model, data.train_windows[: 4 * train["val_windows"]], data.val_sets[0])
     out.mkdir(parents=True, exist_ok=True)
     module.model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     report = {
         "recipe": spec,
-        "size": "tiny",
-        "train_seconds": round(time.time() - start, 1),
-        "val_loss": val_loss,
+        "size": name,
+        "train_seconds": round(clock.seconds(), 1),
+        "val_loss": curve.points[-1]["val_loss"],
+        "val_curve": curve.points,
+        "last_tenth_improvement": curve.last_tenth_improvement(train["max_steps"]),
         "expert_load": load_shares(module.expert_load),
+        "routing": stats,
     }
     write_json_atomic(out / REPORT, report)  # written last: its presence marks a finished build
-    log.info("validation loss %s", {k: round(v, 3) for k, v in val_loss.items()})
-    for layer, shares in enumerate(report["expert_load"]):
-        log.info("layer %d expert load: %s", layer, " ".join(f"{s:.3f}" for s in shares))
+    shutil.rmtree(work, ignore_errors=True)
+    log.info("validation loss %s after %.0f s", {k: round(v, 3) for k, v in report["val_loss"].items()},
+             report["train_seconds"])
+
+
+def _resumable(work: Path, spec: dict) -> str | None:
+    """The checkpoint to resume from: `work/last.ckpt` if `work` was started with this recipe."""
+    started = work / "recipe.json"
+    if (work / "last.ckpt").exists() and started.exists() and json.loads(started.read_text()) == spec:
+        return str(work / "last.ckpt")
+    shutil.rmtree(work, ignore_errors=True)  # another recipe's (or no) progress: start over
+    work.mkdir(parents=True)
+    write_json_atomic(started, spec)
+    return None
+
+
+def _tokenizer(work: Path, spec: dict, fresh: bool) -> PreTrainedTokenizerFast:
+    """The recipe's BPE tokenizer, trained once per build and kept in `work` for a resume."""
+    saved = work / "tokenizer"
+    if not fresh and saved.exists():
+        return AutoTokenizer.from_pretrained(saved)
+    tcfg = spec["tokenizer"]
+    log.info("training a %d-token byte-level BPE tokenizer on both corpora", tcfg["vocab_size"])
+    texts = [t for corpus in CORPORA for t in corpus_texts(corpus, "train", tcfg["train_chars"])]
+    tokenizer = train_byte_level_bpe(texts, tcfg["vocab_size"])
+    tokenizer.save_pretrained(saved)
+    return tokenizer
 
 
 def load_shares(counts: torch.Tensor) -> list[list[float]]:
