@@ -131,7 +131,7 @@ class Replay:
         forecast_chances: np.ndarray | None = None,
         later_chances: np.ndarray | None = None,
         next_chances: np.ndarray | None = None,
-        next_min_chance: float = 0.0,
+        next_token_min_chance: float = 0.0,
     ) -> "Replay":
         """`topk_ids` [N, L, k] and `seq_id` [N] in trace order (a sequence's rows contiguous,
         in position order). `topt_ids`/`topt_logits` [N, L, T]: router scores for policies that
@@ -144,7 +144,7 @@ class Replay:
         token on: a layer's keys take them once the step has run the layer. `next_chances`
         [N, L, E] in [0, 1]: each row's forecast chance that its sequence's next token uses an
         expert (cross-token prefetch, timed replays only): the `prefetch_k` likeliest per layer
-        with a chance of at least `next_min_chance`, united over the batch."""
+        with a chance of at least `next_token_min_chance`, united over the batch."""
         topk_ids = np.asarray(topk_ids)
         if topk_ids.ndim != 3:
             raise ReplayInputError(f"topk_ids must be [N, L, k], got shape {topk_ids.shape}")
@@ -179,7 +179,7 @@ class Replay:
             next_predicted = None
             if next_chances is not None:
                 next_predicted = _predicted_keys(np.asarray(next_chances), top_k if prefetch_k is None else prefetch_k,
-                                                 rows, n_experts, next_min_chance)
+                                                 rows, n_experts, next_token_min_chance)
         if later_chances is not None and forecast_chances is None:
             raise ReplayInputError("later_chances (a run layer's chances) refine forecast_chances: give both")
         forecasts = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import add_next_min_chance, add_results_args, budgets, names, positive_int, positive_ints
+from cli.args import add_next_token_min_chance, add_results_args, budgets, names, positive_int, positive_ints
 from predictor.registry import NAMES_HELP
 
 POLICIES_HELP = "lru, lfu, fifo, mrs, static, belady, learned (needs a --predictor with forecast heads), learned-belady"
@@ -40,7 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="with --timing and a --predictor with forecast heads: cross-token prefetch, the next token's "
                         "layers prefetched from its forecast while this token's layers compute (--horizon all: a "
                         "whole token ahead)")
-    add_next_min_chance(p, "with --next-token")
+    add_next_token_min_chance(p, "with --next-token")
     p.add_argument("--prefetch-k", type=positive_int, default=None,
                    help="predicted experts prefetched per row and layer (default: the model's top-k)")
     add_results_args(p, plot="PNG of hit and stall rates against capacity")
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> None:
     result = compare_caches(args.trace, args.policies, args.capacity, args.batch_size, args.predictor,
                             args.train_trace, args.horizon, args.transfer_per_step, args.prefetch_k,
                             timing=calibration and calibration.timing, hide_only=args.hide_only,
-                            next_token=args.next_token, next_min_chance=args.next_min_chance)
+                            next_token=args.next_token, next_token_min_chance=args.next_token_min_chance)
     if calibration is not None:
         result["timing_calibration"] = calibration.to_dict()
     print(format_table(result))

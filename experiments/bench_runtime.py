@@ -39,6 +39,7 @@ from experiments.bench_runtime_measure import Executor
 from experiments.bench_runtime_records import ratios, record_of, record_run
 from experiments.machine import machine_info
 from experiments.timing_calibration import load_timing
+from offload_runtime.engine.options import RuntimeOptions
 from prescient.atomic import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ METHOD = {
                         "so every expert they use is resident and the timed pass loads nothing (see bytes_moved)",
 }
 HEADLINE_BUDGET = 0.5
+SHARED_OPTIONS = RuntimeOptions(drop_page_cache=True)  # what every run shares unless the caller says otherwise
 
 
 def prompt_ids(tokenizer, texts: list[str], count: int, tokens: int) -> list[list[int]]:
@@ -110,16 +112,14 @@ def bench_runtime(
     baselines: tuple[str, ...] = BASELINES,
     baseline_tokens: int = 4,
     sample_seed: int | None = None,
-    transfer_workers: int = 1,
+    options: RuntimeOptions = SHARED_OPTIONS,
     hash_cost_predictor: str | None = None,
     threads: int | None = None,
-    store: str = "disk",
-    drop_page_cache: bool = True,
     isolate: bool = True,
     work_dir: str | Path | None = None,
     simulate: bool = False,
     link_timing: str | Path | None = None,
-    next_min_chance: float = 0.5,
+    next_token_min_chance: float = 0.5,
     json_path: str | Path | None = None,
     plot_path: str | Path | None = None,
 ) -> dict[str, Any]:
@@ -128,11 +128,13 @@ def bench_runtime(
     the end). Prompts: the first `timed_prompts` + 1 of `texts` with `prompt_tokens` tokens
     (the first is the warm-up). `predictors`: name -> artifact path, or None for a built-in
     (freq, token, corr: fit on `train_trace`; oracle; none). `sample_seed`: sampled decoding
-    (see METHOD["decoding"]) instead of greedy. `simulate`: the time-true simulator's prediction
+    (see METHOD["decoding"]) instead of greedy. `options`: the runtime options every run shares
+    (store, page cache, transfer workers, ...); each run sets its policy, budget and prefetch
+    modes on a copy, recorded with the run. `simulate`: the time-true simulator's prediction
     beside each run (`experiments.bench_runtime_simulated`; needs the all_resident baseline).
     A run's prefetch modes: `hide` prefetches only what the link of `link_timing` (a bench or
-    hardware-profile JSON, `experiments.timing_calibration.load_timing`) can hide behind compute, `next` reaches into the next token for experts forecast at least `next_min_chance`
-    likely."""
+    hardware-profile JSON, `experiments.timing_calibration.load_timing`) can hide behind compute,
+    `next` reaches into the next token for experts forecast at least `next_token_min_chance` likely."""
     from transformers import AutoConfig
 
     from prescient.fingerprint import ModelFingerprint
@@ -162,17 +164,17 @@ def bench_runtime(
     work = Path(work_dir or temporary.name)
     work.mkdir(parents=True, exist_ok=True)
     base = Job("offloaded", str(model_dir), ids[1:], new_tokens, warmup=ids[:1], warmup_tokens=warmup_tokens,
-               pad_token_id=tokenizer.pad_token_id, threads=threads, store=store, drop_page_cache=drop_page_cache,
-               work_dir=str(work), sample_seed=sample_seed, transfer_workers=transfer_workers)
+               pad_token_id=tokenizer.pad_token_id, threads=threads, options=options, work_dir=str(work),
+               sample_seed=sample_seed)
     result: dict[str, Any] = {
         "settings": {"budgets": sorted({r.budget for r in runs}), "policies": sorted({r.policy for r in runs}),
                      "predictors": {k: v and str(v) for k, v in predictors.items()}, "new_tokens": new_tokens,
                      "timed_prompts": timed_prompts, "prompt_tokens": prompt_tokens, "warmup_tokens": warmup_tokens,
                      "baseline_tokens": baseline_tokens, "sample_seed": sample_seed,
-                     "transfer_workers": transfer_workers, "train_trace": train_trace and str(train_trace),
-                     "store": store, "drop_page_cache": drop_page_cache, "isolated_processes": isolate,
+                     "transfer_workers": options.transfer_workers, "train_trace": train_trace and str(train_trace),
+                     "store": options.store, "drop_page_cache": options.drop_page_cache, "isolated_processes": isolate,
                      "headline_budget": HEADLINE_BUDGET,
-                     "link_timing": None, "next_min_chance": next_min_chance},
+                     "link_timing": None, "next_token_min_chance": next_token_min_chance},
         "machine": machine_info(threads), "model": {"dir": str(model_dir)},
         "prompts": {"warmup": ids[0], "timed": ids[1:]}, "method": METHOD,
         "baselines": {}, "runs": [], "hash_thread_cost": None, "ratios": {}, "complete": False,
@@ -213,10 +215,11 @@ def bench_runtime(
             save()
             for spec in runs:
                 bar.set_postfix_str(spec.label)
-                job = replace(base, budget=spec.budget, policy=spec.policy, predictor_path=paths.get(spec.predictor),
-                              predictor=None if spec.predictor == "none" else spec.predictor,
-                              link_timing=link if "hide" in spec.modes else None,
-                              next_token_min_chance=next_min_chance if "next" in spec.modes else None)
+                run_options = replace(options, budget=spec.budget, policy=spec.policy,
+                                      link_timing=link if "hide" in spec.modes else None,
+                                      next_token_min_chance=next_token_min_chance if "next" in spec.modes else None)
+                job = replace(base, options=run_options, predictor_path=paths.get(spec.predictor),
+                              predictor=None if spec.predictor == "none" else spec.predictor)
                 result["runs"].append(record := record_run(execute, job, spec, reference))
                 result["model"].update(record.pop("model_info", None) or {})
                 bar.update()
@@ -228,7 +231,7 @@ def bench_runtime(
                 from experiments.bench_runtime_simulated import simulate_bench
 
                 bar.set_postfix_str("simulating")
-                simulate_bench(result, oracle_trace, paths, next_min_chance)
+                simulate_bench(result, oracle_trace, paths, next_token_min_chance)
     finally:
         if temporary is not None:
             temporary.cleanup()
@@ -270,7 +273,8 @@ def _hash_thread_cost(execute: Executor, base: Job, name: str, path: str | None,
                       bar: tqdm) -> dict[str, Any]:
     """Budget 1.0, every used expert made resident by an untimed pass over the timed prompts:
     the thread running `name` with its tables ignored, against no thread."""
-    warm = replace(base, budget=1.0, policy="lru", warmup=base.prompts, warmup_tokens=base.new_tokens)
+    warm = replace(base, options=replace(base.options, budget=1.0, policy="lru"), warmup=base.prompts,
+                   warmup_tokens=base.new_tokens)
     records = {}
     for key, job, spec in [
         ("with_thread_tables_ignored", replace(warm, predictor=name, predictor_path=path, ignore_tables=True),

@@ -161,7 +161,7 @@ def compare_caches(
     timing: LinkTiming | None = None,
     hide_only: bool = False,
     next_token: bool = False,
-    next_min_chance: float = 0.5,
+    next_token_min_chance: float = 0.5,
 ) -> dict[str, Any]:
     """Replay the trace at `trace_dir` through every (batch size, policy, capacity), on demand
     and, with `predictor` (a built-in name, an artifact path or a built predictor),
@@ -172,7 +172,7 @@ def compare_caches(
     (with `timing`): prefetch only what the link can move before its layer runs. `next_token`
     (with `timing` and a predictor with forecast heads): cross-token prefetch, a layer `horizon`
     steps on in the next token is prefetched from the forecast of that token, an expert only if
-    its forecast chance of use is at least `next_min_chance`."""
+    its forecast chance of use is at least `next_token_min_chance`."""
     start = time.perf_counter()
     policies = check_policies(tuple(policies))
     if not batch_sizes or any(b < 1 for b in batch_sizes):
@@ -225,7 +225,7 @@ def compare_caches(
         "total_experts": total, "budget": "global", "batch_sizes": list(batch_sizes),
         "horizon": horizon, "transfer_per_step": transfer_per_step,
         "link_timing": timing.to_dict() if timing is not None else None, "hide_only": hide_only,
-        "next_token": next_token, "next_min_chance": next_min_chance if next_token else None,
+        "next_token": next_token, "next_token_min_chance": next_token_min_chance if next_token else None,
         "prefetch_k": prefetch_k if prefetch_k is not None else fp.top_k,
         "mrs": {"alpha": 0.5, "p": 2 * fp.top_k},
     }
@@ -241,7 +241,7 @@ def compare_caches(
             replays[b, True] = Replay.build(columns["topk_ids"], columns["seq_id"], b, predicted_scores=scores,
                                             prefetch_k=prefetch_k, n_experts=fp.n_experts, **chances,
                                             next_chances=forecast.get("next_chances"),
-                                            next_min_chance=next_min_chance, **router)
+                                            next_token_min_chance=next_token_min_chance, **router)
     need = {b: replays[b, False].max_layer_keys for b in batch_sizes}
     result["min_capacity"] = {str(b): n for b, n in need.items()}
     smallest = min(batch_sizes)

@@ -45,13 +45,13 @@ import torch
 from torch import nn
 
 from cache import EvictionPolicy, ExpertCache, Key
-from cache.timing import LinkTiming
 from offload_runtime.engine.hash_builder import HashBuilder, HashBuilderError, HashTable
 from offload_runtime.engine.offloaded_experts import offload_experts
+from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.slots import SlotPool
 from offload_runtime.engine.store import ExpertStore
 from offload_runtime.engine.transfer import Ticket, TransferEngine
-from predictor.base import ExpertPredictor, PredictorError
+from predictor.base import ExpertPredictor
 from prescient.arch import MoELayer, moe_stacks
 from prescient.fingerprint import ModelFingerprint
 
@@ -89,15 +89,8 @@ class RuntimeStats:
 
 class OffloadRuntime:
     def __init__(self, model: nn.Module, layers: list[MoELayer], store: ExpertStore, pool: SlotPool,
-                 fingerprint: ModelFingerprint, policy: EvictionPolicy, predictor: ExpertPredictor | None = None,
-                 prefetch_per_layer: int | None = None, transfer_workers: int = 1,
-                 link_timing: LinkTiming | None = None, next_token_min_chance: float | None = None) -> None:
-        if next_token_min_chance is not None:  # checked before any thread starts
-            if not 0.0 <= next_token_min_chance <= 1.0:
-                raise PredictorError(f"cross-token prefetch's least chance of use must be in [0, 1], "
-                                     f"got {next_token_min_chance}")
-            if predictor is not None:
-                predictor.require_horizon(1)  # no forecast heads: a ForecastHorizonError saying what to train
+                 fingerprint: ModelFingerprint, policy: EvictionPolicy, options: RuntimeOptions,
+                 predictor: ExpertPredictor | None = None) -> None:
         self.model, self.layers, self.store, self.pool = model, layers, store, pool
         self.fingerprint = fingerprint  # computed once at load; CGOPipe checks predictors against it
         self.top_k = layers[0].top_k
@@ -105,9 +98,8 @@ class OffloadRuntime:
         self.policy = policy
         self.cache = ExpertCache(pool.num_slots, self.policy, n_layers=len(layers), top_k=self.top_k,
                                  on_evict=self._on_evict)
-        self.prefetch_per_layer = prefetch_per_layer or self.top_k
-        self.link_timing = link_timing  # hide-only prefetch (see _hideable); None: as many as the slots allow
-        self.next_token_min_chance = next_token_min_chance  # cross-token prefetch (see _next_keys); None: off
+        self.options = options  # link_timing: hide-only prefetch (_hideable); next_token_min_chance: _next_keys
+        self.prefetch_per_layer = options.prefetch_per_layer or self.top_k
         self.arrival_order = False  # see parts(); CGOPipe turns it on
         self.late_tables = 0
         self.tables_on_time = 0
@@ -130,9 +122,9 @@ class OffloadRuntime:
                          for stream, stack in enumerate(moe_stacks(model, layers))]
         if getattr(self.policy, "uses_scores", False):
             self._handles += [layer.router.register_forward_hook(self._router_scores(layer)) for layer in layers]
-        self.engine = TransferEngine(store, pool, workers=transfer_workers)
-        self.builder = HashBuilder(predictor, forecasts=policy.uses_forecasts,
-                                   next_token=next_token_min_chance is not None) if predictor is not None else None
+        self.engine = TransferEngine(store, pool, workers=options.transfer_workers)
+        self.builder = None if predictor is None else HashBuilder(
+            predictor, forecasts=policy.uses_forecasts, next_token=options.next_token_min_chance is not None)
         self._stop = weakref.finalize(self, _stop_threads, self.engine, self.builder, self.store)
 
     @property
@@ -299,7 +291,7 @@ class OffloadRuntime:
         ahead = [self._wanted[later] for later in self._layers if later > layer]
         if self._wanted_next:
             ahead += [self._wanted_next[later] for later in self._layers if later <= layer]
-        wanted = ([key for keys in ahead for key in keys] if self.link_timing is None
+        wanted = ([key for keys in ahead for key in keys] if self.options.link_timing is None
                   else self._hideable(ahead, demand_loads))
         # the cache spares every key of one prefetch call: a prefetch never evicts another wanted one
         inserted = self.prefetch(wanted, priority=self._step * _STEP_PRIORITY - self._rank - 1)
@@ -312,7 +304,7 @@ class OffloadRuntime:
         counted from when the running layer's own `demand_loads` are in (its compute waits for
         them), less the other copies waiting or running and those chosen for nearer ones.
         Resident keys stay in the list (a prefetch call spares its own keys)."""
-        timing = self.link_timing
+        timing = self.options.link_timing
         chosen = max(self.engine.pending - demand_loads, 0)
         kept = []
         for steps, keys in enumerate(ahead, start=1):
@@ -340,7 +332,8 @@ class OffloadRuntime:
         chance of at least `next_token_min_chance`, likeliest first, `prefetch_per_layer` at most
         (the chances are the largest over the rows)."""
         top = torch.topk(chances, min(self.n_experts, self.prefetch_per_layer), dim=-1)
-        return [[(layer, int(e)) for c, e in zip(values.tolist(), experts.tolist()) if c >= self.next_token_min_chance]
+        least = self.options.next_token_min_chance
+        return [[(layer, int(e)) for c, e in zip(values.tolist(), experts.tolist()) if c >= least]
                 if layer in self._layers else []
                 for layer, (values, experts) in enumerate(zip(top.values, top.indices))]
 

@@ -37,9 +37,8 @@ from offload_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from offload_runtime.server.scheduler import (Event, QueueFullError, Request as Sequence, SamplingParams, Scheduler,
                                               SchedulerClosedError)
 from offload_runtime.server.text import TextStream, chat_prompt
-from cache.timing import LinkTiming
+from offload_runtime.engine.options import RuntimeOptions
 from predictor.base import ExpertPredictor
-from prescient.budget import Budget
 from prescient.errors import PrescientError
 
 log = logging.getLogger(__name__)
@@ -56,18 +55,11 @@ class UnsupportedModelError(PrescientError):
 class ServeConfig:
     model_dir: Path
     predictor: str | Path | ExpertPredictor | None = None  # an artifact path, or a predictor
-    policy: str = "lru"
-    budget: Budget | float | str = 0.5
+    options: RuntimeOptions = field(default_factory=RuntimeOptions)  # the runtime's (see load_offloaded)
     served_model_name: str | None = None  # the `model` clients name; default: the model directory's name
     max_batch: int = 16  # requests decoded together
     max_queue: int = 64  # requests waiting beyond the batch; more are refused with 429
-    store: str = "disk"
-    drop_page_cache: bool = False
-    device: str = "cpu"
-    transfer_workers: int = 1
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish at shutdown
-    link_timing: LinkTiming | None = None  # hide-only prefetch (see load_offloaded)
-    next_token_min_chance: float | None = None  # cross-token prefetch (see load_offloaded)
 
     @property
     def name(self) -> str:
@@ -89,10 +81,10 @@ class Service:
 
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        budget = str(Budget.of(config.budget))
         predictor = "none" if config.predictor is None else getattr(config.predictor, "kind", None) \
             or Path(str(config.predictor)).name.removesuffix(".json").removesuffix(".safetensors")
-        self.metrics = ServerMetrics({"policy": config.policy, "budget": budget, "predictor": predictor})
+        self.metrics = ServerMetrics({"policy": config.options.policy, "budget": str(config.options.budget),
+                                      "predictor": predictor})
         self.model = self.tokenizer = self.scheduler = None
         self.context_length = 0
         self.load_error: BaseException | None = None
@@ -121,10 +113,7 @@ class Service:
         c = self.config
         try:
             tokenizer = load_tokenizer(c.model_dir)
-            model = load_offloaded(c.model_dir, predictor=c.predictor, policy=c.policy, budget=Budget.of(c.budget),
-                                   store=c.store, drop_page_cache=c.drop_page_cache, device=c.device,
-                                   transfer_workers=c.transfer_workers, link_timing=c.link_timing,
-                                   next_token_min_chance=c.next_token_min_chance)
+            model = load_offloaded(c.model_dir, c.predictor, c.options)
             if model.config.is_encoder_decoder:
                 model.offload_runtime.close()
                 raise UnsupportedModelError(f"{c.model_dir} is an encoder-decoder model; serving decodes "
@@ -140,7 +129,7 @@ class Service:
                                        on_finish=self.metrics.observe_finished)
             self.metrics.scheduler = self.scheduler
             log.info("serving %s as %r: policy %s, budget %s, predictor %s, up to %d requests per batch",
-                     c.model_dir, c.name, c.policy, Budget.of(c.budget), c.predictor or "none", c.max_batch)
+                     c.model_dir, c.name, c.options.policy, c.options.budget, c.predictor or "none", c.max_batch)
         except BaseException as exc:
             self.load_error = exc
             log.error("cannot serve %s: %s", c.model_dir, exc)
@@ -226,12 +215,15 @@ class Service:
         return sequence, events
 
 
-def create_app(model_dir: str | Path, predictor: str | Path | ExpertPredictor | None = None, policy: str = "lru",
-               budget: Budget | float | str = 0.5, **options) -> FastAPI:
-    """The server as an ASGI app; `options` are the other `ServeConfig` fields. The model loads
-    when the app's lifespan starts (or call `app.state.service.start()` when mounting the app in
-    one whose lifespan does not reach it)."""
-    service = Service(ServeConfig(Path(model_dir), predictor, policy, budget, **options))
+def create_app(model_dir: str | Path, predictor: str | Path | ExpertPredictor | None = None,
+               options: RuntimeOptions | None = None, **settings) -> FastAPI:
+    """The server as an ASGI app; `settings` are the other `ServeConfig` fields and, without
+    `options`, `RuntimeOptions`' fields as keywords. The model loads when the app's lifespan
+    starts (or call `app.state.service.start()` when mounting the app in one whose lifespan does
+    not reach it)."""
+    runtime = {name: settings.pop(name) for name in RuntimeOptions.names() & settings.keys()}
+    options = RuntimeOptions.of(options, **runtime)
+    service = Service(ServeConfig(Path(model_dir), predictor, options, **settings))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

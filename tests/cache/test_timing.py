@@ -247,7 +247,7 @@ def test_cross_token_prefetch_keeps_the_likely_experts_and_needs_timing():
     chances = np.zeros((2, 2, 4))
     chances[0, 0, 2], chances[0, 1, 3], chances[0, 1, 0] = 0.9, 0.4, 0.3
     replay = Replay.build(topk, np.zeros(2, np.int64), predicted_scores=np.zeros((2, 2, 4)), n_experts=4,
-                          next_chances=chances, next_min_chance=0.5)
+                          next_chances=chances, next_token_min_chance=0.5)
     keys, offsets = replay.next_predicted
     assert keys.tolist() == [2] and offsets.tolist() == [0, 1, 1, 1, 1]  # (0, 2) for token 1; (1, 3) below 0.5
     with pytest.raises(TimingError, match="give timing"):
