@@ -15,6 +15,7 @@ import numpy as np
 from cache.heap import inline, jit
 from cache.kernel import load, prefetch_many, use
 from cache.rules import on_forecast, on_router_scores
+from cache.timing import copies_in_time, hideable
 
 
 @inline
@@ -242,23 +243,15 @@ def _issue(st, wanted, token, issued, seg, tq, q_key, q_time, queued, serial, mo
 @inline
 def _hideable(st, wanted, now, layers_ahead, compute_s, transfer_s, seg, depth, q_key, queued, serial, clock):
     """`wanted` less the non-resident keys whose copy would not end before their layer starts,
-    `layers_ahead` layer computes after `now`: behind the copy in flight and the queued
-    prefetches, each copy takes `transfer_s` (resident keys stay: a call spares its own keys)."""
+    `layers_ahead` layer computes after `now`, behind the copy in flight and the queued
+    prefetches (the rule: `cache.timing.hideable`)."""
     backlog = 0
     for d in range(depth):
         for c in range(seg[d, CUR], seg[d, END]):
             if queued[q_key[c]] and serial[q_key[c]] == c:
                 backlog += 1
-    room = int((now + layers_ahead * compute_s - max(clock[FREE], now)) / transfer_s) - backlog
-    kept = np.empty(len(wanted), np.int64)
-    n = 0
-    for key in wanted:
-        if st.resident[key] or room > 0:
-            if not st.resident[key]:
-                room -= 1
-            kept[n] = key
-            n += 1
-    return kept[:n]
+    room = copies_in_time(now + layers_ahead * compute_s - max(clock[FREE], now), transfer_s, backlog)
+    return wanted[hideable(st.resident[wanted], room)[0]]
 
 
 @jit

@@ -28,7 +28,8 @@ from predictor.base import PredictorMeta
 from predictor.sida import SiDAHash, read_token_embeddings
 from prescient.fingerprint import fingerprint_model_dir
 from prescient.traces import load_trace
-from tests.conftest import save_tiny_model
+from prescient.arch_zoo import save_tiny_model
+from tests.conftest import tiny_test_config
 from training.tracing import trace_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +74,8 @@ def world(tmp_path_factory, tiny_moe_dir, tiny_tokenizer, text_corpus) -> dict[s
     tmp = tmp_path_factory.mktemp("bad-input")
     model = tiny_moe_dir("mixtral")
     paths = {"model": model, "tmp": tmp}
-    paths["other"] = save_tiny_model("mixtral", tiny_tokenizer, tmp / "other-model", seed=1)
+    paths["other"] = save_tiny_model(tiny_test_config("mixtral", tiny_tokenizer), tmp / "other-model", seed=1,
+                                     tokenizer=tiny_tokenizer)
     paths["trace"] = trace_model(model, f"json:{text_corpus}", tmp / "trace", **TRACE)
     paths["trace_ids"] = damaged_trace(paths["trace"], tmp, "topk_ids", 99)
     paths["trace_nan"] = damaged_trace(paths["trace"], tmp, "topt_logits", float("nan"))

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from cache import EvictionPolicy, ExpertCache, Key
+from cache.timing import copies_in_time, hideable
 from offload_runtime.engine.hash_builder import HashBuilder, HashBuilderError, HashTable
 from offload_runtime.engine.offloaded_experts import offload_experts
 from offload_runtime.engine.options import RuntimeOptions
@@ -300,21 +301,18 @@ class OffloadRuntime:
     def _hideable(self, ahead: list[list[Key]], demand_loads: int) -> list[Key]:
         """Of `ahead` (the predicted keys of the layer-steps after the running one, nearest
         first), those whose copies can end before their layer starts (cost-aware prefetch's link
-        half, as the simulator's `hide_only`): the i-th layer-step on leaves i layer computes,
-        counted from when the running layer's own `demand_loads` are in (its compute waits for
-        them), less the other copies waiting or running and those chosen for nearer ones.
-        Resident keys stay in the list (a prefetch call spares its own keys)."""
+        half, the rule `cache.timing.hideable` that the simulator's `hide_only` follows too): the
+        i-th layer-step on leaves i layer computes, counted from when the running layer's own
+        `demand_loads` are in (its compute waits for them), less the other copies waiting or
+        running and those chosen for nearer ones. Resident keys stay in the list."""
         timing = self.options.link_timing
         chosen = max(self.engine.pending - demand_loads, 0)
         kept = []
         for steps, keys in enumerate(ahead, start=1):
-            room = int(steps * timing.layer_compute_s / timing.transfer_s)
-            for key in keys:
-                if key in self.cache:
-                    kept.append(key)
-                elif chosen < room:
-                    kept.append(key)
-                    chosen += 1
+            room = copies_in_time(steps * timing.layer_compute_s, timing.transfer_s, chosen)
+            positions, left = hideable(np.array([key in self.cache for key in keys], dtype=np.bool_), room)
+            kept += [keys[i] for i in positions]
+            chosen += max(room, 0) - max(left, 0)
         return kept
 
     def _predicted_keys(self, table: HashTable) -> list[list[Key]]:

@@ -39,16 +39,12 @@ from offload_runtime.server.scheduler import (Event, QueueFullError, Request as 
 from offload_runtime.server.text import TextStream, chat_prompt
 from offload_runtime.engine.options import RuntimeOptions
 from predictor.base import ExpertPredictor
-from prescient.errors import PrescientError
+from prescient.errors import UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
 _UNION_TAG = re.compile(r"str|int|float|bool|\w+\[.*\]|function-\w+\[.*")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
-
-
-class UnsupportedModelError(PrescientError):
-    """The model cannot be served (an encoder-decoder: serving decodes decoder-only models)."""
 
 
 @dataclass
