@@ -125,7 +125,7 @@ def add_results_args(parser: argparse.ArgumentParser, what: str = "results file"
         parser.add_argument("--plot", type=output_file, metavar="OUT.png", help=plot)
 
 
-class _Renamed(argparse.Action):
+class Renamed(argparse.Action):
     """Stores the value; a use under the old name (`deprecated`) also logs a warning naming the new one."""
 
     def __init__(self, *args, deprecated: str, **kwargs) -> None:
@@ -182,7 +182,7 @@ def add_next_token_min_chance(p: argparse.ArgumentParser, applies: str) -> None:
     """`--next-token-min-chance`, the one threshold of cross-token prefetch (`--next-min-chance`
     is its old name, still read); `applies` says when it is read."""
     p.add_argument("--next-token-min-chance", "--next-min-chance", type=chance, default=0.5,
-                   action=_Renamed, deprecated="--next-min-chance",
+                   action=Renamed, deprecated="--next-min-chance",
                    help=f"{applies}: prefetch a next-token expert only if its forecast chance of use is at least "
                         "this (default 0.5)")
 

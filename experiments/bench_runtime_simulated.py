@@ -87,7 +87,7 @@ def simulate_run(trace: Trace, run: dict[str, Any], predictor_path: str | None, 
     build.update(forecast_inputs(pred, trace, POLICIES[run["policy"]].uses_forecasts, "next" in modes),
                  next_token_min_chance=next_token_min_chance)
     replay = Replay.build(columns["topk_ids"], columns["seq_id"], 1, **build)
-    sim = simulate(replay, slots, policy_for(run["policy"], replay, fp.top_k), horizon=None, timing=timing,
+    sim = simulate(replay, slots, policy_for(run["policy"], replay, fp.top_k), layers_ahead=None, timing=timing,
                    hide_only="hide" in modes)
     figures = sim.to_dict()
     return {"tokens_per_s": round(figures["tokens_per_s"], 3),

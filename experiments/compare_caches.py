@@ -3,14 +3,14 @@ predictor prefetching; hit and stall rates against capacity (JSON + PNG).
 
     prescient compare-caches --trace DIR [--predictor PATH|corr|token|freq|oracle] [--train-trace DIR] \
         [--policies lru,lfu,fifo,mrs,static,belady] [--capacity 0.125,0.25,0.5,0.75] [--batch-size 1,8] \
-        [--horizon 1|all] [--transfer-per-step N] [--prefetch-k N] --json OUT.json [--plot OUT.png]
+        [--layers-ahead 1|all] [--transfer-per-step N] [--prefetch-k N] --json OUT.json [--plot OUT.png]
 
 Every run replays the trace through the cache package's simulator (`cache.simulator`): decode
 order, `batch_size` consecutive sequences stepping together, one global budget of `capacity`
 slots over all L·E experts (a fraction of L·E, or an integer count). Each (batch size, policy,
 capacity) runs on demand alone and, when a predictor is given, again with prefetching: each
 row's top `prefetch_k` (default k) predicted experts per layer, the union over the batch,
-loaded `horizon` layers ahead (all layers at the token's start with `all`) over a link moving
+loaded `layers_ahead` layers ahead (all layers at the token's start with `all`) over a link moving
 `transfer_per_step` experts per layer compute (default: instant).
 
 Predicted scores come from running the predictor as it would run while decoding: tables see the
@@ -18,7 +18,7 @@ token alone; a causal SiDA hash sees the sequence up to the token (`predict` ove
 equals stepping through it); a bidirectional one is stepped token by token (`start`/`step`), so it
 never sees a future token; `oracle` is the trace's own router choices (the prefetch bound; its
 certain forecasts of the next tokens bound learned eviction and `--next-token` too); `corr`
-(Klotski) guesses layer 0 from its per-token table and, at horizon 1, layer l+1 from the experts
+(Klotski) guesses layer 0 from its per-token table and, at 1 layer ahead, layer l+1 from the experts
 the router truly chose at layer l (known when that prefetch is issued), else from its own guesses.
 freq, token, corr and static-hot's frequencies are fit on `--train-trace`, or on the replayed trace
 itself ("same trace (optimistic)").
@@ -154,7 +154,7 @@ def compare_caches(
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
     predictor: str | Path | ExpertPredictor | None = None,
     train_trace: str | Path | None = None,
-    horizon: int | None = 1,
+    layers_ahead: int | None = 1,
     transfer_per_step: int | None = None,
     prefetch_k: int | None = None,
     progress: bool = True,
@@ -170,15 +170,15 @@ def compare_caches(
     its record gains simulated seconds, stall seconds, bytes moved and wasted per token and
     tokens/s (`cache.timing.TimedStats`); `settings.link_timing` holds the parameters. `hide_only`
     (with `timing`): prefetch only what the link can move before its layer runs. `next_token`
-    (with `timing` and a predictor with forecast heads): cross-token prefetch, a layer `horizon`
+    (with `timing` and a predictor with forecast heads): cross-token prefetch, a layer `layers_ahead`
     steps on in the next token is prefetched from the forecast of that token, an expert only if
     its forecast chance of use is at least `next_token_min_chance`."""
     start = time.perf_counter()
     policies = check_policies(tuple(policies))
     if not batch_sizes or any(b < 1 for b in batch_sizes):
         raise CompareCachesError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
-    if horizon is not None and horizon < 1:
-        raise CompareCachesError(f"horizon must be >= 1 layer (or None: all layers), got {horizon}")
+    if layers_ahead is not None and layers_ahead < 1:
+        raise CompareCachesError(f"layers_ahead must be >= 1 layer (or None: all layers), got {layers_ahead}")
     if transfer_per_step is not None and transfer_per_step < 0:
         raise CompareCachesError(f"transfer_per_step must be >= 0 experts (or None: instant), got {transfer_per_step}")
     if timing is not None and transfer_per_step is not None:
@@ -215,7 +215,7 @@ def compare_caches(
     chances = {name: forecast[name] for name in ("forecast_chances", "later_chances") if name in forecast}
     if predictor is not None:
         began = time.perf_counter()
-        scores, info = trace_scores(pred, trace, name, decoding=True, true_previous_layer=horizon == 1)
+        scores, info = trace_scores(pred, trace, name, decoding=True, true_previous_layer=layers_ahead == 1)
         scores = scores.numpy()
         result["predictor"] = {"name": name, "kind": pred.kind, **source, **info,
                                "seconds": round(time.perf_counter() - began, 3)}
@@ -223,7 +223,7 @@ def compare_caches(
     result["settings"] = {
         "policies": list(policies), "capacities": [capacity_value(c) for c in capacities], "capacity_slots": slots,
         "total_experts": total, "budget": "global", "batch_sizes": list(batch_sizes),
-        "horizon": horizon, "transfer_per_step": transfer_per_step,
+        "layers_ahead": layers_ahead, "transfer_per_step": transfer_per_step,
         "link_timing": timing.to_dict() if timing is not None else None, "hide_only": hide_only,
         "next_token": next_token, "next_token_min_chance": next_token_min_chance if next_token else None,
         "prefetch_k": prefetch_k if prefetch_k is not None else fp.top_k,
@@ -264,7 +264,7 @@ def compare_caches(
     for b, prefetch, policy, given, n in tqdm(runs, desc="compare caches", unit="run", disable=not progress):
         replay = replays[b, prefetch]
         sim = simulate(replay, n, policy_for(policy, replay, fp.top_k, frequencies),
-                       horizon=horizon if prefetch else None,
+                       layers_ahead=layers_ahead if prefetch else None,
                        transfer_per_step=transfer_per_step if prefetch else None, timing=timing,
                        hide_only=hide_only and prefetch)
         record = {"policy": policy, "capacity": n, "capacity_fraction": n / total, "capacity_given": capacity_value(given),
