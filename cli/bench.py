@@ -1,6 +1,6 @@
 """`prescient bench`: decode tokens/s and memory of the offloading runtime across budgets,
 predictors and policies, with all-resident and accelerate disk-offload baselines (JSON + PNG);
-see `experiments.bench_runtime`."""
+see `experiments.bench_runtime.bench`."""
 
 from __future__ import annotations
 
@@ -57,10 +57,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> dict:
-    from experiments.bench_runtime import bench_runtime
-    from experiments.bench_runtime_grid import (BASELINES, BenchError, check_grid, default_grid, fraction, full_grid,
+    from experiments.bench_runtime.bench import bench_runtime
+    from experiments.bench_runtime.grid import (BASELINES, BenchError, check_grid, default_grid, fraction, full_grid,
                                                 parse_runs)
-    from experiments.bench_runtime_records import summary
+    from experiments.bench_runtime.records import summary
     from predictor.registry import canonical_name
     from training.corpora import load_corpus
 

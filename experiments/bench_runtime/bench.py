@@ -14,12 +14,9 @@ method, baselines {all_resident, accelerate_disk}, runs [records], hash_thread_c
 complete. A record: label, kind, [predictor, policy, budget], tokens_per_s, peak_rss_mb,
 hit_rate, stall_seconds, bytes_moved, late_tables, exact, decode_tokens, decode_seconds,
 prefill_seconds, load_seconds, rss_after_load_mb, load_peak_rss_mb, peak_rss_scope, stats
-(the runtime's, over the decode windows), and error where a run failed. The all_resident baseline
-also holds token_ids: the reference every run is compared with.
-
-Wired into `prescient.cli` with `add_parser(sub)` and `run(args)`. The runs and their grids are in
-`bench_runtime_grid`, a job's model in `bench_runtime_load`, one measurement in its own process in
-`bench_runtime_measure`, the JSON records and ratios in `bench_runtime_records`.
+(the runtime's, over the decode windows), options (the run's `RuntimeOptions`, whole) and error
+where a run failed. The all_resident baseline also holds token_ids: the reference every run is
+compared with. The other modules of this package are named in its `__init__`.
 """
 
 from __future__ import annotations
@@ -33,10 +30,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from experiments.bench_runtime_grid import BASELINES, BenchError, RunSpec, check_grid
-from experiments.bench_runtime_load import Job
-from experiments.bench_runtime_measure import Executor
-from experiments.bench_runtime_records import ratios, record_of, record_run
+from experiments.bench_runtime.grid import BASELINES, BenchError, RunSpec, check_grid
+from experiments.bench_runtime.load import Job
+from experiments.bench_runtime.measure import Executor
+from experiments.bench_runtime.records import ratios, record_of, record_run
 from experiments.machine import machine_info
 from experiments.timing_calibration import load_timing
 from offload_runtime.engine.options import RuntimeOptions
@@ -131,7 +128,7 @@ def bench_runtime(
     (see METHOD["decoding"]) instead of greedy. `options`: the runtime options every run shares
     (store, page cache, transfer workers, ...); each run sets its policy, budget and prefetch
     modes on a copy, recorded with the run. `simulate`: the time-true simulator's prediction
-    beside each run (`experiments.bench_runtime_simulated`; needs the all_resident baseline).
+    beside each run (`experiments.bench_runtime.simulated`; needs the all_resident baseline).
     A run's prefetch modes: `hide` prefetches only what the link of `link_timing` (a bench or
     hardware-profile JSON, `experiments.timing_calibration.load_timing`) can hide behind compute,
     `next` reaches into the next token for experts forecast at least `next_token_min_chance` likely."""
@@ -228,7 +225,7 @@ def bench_runtime(
                 result["hash_thread_cost"] = _hash_thread_cost(execute, base, hash_cost_predictor,
                                                                paths.get(hash_cost_predictor), reference, bar)
             if simulate:
-                from experiments.bench_runtime_simulated import simulate_bench
+                from experiments.bench_runtime.simulated import simulate_bench
 
                 bar.set_postfix_str("simulating")
                 simulate_bench(result, oracle_trace, paths, next_token_min_chance)
@@ -239,7 +236,7 @@ def bench_runtime(
     result["complete"] = True
     save()
     if plot_path is not None:
-        from experiments.bench_runtime_plot import plot_bench  # matplotlib only when plotting
+        from experiments.bench_runtime.plot import plot_bench  # matplotlib only when plotting
 
         plot_bench(result, plot_path)
     bad = [r["label"] for r in [*result["runs"], *result["baselines"].values()] if not r["exact"]]

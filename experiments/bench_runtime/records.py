@@ -7,9 +7,9 @@ import logging
 from statistics import median
 from typing import Any
 
-from experiments.bench_runtime_grid import BASELINES, RunSpec
-from experiments.bench_runtime_load import Job
-from experiments.bench_runtime_measure import Executor
+from experiments.bench_runtime.grid import BASELINES, RunSpec
+from experiments.bench_runtime.load import Job
+from experiments.bench_runtime.measure import Executor
 
 log = logging.getLogger(__name__)
 

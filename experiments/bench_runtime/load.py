@@ -20,7 +20,7 @@ from predictor.base import ExpertPredictor
 
 @dataclass
 class Job:
-    """One measurement (`experiments.bench_runtime_measure.measure`), picklable for the process
+    """One measurement (`experiments.bench_runtime.measure.measure`), picklable for the process
     that runs it."""
 
     kind: str  # "all_resident" | "accelerate_disk" | "offloaded"
@@ -37,7 +37,7 @@ class Job:
     ignore_tables: bool = False
     work_dir: str | None = None  # accelerate's offload folder is made below it
     trace_out: str | None = None  # all_resident: write the router choices of every prompt here
-    sample_seed: int | None = None  # None: greedy; else sampled, see `bench_runtime_measure.generate_ids`
+    sample_seed: int | None = None  # None: greedy; else sampled, see `measure.generate_ids`
 
 
 class _IgnoredTables(ExpertPredictor):
