@@ -9,11 +9,21 @@ import argparse
 from cli.args import add_runtime_args, output_file, positive_int, positive_ints, predictor_specs, runtime_options
 
 
+def served_predictors(text: str) -> dict[str, str | None]:
+    """`none,sida=PATH`: the servers' predictors; each but `none` needs an artifact."""
+    specs = predictor_specs(text)
+    for name, path in specs.items():
+        if path is None and name != "none":
+            raise argparse.ArgumentTypeError(f"predictor {name!r} needs an artifact (NAME=PATH); serving loads "
+                                             "artifacts only")
+    return specs
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench-serve", help="load test of prescient serve: concurrent clients, "
                                                   "throughput, latency, time to first token")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
-    p.add_argument("--predictors", type=predictor_specs, default={"none": None},
+    p.add_argument("--predictors", type=served_predictors, default={"none": None},
                    help="server settings to compare: none (no predictor) and NAME=ARTIFACT, e.g. "
                         "none,sida=runs/demo/predictor/sida")
     add_runtime_args(p, "policy", "budget", "drop_page_cache")  # the servers' runtime options
@@ -35,9 +45,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> None:
     from experiments.bench_serve import bench_serve
 
-    for name, path in args.predictors.items():
-        if path is None and name != "none":
-            raise SystemExit(f"predictor {name!r} needs an artifact (NAME=PATH); serving loads artifacts only")
     result = bench_serve(args.model, args.json, args.plot, predictors=args.predictors,
                          options=runtime_options(args), clients=args.clients, rounds=args.rounds,
                          max_requests=args.max_requests, max_tokens=args.max_tokens, repeats=args.repeats,
