@@ -78,6 +78,28 @@ def positive_int(text: str) -> int:
     return value
 
 
+def port(text: str) -> int:
+    """A TCP port: a whole number in 0..65535 (0: any free port)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port in 0..65535")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A duration: a finite number of seconds, at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} is not a duration (a finite number of seconds, at least 0)")
+    return value
+
+
 def chance(text: str) -> float:
     """A chance of use: a number in [0, 1]."""
     try:
@@ -90,11 +112,15 @@ def chance(text: str) -> float:
 
 
 def list_of(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
-    """An argparse type for a non-empty comma list whose items `item` reads."""
+    """An argparse type for a non-empty comma list whose items `item` reads, each given once."""
     def parse(text: str) -> tuple[T, ...]:
-        items = tuple(item(part.strip()) for part in text.split(",") if part.strip())
+        parts = [part.strip() for part in text.split(",") if part.strip()]
+        items = tuple(item(part) for part in parts)
         if not items:
             raise argparse.ArgumentTypeError(f"{text!r} lists nothing; give a comma list")
+        for i, value in enumerate(items):
+            if value in items[:i]:
+                raise argparse.ArgumentTypeError(f"{text!r} names {parts[i]!r} twice; give each once")
         return items
     parse.__name__ = f"list of {getattr(item, '__name__', 'values')}"
     return parse
@@ -113,6 +139,8 @@ def predictor_specs(text: str) -> dict[str, str | None]:
         name, _, path = item.partition("=")
         if not name:
             raise argparse.ArgumentTypeError(f"predictor entry {item!r} has no name; write NAME or NAME=ARTIFACT")
+        if name.strip() in specs:
+            raise argparse.ArgumentTypeError(f"predictor {name.strip()!r} is named twice; give each name once")
         specs[name.strip()] = path.strip() or None
     return specs
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import add_runtime_args, output_file, positive_int, positive_ints, predictor_specs, runtime_options
+from cli.args import (add_runtime_args, output_file, positive_int, positive_ints, predictor_specs, runtime_options,
+                      seconds)
 
 
 def served_predictors(text: str) -> dict[str, str | None]:
@@ -32,8 +33,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-requests", type=positive_int, default=64, help="at most this many requests per level")
     p.add_argument("--max-tokens", type=positive_int, default=32, help="tokens generated per request")
     p.add_argument("--repeats", type=positive_int, default=3, help="server runs per setting (medians and spread)")
-    p.add_argument("--level-time", type=float, default=300.0, help="seconds per level before no new request starts")
-    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request counts as hung")
+    p.add_argument("--level-time", type=seconds, default=300.0, help="seconds per level before no new request starts")
+    p.add_argument("--request-timeout", type=seconds, default=300.0, help="seconds before a request counts as hung")
     p.add_argument("--max-batch", type=positive_int, default=64, help="the server's --max-batch")
     p.add_argument("--max-queue", type=positive_int, default=64, help="the server's --max-queue")
     p.add_argument("--threads", type=positive_int, default=1, help="the server's torch threads")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import add_runtime_args, positive_int, runtime_options
+from cli.args import add_runtime_args, port, positive_int, runtime_options, seconds
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -15,13 +15,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--model", required=True, help="Hugging Face model directory (decoder-only)")
     p.add_argument("--predictor", default=None, help="predictor artifact (NAME, NAME.json or NAME.safetensors)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000)
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model directory's name)")
     p.add_argument("--max-batch", type=positive_int, default=16, help="requests decoded together")
     p.add_argument("--max-queue", type=positive_int, default=64,
                    help="requests waiting for the batch; more are refused with 429 and Retry-After")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+    p.add_argument("--shutdown-timeout", type=seconds, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C")
     add_runtime_args(p)
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")

@@ -88,13 +88,16 @@ def world(tmp_path_factory, tiny_moe_dir, tiny_tokenizer, text_corpus) -> dict[s
     (tmp / "sida-torn.safetensors").write_bytes(paths["sida"].with_suffix(".safetensors").read_bytes())
     (tmp / "sida-torn.json").write_text(paths["sida"].with_suffix(".json").read_text()[:100])
     paths["sida_torn"] = tmp / "sida-torn"
-    for name in ("empty", "no_config", "bad_config", "reference", "a_dir"):
+    for name in ("empty", "no_config", "bad_config", "list_config", "reference", "a_dir"):
         (tmp / name).mkdir()
         paths[name] = tmp / name
     (tmp / "no_config" / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes())
     for file in model.iterdir():
         (tmp / "bad_config" / file.name).write_bytes(file.read_bytes())
     (tmp / "bad_config" / "config.json").write_text('{"model_type": "mixtral", ')
+    for file in model.iterdir():
+        (tmp / "list_config" / file.name).write_bytes(file.read_bytes())
+    (tmp / "list_config" / "config.json").write_text('["mixtral"]')
     (tmp / "reference" / "reference.json").write_text('{"recipe": {"tokenizer": ')
     (tmp / "a_file").write_text("mine\n")
     paths["a_file"] = tmp / "a_file"
@@ -148,6 +151,8 @@ CASES = [
      r"no_config has no config.json"),
     ("generate: corrupt config.json", [*without(generate(), "--model"), "--model", "{bad_config}"],
      r"bad_config/config.json is not valid JSON .*; restore"),
+    ("generate: config.json not an object", [*without(generate(), "--model"), "--model", "{list_config}"],
+     r"list_config/config.json holds a JSON list, not an object of settings; restore"),
     ("generate: unknown policy", generate("--policy", "bogus"), r"--policy: unknown cache policy 'bogus'; known"),
     ("generate: belady cannot serve", generate("--policy", "belady"), r"'belady' cannot serve: .*serving policies"),
     ("generate: static cannot serve", generate("--policy", "static"), r"'static' cannot serve: .*serving policies"),
@@ -181,6 +186,13 @@ CASES = [
     ("generate: unknown store", generate("--store", "tape"), r"--store: invalid choice: 'tape'"),
     ("serve: no transfer workers", ["serve", "--model", "{model}", "--transfer-workers", "0"],
      r"--transfer-workers: 0 must be at least 1"),
+    ("serve: port out of range", ["serve", "--model", "{model}", "--port", "70000"],
+     r"--port: 70000 is not a port in 0..65535"),
+    ("serve: negative shutdown timeout", ["serve", "--model", "{model}", "--shutdown-timeout", "-1"],
+     r"--shutdown-timeout: -1.0 is not a duration"),
+    ("bench-serve: request timeout not a number", ["bench-serve", "--model", "{model}", "--request-timeout", "soon",
+                                                   "--json", "{out}"],
+     r"--request-timeout: 'soon' is not a number of seconds"),
     ("bench-serve: unknown policy", ["bench-serve", "--model", "{model}", "--policy", "bogus", "--json", "{out}"],
      r"--policy: unknown cache policy 'bogus'; known"),
     ("bench-serve: a predictor without an artifact", ["bench-serve", "--model", "{model}", "--predictors", "none,freq",
@@ -200,6 +212,12 @@ CASES = [
      r"--batch-sizes: 0 must be at least 1"),
     ("evaluate: no predictors", [*without(evaluate(), "--predictors"), "--predictors", ""],
      r"--predictors: '' lists nothing; give a comma list"),
+    ("evaluate: a batch size given twice", [*without(evaluate(), "--batch-sizes"), "--batch-sizes", "1,8,1"],
+     r"--batch-sizes: '1,8,1' names '1' twice; give each once"),
+    ("evaluate: a predictor named twice", [*without(evaluate(), "--predictors"), "--predictors", "freq,sida={sida},sida"],
+     r"--predictors: predictor 'sida' is named twice; give each name once"),
+    ("compare-caches: one capacity twice", [*without(compare(), "--capacity"), "--capacity", "0.5,50%"],
+     r"--capacity: '0.5,50%' names '50%' twice; give each once"),
     ("evaluate: cross garbage", evaluate("--cross", "garbage"),
      r"--cross: entry 'garbage' is not DATASET=TRAIN_TRACE:EVAL_TRACE:ARTIFACT"),
     ("evaluate: expert id out of range", [*without(evaluate(), "--trace"), "--trace", "{trace_ids}"],
