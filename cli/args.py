@@ -68,47 +68,35 @@ def serving_policy(text: str) -> str:
     return text.lower()
 
 
-def positive_int(text: str) -> int:
+def _number(text: str, read: Callable[[str], T], what: str, fits: Callable[[T], bool], needs: str) -> T:
+    """`text` read by `read` (else: "is not `what`") and within range by `fits` (else: `needs`)."""
     try:
-        value = int(text)
+        value = read(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if not fits(value):
+        raise argparse.ArgumentTypeError(f"{value} {needs}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, "a whole number", lambda v: v >= 1, "must be at least 1")
 
 
 def port(text: str) -> int:
     """A TCP port: a whole number in 0..65535 (0: any free port)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port in 0..65535")
-    return value
+    return _number(text, int, "a port number", lambda v: 0 <= v <= 65535, "is not a port in 0..65535")
 
 
 def seconds(text: str) -> float:
     """A duration: a finite number of seconds, at least 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0.0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value} is not a duration (a finite number of seconds, at least 0)")
-    return value
+    return _number(text, float, "a number of seconds", lambda v: 0.0 <= v < float("inf"),
+                   "is not a duration (a finite number of seconds, at least 0)")
 
 
 def chance(text: str) -> float:
     """A chance of use: a number in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{value} is not a chance in [0, 1]")
-    return value
+    return _number(text, float, "a number", lambda v: 0.0 <= v <= 1.0, "is not a chance in [0, 1]")
 
 
 def list_of(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
