@@ -187,11 +187,12 @@ RUNTIME_FLAGS = tuple(_runtime_flags())
 def add_runtime_args(p: argparse.ArgumentParser, *which: str) -> None:
     """The flags of the runtime's options (`RuntimeOptions`, built by `runtime_options`): all of
     them, or those named in `which` (a command that sets the others itself, e.g. per run)."""
-    flags = _runtime_flags()
-    for name in which or RUNTIME_FLAGS:
+    flags, names = _runtime_flags(), which or RUNTIME_FLAGS
+    for name in names:
         flags[name](p)
-    if "next_token" in (which or RUNTIME_FLAGS):
+    if "next_token" in names:
         add_next_token_min_chance(p, "with --next-token")
+    p.set_defaults(runtime_flags=names)  # what `runtime_options` reads
 
 
 def add_next_token_min_chance(p: argparse.ArgumentParser, applies: str) -> None:
@@ -206,12 +207,12 @@ def add_next_token_min_chance(p: argparse.ArgumentParser, applies: str) -> None:
 def runtime_options(args: argparse.Namespace, **fields: object) -> RuntimeOptions:
     """The one `RuntimeOptions` of a command: its flags from `add_runtime_args` (an option
     without a flag keeps its default), and `fields` the command sets itself."""
-    flags = {name: getattr(args, name) for name in RuntimeOptions.names() - {"link_timing", "next_token_min_chance"}
-             if hasattr(args, name)}
-    if getattr(args, "hide_only", None):
+    names = set(args.runtime_flags)
+    flags = {name: getattr(args, name) for name in names & RuntimeOptions.names()}
+    if "hide_only" in names and args.hide_only:
         from experiments.timing_calibration import load_timing
 
         flags["link_timing"] = load_timing(args.hide_only, model_config=args.model).timing
-    if getattr(args, "next_token", False):
+    if "next_token" in names and args.next_token:
         flags["next_token_min_chance"] = args.next_token_min_chance
     return RuntimeOptions(**{**flags, **fields})
