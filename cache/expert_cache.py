@@ -273,17 +273,17 @@ class ExpertCache:
     def replay(self, n_layers: int, keys: np.ndarray, offsets: np.ndarray,
                scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
                predicted: tuple[np.ndarray, np.ndarray] | None = None,
-               ahead: int = 1, bandwidth: int | None = None,
+               layers_ahead: int = 1, bandwidth: int | None = None,
                forecasts: Forecasts | None = None) -> int:
         """Run layer-steps j = t·n_layers + l through the cache: `keys[offsets[j]:offsets[j+1]]`
         are accessed (ids from `key_ids`), after router `scores` (key ids, values, offsets) reach
-        the policy; with `predicted` (key ids, offsets) the predicted keys are prefetched `ahead`
+        the policy; with `predicted` (key ids, offsets) the predicted keys are prefetched `layers_ahead`
         layers early over a link moving `bandwidth` transfers per layer-step (None: instant);
         `forecasts` (key ids, chances of use, chances of use by later tokens or None, offsets per
         token-step) reach the policy as each token-step starts, the later chances of a layer's
         keys once the token-step has run that layer. The same as the per-call API driven step by
         step. Returns the late prefetches."""
-        self._check_replay_args(n_layers, keys, offsets, scores, predicted, ahead, forecasts)
+        self._check_replay_args(n_layers, keys, offsets, scores, predicted, layers_ahead, forecasts)
         score_arrays, inserted, evicted = self._replay_buffers(offsets, scores, predicted)
         fc_arrays = _forecast_arrays(forecasts)
         with self._lock:
@@ -293,13 +293,13 @@ class ExpertCache:
             else:
                 late, off = loops.replay_prefetch(
                     self.state.struct, n_layers, keys, offsets, *score_arrays, scores is not None, *fc_arrays,
-                    predicted[0], predicted[1], ahead, -1 if bandwidth is None else bandwidth, inserted, evicted)
+                    predicted[0], predicted[1], layers_ahead, -1 if bandwidth is None else bandwidth, inserted, evicted)
             self._check_replay(keys, off)
             return int(late)
 
     def replay_timed(self, n_layers: int, keys: np.ndarray, offsets: np.ndarray, compute_s: float,
                      transfer_s: float, scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-                     predicted: tuple[np.ndarray, np.ndarray] | None = None, ahead: int = 1,
+                     predicted: tuple[np.ndarray, np.ndarray] | None = None, layers_ahead: int = 1,
                      forecasts: Forecasts | None = None,
                      hide_only: bool = False,
                      next_predicted: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[int, np.ndarray, np.ndarray]:
@@ -310,7 +310,7 @@ class ExpertCache:
         (keys, offsets per layer-step (t, l): the keys forecast at token t for (t+1, l)) adds
         cross-token prefetch. Returns (late prefetches, clock [simulated s, link idle at, stall
         s], loads [demand, prefetch, wasted])."""
-        self._check_replay_args(n_layers, keys, offsets, scores, predicted, ahead, forecasts)
+        self._check_replay_args(n_layers, keys, offsets, scores, predicted, layers_ahead, forecasts)
         if next_predicted is not None:
             if predicted is None:
                 raise CacheError("cross-token prefetch (next_predicted) extends prefetching: give predicted too")
@@ -325,7 +325,7 @@ class ExpertCache:
         with self._lock:
             late, off = loops.replay_timed(
                 self.state.struct, n_layers, keys, offsets, *score_arrays, scores is not None,
-                *_forecast_arrays(forecasts), predicted_keys, predicted_offsets, next_keys, next_offsets, ahead,
+                *_forecast_arrays(forecasts), predicted_keys, predicted_offsets, next_keys, next_offsets, layers_ahead,
                 float(compute_s), float(transfer_s), bool(hide_only), inserted, evicted, clock, transfers)
             self._check_replay(keys, off)
             return int(late), clock, transfers
@@ -334,12 +334,12 @@ class ExpertCache:
 
     def _check_replay_args(self, n_layers: int, keys: np.ndarray, offsets: np.ndarray,
                            scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
-                           predicted: tuple[np.ndarray, np.ndarray] | None, ahead: int,
+                           predicted: tuple[np.ndarray, np.ndarray] | None, layers_ahead: int,
                            forecasts: Forecasts | None) -> None:
         """A replay's arguments, checked so that the kernels stay inside their arrays."""
         with self._lock:
             checks.replay_arrays(n_layers, len(self.state.scale), len(self._keys), keys, offsets, scores,
-                                 predicted, ahead, forecasts)
+                                 predicted, layers_ahead, forecasts)
 
     # -- internals (lock held) ---------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import numpy as np
 from cache.heap import inline, jit
 from cache.kernel import load, prefetch_many, use
 from cache.rules import on_forecast, on_router_scores
+from cache.timing import copies_in_time, hideable
 
 
 @inline
@@ -101,9 +102,9 @@ def _transfer(bandwidth, pending, serial, queue, link):
 
 @jit
 def replay_prefetch(st, n_layers, keys, offsets, score_keys, score_values, score_offsets, use_scores,
-                    fc_keys, fc_values, fc_later, fc_offsets, predicted, predicted_offsets, ahead, bandwidth,
+                    fc_keys, fc_values, fc_later, fc_offsets, predicted, predicted_offsets, layers_ahead, bandwidth,
                     inserted, evicted):
-    """Demand accesses plus the predicted keys prefetched `ahead` layers early; the link moves
+    """Demand accesses plus the predicted keys prefetched `layers_ahead` layers early; the link moves
     `bandwidth` queued transfers per layer-step (-1: unlimited, transfers are instant).
     Returns (late prefetches, -1 or the access number of a key off Belady's sequence)."""
     limited = bandwidth >= 0
@@ -115,7 +116,7 @@ def replay_prefetch(st, n_layers, keys, offsets, score_keys, score_values, score
     for t in range((len(offsets) - 1) // n_layers):
         base = t * n_layers
         _forecast(st, t, fc_keys, fc_values, fc_offsets)
-        for layer in range(ahead):
+        for layer in range(layers_ahead):
             wanted = predicted[predicted_offsets[base + layer]:predicted_offsets[base + layer + 1]]
             _prefetch(st, wanted, limited, pending, serial, queue, link, inserted, evicted)
         for layer in range(n_layers):
@@ -136,10 +137,10 @@ def replay_prefetch(st, n_layers, keys, offsets, score_keys, score_values, score
             if off >= 0:
                 return late, offsets[j] + off
             _forecast_run(st, t, layer, fc_keys, fc_later, fc_offsets)
-            if layer + ahead < n_layers:
+            if layer + layers_ahead < n_layers:
                 for key in step:  # the layer's experts stay pinned while it prefetches
                     st.pins[key] += 1
-                wanted = predicted[predicted_offsets[j + ahead]:predicted_offsets[j + ahead + 1]]
+                wanted = predicted[predicted_offsets[j + layers_ahead]:predicted_offsets[j + layers_ahead + 1]]
                 _prefetch(st, wanted, limited, pending, serial, queue, link, inserted, evicted)
                 for key in step:
                     st.pins[key] -= 1
@@ -242,34 +243,26 @@ def _issue(st, wanted, token, issued, seg, tq, q_key, q_time, queued, serial, mo
 @inline
 def _hideable(st, wanted, now, layers_ahead, compute_s, transfer_s, seg, depth, q_key, queued, serial, clock):
     """`wanted` less the non-resident keys whose copy would not end before their layer starts,
-    `layers_ahead` layer computes after `now`: behind the copy in flight and the queued
-    prefetches, each copy takes `transfer_s` (resident keys stay: a call spares its own keys)."""
+    `layers_ahead` layer computes after `now`, behind the copy in flight and the queued
+    prefetches (the rule: `cache.timing.hideable`)."""
     backlog = 0
     for d in range(depth):
         for c in range(seg[d, CUR], seg[d, END]):
             if queued[q_key[c]] and serial[q_key[c]] == c:
                 backlog += 1
-    room = int((now + layers_ahead * compute_s - max(clock[FREE], now)) / transfer_s) - backlog
-    kept = np.empty(len(wanted), np.int64)
-    n = 0
-    for key in wanted:
-        if st.resident[key] or room > 0:
-            if not st.resident[key]:
-                room -= 1
-            kept[n] = key
-            n += 1
-    return kept[:n]
+    room = copies_in_time(now + layers_ahead * compute_s - max(clock[FREE], now), transfer_s, backlog)
+    return wanted[hideable(st.resident[wanted], room)[0]]
 
 
 @jit
 def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_offsets, use_scores,
                  fc_keys, fc_values, fc_later, fc_offsets, predicted, predicted_offsets, next_predicted, next_offsets,
-                 ahead, compute_s, transfer_s, hide_only, inserted, evicted, clock, loads):
+                 layers_ahead, compute_s, transfer_s, hide_only, inserted, evicted, clock, loads):
     """`replay_prefetch` (or `replay_demand`, with no predicted keys) on a clock: each layer-step
     computes `compute_s` once its experts are in; each transfer takes `transfer_s` on one link
     (see `cache.simulator`); with `hide_only` a prefetch is issued only if its copy can end
     before its layer starts (`_hideable`). Cross-token prefetch, when `next_predicted` holds keys
-    (per layer-step (t, l): those forecast at token t for (t+1, l)): a layer `ahead` steps on
+    (per layer-step (t, l): those forecast at token t for (t+1, l)): a layer `layers_ahead` steps on
     that falls in the next token is prefetched from them. Fills `clock` and `loads`; returns
     (late prefetches, -1 or the access number of a key off Belady's sequence)."""
     n_keys = len(st.order)
@@ -290,7 +283,7 @@ def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_of
     for t in range(n_steps):
         base = t * n_layers
         _forecast(st, t, fc_keys, fc_values, fc_offsets)
-        for layer in range(ahead if prefetching else 0):
+        for layer in range(layers_ahead if prefetching else 0):
             wanted = predicted[predicted_offsets[base + layer]:predicted_offsets[base + layer + 1]]
             if hide_only:
                 wanted = _hideable(st, wanted, clock[NOW], layer, compute_s, transfer_s, seg, tq[1], q_key, queued,
@@ -335,18 +328,18 @@ def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_of
             _forecast_run(st, t, layer, fc_keys, fc_later, fc_offsets)
             for key in step:
                 moved[key] = False
-            target = layer + ahead  # the layer prefetched for, counted on into the next token
+            target = layer + layers_ahead  # the layer prefetched for, counted on into the next token
             if prefetching and (target < n_layers or crossing and t + 1 < n_steps):
                 for key in step:  # the layer's experts stay pinned while it prefetches
                     st.pins[key] += 1
                 if target < n_layers:
-                    wanted = predicted[predicted_offsets[j + ahead]:predicted_offsets[j + ahead + 1]]
+                    wanted = predicted[predicted_offsets[j + layers_ahead]:predicted_offsets[j + layers_ahead + 1]]
                 else:
                     wanted = next_predicted[next_offsets[base + target - n_layers]:
                                             next_offsets[base + target - n_layers + 1]]
                 if hide_only:
-                    wanted = _hideable(st, wanted, ready, ahead, compute_s, transfer_s, seg, tq[1], q_key, queued,
-                                       serial, clock)
+                    wanted = _hideable(st, wanted, ready, layers_ahead, compute_s, transfer_s, seg, tq[1], q_key,
+                                       queued, serial, clock)
                 _issue(st, wanted, t, ready, seg, tq, q_key, q_time, queued, serial, moved, loads, inserted, evicted)
                 for key in step:
                     st.pins[key] -= 1

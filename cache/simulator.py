@@ -6,8 +6,8 @@ order, and a layer's access set is the union of the batch's top-k experts there.
 modelled apart: every trace row is one decode step of its sequence.
 
 Prefetching (when the replay holds predicted scores): the predicted top experts of a layer, the
-union over the batch, are prefetched `horizon` layers ahead: at the start of a token-step for
-layers 0..horizon-1, and while layer l runs for layer l+horizon (horizon None: all layers at the
+union over the batch, are prefetched `layers_ahead` layers early: at the start of a token-step for
+layers 0..layers_ahead-1, and while layer l runs for layer l+layers_ahead (layers_ahead None: all layers at the
 token's start). A prefetch takes its slot when issued; the link then moves `transfer_per_step`
 queued experts during each layer's compute (None: transfers are instant). Within a layer-step:
 router scores reach the policy, the layer's experts are accessed and pinned, prefetches are issued
@@ -23,7 +23,7 @@ experts are in. One link moves one expert at a time in `expert_bytes / link_byte
 copy once started runs to its end; its queue is the runtime's transfer engine's: demand loads
 first, in request order, then prefetches, the newest token-step's first, each step's in issue
 order (the best first). A prefetch is issued when its layer-step's compute starts (those of a
-token's first `horizon` layers when the token starts) and cannot start earlier. When a layer-step
+token's first `layers_ahead` layers when the token starts) and cannot start earlier. When a layer-step
 starts, its misses are demand loads behind the copy in flight and the demand loads queued before
 them, a prefetch still queued for it becomes a demand load, and one in flight is waited for: the
 layer stalls until its last expert is in (a late prefetch counts the remaining time as stall).
@@ -33,7 +33,7 @@ token (trace row), and tokens/s (`SimResult.timed`). With `hide_only` (cost-awar
 half) a predicted key is prefetched only if, behind the copy in flight and the prefetches queued,
 its copy ends before its layer-step starts (the compute of the layer-steps in between, stalls
 not counted); the others are left to demand loads. Cross-token prefetch (a Replay built with
-`next_chances`, timed only): when a layer-step's `horizon` reaches past the token's last layer,
+`next_chances`, timed only): when a layer-step's `layers_ahead` reaches past the token's last layer,
 it prefetches the layer it reaches in the next token from the forecast made at this token.
 """
 
@@ -131,7 +131,7 @@ class Replay:
         forecast_chances: np.ndarray | None = None,
         later_chances: np.ndarray | None = None,
         next_chances: np.ndarray | None = None,
-        next_min_chance: float = 0.0,
+        next_token_min_chance: float = 0.0,
     ) -> "Replay":
         """`topk_ids` [N, L, k] and `seq_id` [N] in trace order (a sequence's rows contiguous,
         in position order). `topt_ids`/`topt_logits` [N, L, T]: router scores for policies that
@@ -144,7 +144,7 @@ class Replay:
         token on: a layer's keys take them once the step has run the layer. `next_chances`
         [N, L, E] in [0, 1]: each row's forecast chance that its sequence's next token uses an
         expert (cross-token prefetch, timed replays only): the `prefetch_k` likeliest per layer
-        with a chance of at least `next_min_chance`, united over the batch."""
+        with a chance of at least `next_token_min_chance`, united over the batch."""
         topk_ids = np.asarray(topk_ids)
         if topk_ids.ndim != 3:
             raise ReplayInputError(f"topk_ids must be [N, L, k], got shape {topk_ids.shape}")
@@ -179,7 +179,7 @@ class Replay:
             next_predicted = None
             if next_chances is not None:
                 next_predicted = _predicted_keys(np.asarray(next_chances), top_k if prefetch_k is None else prefetch_k,
-                                                 rows, n_experts, next_min_chance)
+                                                 rows, n_experts, next_token_min_chance)
         if later_chances is not None and forecast_chances is None:
             raise ReplayInputError("later_chances (a run layer's chances) refine forecast_chances: give both")
         forecasts = None
@@ -349,7 +349,7 @@ class SimResult:
     capacity: int
     per_layer: bool
     batch_size: int
-    horizon: int | None
+    layers_ahead: int | None
     transfer_per_step: int | None
     accesses: int
     hits: int
@@ -383,7 +383,7 @@ def simulate(
     capacity: int,
     policy: EvictionPolicy,
     per_layer: bool = False,
-    horizon: int | None = None,
+    layers_ahead: int | None = None,
     transfer_per_step: int | None = None,
     timing: LinkTiming | None = None,
     hide_only: bool = False,
@@ -409,8 +409,8 @@ def simulate(
                 f"{name} reads {policy.scores_used or 'all'} scores per step but the replay kept "
                 f"{replay.score_top}; build it with score_top >= {policy.scores_used} or None"
             )
-    if horizon is not None and horizon < 1:
-        raise ValueError(f"horizon must be >= 1 or None, got {horizon}")
+    if layers_ahead is not None and layers_ahead < 1:
+        raise ValueError(f"layers_ahead must be >= 1 or None, got {layers_ahead}")
     if transfer_per_step is not None and transfer_per_step < 0:
         raise ValueError(f"transfer_per_step must be >= 0 or None, got {transfer_per_step}")
     if timing is not None and not isinstance(timing, LinkTiming):
@@ -429,7 +429,7 @@ def simulate(
                          "(a predictor's chances of use)")
     replayed = {"scores": replay.scores if policy.uses_scores else None, "predicted": replay.predicted,
                 "forecasts": replay.forecasts if policy.uses_forecasts else None,
-                "ahead": replay.n_layers if horizon is None else min(horizon, replay.n_layers)}
+                "layers_ahead": replay.n_layers if layers_ahead is None else min(layers_ahead, replay.n_layers)}
     started = time.perf_counter()
     timed = None
     if timing is None:
@@ -447,7 +447,7 @@ def simulate(
         capacity=capacity,
         per_layer=per_layer,
         batch_size=replay.batch_size,
-        horizon=horizon,
+        layers_ahead=layers_ahead,
         transfer_per_step=transfer_per_step,
         accesses=s.accesses,
         hits=s.hits,

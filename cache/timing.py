@@ -2,7 +2,8 @@
 
 `LinkTiming` says how long one MoE layer-step computes and how long one expert takes over the
 link from the slow tier; `simulate(..., timing=...)` then plays the replay on a clock (see
-`cache.simulator` for the model) and reports a `TimedStats`. Where the numbers come from (a
+`cache.simulator` for the model) and reports a `TimedStats`. The hide-only rule of cost-aware
+prefetch (`copies_in_time`, `hideable`) is here once, for the replay and the runtime. Where the numbers come from (a
 `prescient profile-hw` JSON, a runtime bench JSON) is `experiments.timing_calibration`'s business.
 """
 
@@ -13,7 +14,10 @@ from dataclasses import dataclass, fields
 from numbers import Real
 from typing import Any
 
+import numpy as np
+
 from cache.errors import CacheError
+from cache.heap import inline
 
 
 class TimingError(CacheError, ValueError):
@@ -48,6 +52,29 @@ class LinkTiming:
     def to_dict(self) -> dict[str, float]:
         return {"layer_compute_s": self.layer_compute_s, "expert_bytes": self.expert_bytes,
                 "link_bytes_per_s": self.link_bytes_per_s, "transfer_s": self.transfer_s}
+
+
+@inline
+def copies_in_time(seconds: float, transfer_s: float, backlog: int) -> int:
+    """The hide-only rule's room: how many more copies, behind `backlog` copies waiting or
+    running, end within `seconds` on a link that moves one expert in `transfer_s`."""
+    return int(seconds / transfer_s) - backlog
+
+
+@inline
+def hideable(resident: np.ndarray, room: int) -> tuple[np.ndarray, int]:
+    """The hide-only rule: of wanted keys (their `resident` flags, in prefetch order) the
+    positions to prefetch: every resident one (a prefetch call spares its own keys) and the first
+    `room` others, whose copies can end before their layer runs; and the room left."""
+    kept = np.empty(len(resident), np.int64)
+    n = 0
+    for i in range(len(resident)):
+        if resident[i] or room > 0:
+            if not resident[i]:
+                room -= 1
+            kept[n] = i
+            n += 1
+    return kept[:n], room
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     import transformers
 
-    from offload_runtime.arch_support import markdown_table, summary, support_table
+    from experiments.arch_support import markdown_table, summary, support_table
     from prescient.atomic import write_json_atomic
 
     transformers.logging.set_verbosity_error()  # the tiny configs' own warnings are not the user's business
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             print(f"{r.family:<{width}}  {r.status:<9}  {r.detail}{extra}")
     records = [r.to_dict() for r in rows]
     if args.json:
-        from offload_runtime.arch_support import SETTINGS
+        from experiments.arch_support import SETTINGS
 
         command = "prescient archs" + (" --pipeline" if args.pipeline else "")
         write_json_atomic(args.json, {"transformers": transformers.__version__, "command": command,

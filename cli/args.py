@@ -4,16 +4,19 @@ specs. Each is an argparse `type`, so a bad value is refused in one line before 
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
+from offload_runtime.engine.options import STORES, RuntimeOptions
 from prescient.atomic import check_folder, resolve_output
 from prescient.budget import Budget
 from prescient.devices import check_device
 from prescient.errors import PrescientError
 
 T = TypeVar("T")
+log = logging.getLogger("prescient")
 
 
 class Parser(argparse.ArgumentParser):
@@ -65,33 +68,47 @@ def serving_policy(text: str) -> str:
     return text.lower()
 
 
-def positive_int(text: str) -> int:
+def _number(text: str, read: Callable[[str], T], what: str, fits: Callable[[T], bool], needs: str) -> T:
+    """`text` read by `read` (else: "is not `what`") and within range by `fits` (else: `needs`)."""
     try:
-        value = int(text)
+        value = read(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if not fits(value):
+        raise argparse.ArgumentTypeError(f"{value} {needs}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, "a whole number", lambda v: v >= 1, "must be at least 1")
+
+
+def port(text: str) -> int:
+    """A TCP port: a whole number in 0..65535 (0: any free port)."""
+    return _number(text, int, "a port number", lambda v: 0 <= v <= 65535, "is not a port in 0..65535")
+
+
+def seconds(text: str) -> float:
+    """A duration: a finite number of seconds, at least 0."""
+    return _number(text, float, "a number of seconds", lambda v: 0.0 <= v < float("inf"),
+                   "is not a duration (a finite number of seconds, at least 0)")
 
 
 def chance(text: str) -> float:
     """A chance of use: a number in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{value} is not a chance in [0, 1]")
-    return value
+    return _number(text, float, "a number", lambda v: 0.0 <= v <= 1.0, "is not a chance in [0, 1]")
 
 
 def list_of(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
-    """An argparse type for a non-empty comma list whose items `item` reads."""
+    """An argparse type for a non-empty comma list whose items `item` reads, each given once."""
     def parse(text: str) -> tuple[T, ...]:
-        items = tuple(item(part.strip()) for part in text.split(",") if part.strip())
+        parts = [part.strip() for part in text.split(",") if part.strip()]
+        items = tuple(item(part) for part in parts)
         if not items:
             raise argparse.ArgumentTypeError(f"{text!r} lists nothing; give a comma list")
+        for i, value in enumerate(items):
+            if value in items[:i]:
+                raise argparse.ArgumentTypeError(f"{text!r} names {parts[i]!r} twice; give each once")
         return items
     parse.__name__ = f"list of {getattr(item, '__name__', 'values')}"
     return parse
@@ -110,6 +127,8 @@ def predictor_specs(text: str) -> dict[str, str | None]:
         name, _, path = item.partition("=")
         if not name:
             raise argparse.ArgumentTypeError(f"predictor entry {item!r} has no name; write NAME or NAME=ARTIFACT")
+        if name.strip() in specs:
+            raise argparse.ArgumentTypeError(f"predictor {name.strip()!r} is named twice; give each name once")
         specs[name.strip()] = path.strip() or None
     return specs
 
@@ -122,30 +141,78 @@ def add_results_args(parser: argparse.ArgumentParser, what: str = "results file"
         parser.add_argument("--plot", type=output_file, metavar="OUT.png", help=plot)
 
 
-def add_prefetch_args(p: argparse.ArgumentParser) -> None:
-    """Cost-aware prefetch for a command that serves: hide-only and cross-token (see `prefetch_options`)."""
-    p.add_argument("--hide-only", metavar="BENCH.json|PROFILE.json",
-                   help="prefetch an expert only if the link can move it before its layer runs, the link calibrated "
-                        "from a `prescient bench` JSON or a `prescient profile-hw` JSON (default: prefetch as many "
-                        "as the slots allow)")
-    p.add_argument("--next-token", action="store_true",
-                   help="cross-token prefetch: load the next token's likely experts while this token's layers "
-                        "compute (needs a --predictor with forecast heads)")
-    add_next_min_chance(p, "with --next-token")
+class Renamed(argparse.Action):
+    """Stores the value; a use under the old name (`deprecated`) also logs a warning naming the new one."""
+
+    def __init__(self, *args, deprecated: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.deprecated = deprecated
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if option_string == self.deprecated:
+            log.warning("%s is deprecated; write %s", self.deprecated, self.option_strings[0])
+        setattr(namespace, self.dest, values)
 
 
-def add_next_min_chance(p: argparse.ArgumentParser, applies: str) -> None:
-    """`--next-min-chance`, the one threshold of cross-token prefetch; `applies` says when it is read."""
-    p.add_argument("--next-min-chance", type=chance, default=0.5,
+def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
+    """Each runtime option's flags, by the `RuntimeOptions` field (or prefetch switch) they set."""
+    return {
+        "policy": lambda p: p.add_argument(
+            "--policy", type=serving_policy, default="lru",
+            help="cache policy: lru, lfu, fifo, mrs, learned, learned-belady"),
+        "budget": lambda p: p.add_argument(
+            "--budget", type=budget, default="0.5",
+            help="expert memory: a fraction of all experts (0.5 or 50%%), slots (12slots) or bytes (512MiB)"),
+        "store": lambda p: p.add_argument("--store", choices=STORES, default="disk", help="where the experts live"),
+        "drop_page_cache": lambda p: p.add_argument(
+            "--drop-page-cache", action="store_true", help="disk store: drop read pages from the page cache"),
+        "device": lambda p: p.add_argument("--device", type=device, default="cpu"),
+        "transfer_workers": lambda p: p.add_argument(
+            "--transfer-workers", type=positive_int, default=1, help="expert copies that run at once"),
+        "hide_only": lambda p: p.add_argument(
+            "--hide-only", metavar="BENCH.json|PROFILE.json",
+            help="prefetch an expert only if the link can move it before its layer runs, the link calibrated from a "
+                 "`prescient bench` JSON or a `prescient profile-hw` JSON (default: prefetch as many as the slots "
+                 "allow)"),
+        "next_token": lambda p: p.add_argument(
+            "--next-token", action="store_true",
+            help="cross-token prefetch: load the next token's likely experts while this token's layers compute "
+                 "(needs a --predictor with forecast heads)"),
+    }
+
+
+RUNTIME_FLAGS = tuple(_runtime_flags())
+
+
+def add_runtime_args(p: argparse.ArgumentParser, *which: str) -> None:
+    """The flags of the runtime's options (`RuntimeOptions`, built by `runtime_options`): all of
+    them, or those named in `which` (a command that sets the others itself, e.g. per run)."""
+    flags, names = _runtime_flags(), which or RUNTIME_FLAGS
+    for name in names:
+        flags[name](p)
+    if "next_token" in names:
+        add_next_token_min_chance(p, "with --next-token")
+    p.set_defaults(runtime_flags=names)  # what `runtime_options` reads
+
+
+def add_next_token_min_chance(p: argparse.ArgumentParser, applies: str) -> None:
+    """`--next-token-min-chance`, the one threshold of cross-token prefetch (`--next-min-chance`
+    is its old name, still read); `applies` says when it is read."""
+    p.add_argument("--next-token-min-chance", "--next-min-chance", type=chance, default=0.5,
+                   action=Renamed, deprecated="--next-min-chance",
                    help=f"{applies}: prefetch a next-token expert only if its forecast chance of use is at least "
                         "this (default 0.5)")
 
 
-def prefetch_options(args: argparse.Namespace) -> dict:
-    """`load_offloaded`'s link_timing and next_token_min_chance from `add_prefetch_args`' options."""
-    link_timing = None
-    if args.hide_only:
+def runtime_options(args: argparse.Namespace, **fields: object) -> RuntimeOptions:
+    """The one `RuntimeOptions` of a command: its flags from `add_runtime_args` (an option
+    without a flag keeps its default), and `fields` the command sets itself."""
+    names = set(args.runtime_flags)
+    flags = {name: getattr(args, name) for name in names & RuntimeOptions.names()}
+    if "hide_only" in names and args.hide_only:
         from experiments.timing_calibration import load_timing
 
-        link_timing = load_timing(args.hide_only, model_config=args.model).timing
-    return {"link_timing": link_timing, "next_token_min_chance": args.next_min_chance if args.next_token else None}
+        flags["link_timing"] = load_timing(args.hide_only, model_config=args.model).timing
+    if "next_token" in names and args.next_token:
+        flags["next_token_min_chance"] = args.next_token_min_chance
+    return RuntimeOptions(**{**flags, **fields})

@@ -1,12 +1,13 @@
 """`prescient bench`: decode tokens/s and memory of the offloading runtime across budgets,
 predictors and policies, with all-resident and accelerate disk-offload baselines (JSON + PNG);
-see `experiments.bench_runtime`."""
+see `experiments.bench_runtime.bench`."""
 
 from __future__ import annotations
 
 import argparse
 
-from cli.args import add_next_min_chance, add_results_args, budgets, names, positive_int, predictor_specs
+from cli.args import (add_next_token_min_chance, add_results_args, add_runtime_args, budgets, names, positive_int,
+                      predictor_specs, runtime_options)
 
 BASELINES = "all_resident,accelerate_disk"
 
@@ -40,9 +41,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--baseline-tokens", type=positive_int, default=4, help="new tokens of the accelerate_disk run")
     p.add_argument("--hash-cost", default="auto",
                    help="predictor of hash_thread_cost; auto: sida if given, else skipped; off: skipped")
-    p.add_argument("--transfer-workers", type=positive_int, default=1, help="expert copies that run at once")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads per run (default: torch's)")
-    p.add_argument("--store", choices=("disk", "host"), default="disk", help="where the offloaded experts live")
+    add_runtime_args(p, "store", "transfer_workers")  # each run names its policy, budget and prefetch modes
     p.add_argument("--keep-page-cache", action="store_true", help="disk store: leave read pages in the page cache")
     p.add_argument("--in-process", action="store_true", help="every run in this process (quick checks)")
     p.add_argument("--simulate", action="store_true",
@@ -51,16 +51,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--link-timing", metavar="BENCH.json|PROFILE.json",
                    help="the link that +hide runs weigh copies against: calibrated from a `prescient bench` JSON, "
                         "or a `prescient profile-hw` JSON with the model's config")
-    add_next_min_chance(p, "+next runs")
+    add_next_token_min_chance(p, "+next runs")
     p.add_argument("--work-dir", help="keep fitted predictors and the oracle trace here (default: a temporary dir)")
     return p
 
 
 def run(args: argparse.Namespace) -> dict:
-    from experiments.bench_runtime import bench_runtime
-    from experiments.bench_runtime_grid import (BASELINES, BenchError, check_grid, default_grid, fraction, full_grid,
+    from experiments.bench_runtime.bench import bench_runtime
+    from experiments.bench_runtime.grid import (BASELINES, BenchError, check_grid, default_grid, fraction, full_grid,
                                                 parse_runs)
-    from experiments.bench_runtime_records import summary
+    from experiments.bench_runtime.records import summary
     from predictor.registry import canonical_name
     from training.corpora import load_corpus
 
@@ -79,10 +79,10 @@ def run(args: argparse.Namespace) -> dict:
         args.model, texts, predictors=predictors, runs=runs, timed_prompts=args.prompts,
         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, warmup_tokens=args.warmup_tokens,
         train_trace=args.train_trace, baselines=tuple(args.baselines), baseline_tokens=args.baseline_tokens,
-        sample_seed=args.sample, transfer_workers=args.transfer_workers,
-        hash_cost_predictor=hash_cost, threads=args.threads, store=args.store, drop_page_cache=not args.keep_page_cache,
-        isolate=not args.in_process, work_dir=args.work_dir, simulate=args.simulate, link_timing=args.link_timing,
-        next_min_chance=args.next_min_chance, json_path=args.json,
+        sample_seed=args.sample, options=runtime_options(args, drop_page_cache=not args.keep_page_cache),
+        hash_cost_predictor=hash_cost, threads=args.threads, isolate=not args.in_process, work_dir=args.work_dir,
+        simulate=args.simulate, link_timing=args.link_timing, next_token_min_chance=args.next_token_min_chance,
+        json_path=args.json,
         plot_path=args.plot,
     )
     print(summary(result))

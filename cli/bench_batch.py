@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import add_results_args, positive_int
+from cli.args import add_results_args, add_runtime_args, positive_int, runtime_options
 from experiments.bench_batch import DEFAULT_GRID
 
 def batch_policies(text: str) -> list:
@@ -43,7 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--prompt-tokens", type=prompt_range, default="16,48", help="shortest,longest prompt (spread evenly)")
     p.add_argument("--hardware", help="hardware profile JSON or preset for the HRM (default: measure this machine)")
     p.add_argument("--trace", help="trace whose expert frequencies pick the resident (hot) experts")
-    p.add_argument("--store", choices=("disk", "host"), default="disk")
+    add_runtime_args(p, "store")  # the policy is fifo, each run's budget what its r_w needs
     p.add_argument("--keep-page-cache", action="store_true", help="disk store: leave read pages in the page cache")
     p.add_argument("--dataset", default="stdlib-code")
     p.add_argument("--split", default="validation")
@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     shortest, longest = args.prompt_tokens
     result = bench_batch(args.model, args.json, args.plot, args.policy[0], args.grid, args.sequential_at,
                          args.gen_len, shortest, longest,
-                         args.hardware, args.trace, store=args.store, drop_page_cache=not args.keep_page_cache,
+                         args.hardware, args.trace,
+                         options=runtime_options(args, policy="fifo", drop_page_cache=not args.keep_page_cache),
                          dataset=args.dataset, split=args.split, threads=args.threads)
     print(f"CGOPipe {result['cgopipe_tokens_per_s']:.2f} tokens/s; sequential {result['sequential_tokens_per_s']:.2f} "
           f"({result['cgopipe_over_sequential']:.2f}x); all resident {result['resident_tokens_per_s']:.2f} "

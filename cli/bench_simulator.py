@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import output_file, positive_int
+from cli.args import Renamed, chance, output_file, positive_int
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -17,9 +17,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--top-k", type=positive_int, default=2)
     p.add_argument("--top-t", type=positive_int, default=8)
     p.add_argument("--seq-len", type=positive_int, default=512)
-    p.add_argument("--repeat", type=float, default=0.5, help="chance a layer's logits lean on the previous token's")
+    p.add_argument("--repeat", type=chance, default=0.5, help="chance a layer's logits lean on the previous token's")
     p.add_argument("--capacity", type=positive_int, default=None, help="slots in all (default L*E/4)")
-    p.add_argument("--horizon", type=positive_int, default=1)
+    p.add_argument("--layers-ahead", "--horizon", type=positive_int, default=1, action=Renamed, deprecated="--horizon",
+                   help="prefetch this many layers ahead (--horizon: its old name)")
     p.add_argument("--transfer-per-step", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs", type=positive_int, default=3, help="timed runs per policy; the best counts")

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import add_next_min_chance, add_results_args, budgets, names, positive_int, positive_ints
+from cli.args import (Renamed, add_next_token_min_chance, add_results_args, budgets, names, positive_int,
+                      positive_ints)
 from predictor.registry import NAMES_HELP
 
 POLICIES_HELP = "lru, lfu, fifo, mrs, static, belady, learned (needs a --predictor with forecast heads), learned-belady"
 
 
-def horizon(text: str) -> int | None:
+def layers_ahead(text: str) -> int | None:
     return None if text.strip().lower() == "all" else positive_int(text)
 
 
@@ -26,8 +27,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--capacity", type=budgets, default="0.125,0.25,0.5,0.75",
                    help="comma list of fractions of all L*E experts (0.25 or 25%%) or slot counts (48slots)")
     p.add_argument("--batch-size", type=positive_ints, default="1,8", help="comma list of batch sizes")
-    p.add_argument("--horizon", type=horizon, default="1",
-                   help="prefetch this many layers ahead, or 'all' (at the token's start)")
+    p.add_argument("--layers-ahead", "--horizon", type=layers_ahead, default="1", action=Renamed,
+                   deprecated="--horizon",
+                   help="prefetch this many layers ahead, or 'all' (at the token's start); --horizon is its old name")
     p.add_argument("--transfer-per-step", type=int, default=None,
                    help="experts the link moves per layer compute (default: transfers are instant)")
     p.add_argument("--timing", metavar="BENCH.json|PROFILE.json",
@@ -38,9 +40,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="with --timing: prefetch an expert only if the link can move it before its layer runs")
     p.add_argument("--next-token", action="store_true",
                    help="with --timing and a --predictor with forecast heads: cross-token prefetch, the next token's "
-                        "layers prefetched from its forecast while this token's layers compute (--horizon all: a "
+                        "layers prefetched from its forecast while this token's layers compute (--layers-ahead all: a "
                         "whole token ahead)")
-    add_next_min_chance(p, "with --next-token")
+    add_next_token_min_chance(p, "with --next-token")
     p.add_argument("--prefetch-k", type=positive_int, default=None,
                    help="predicted experts prefetched per row and layer (default: the model's top-k)")
     add_results_args(p, plot="PNG of hit and stall rates against capacity")
@@ -60,9 +62,9 @@ def run(args: argparse.Namespace) -> None:
         calibration = load_timing(args.timing, model_config=args.model_config,
                                   fingerprint=manifest.fingerprint if manifest else None)
     result = compare_caches(args.trace, args.policies, args.capacity, args.batch_size, args.predictor,
-                            args.train_trace, args.horizon, args.transfer_per_step, args.prefetch_k,
+                            args.train_trace, args.layers_ahead, args.transfer_per_step, args.prefetch_k,
                             timing=calibration and calibration.timing, hide_only=args.hide_only,
-                            next_token=args.next_token, next_min_chance=args.next_min_chance)
+                            next_token=args.next_token, next_token_min_chance=args.next_token_min_chance)
     if calibration is not None:
         result["timing_calibration"] = calibration.to_dict()
     print(format_table(result))

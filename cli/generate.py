@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from cli.args import add_prefetch_args, budget, device, output_file, positive_int, prefetch_options, serving_policy
+from cli.args import add_runtime_args, output_file, positive_int, runtime_options
 
 log = logging.getLogger(__name__)
 
@@ -15,14 +15,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser("generate", help="generate text with experts offloaded (greedy), print runtime stats")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--predictor", default=None, help="predictor artifact (NAME, NAME.json or NAME.safetensors)")
-    p.add_argument("--policy", type=serving_policy, default="lru", help="cache policy: lru, lfu, fifo, mrs")
-    p.add_argument("--budget", type=budget, default="0.5",
-                   help="expert memory: a fraction of all experts (0.5 or 50%%), slots (12slots) or bytes (512MiB)")
-    p.add_argument("--store", choices=("disk", "host"), default="disk", help="where the experts live")
-    p.add_argument("--drop-page-cache", action="store_true", help="disk store: drop read pages from the page cache")
-    p.add_argument("--device", type=device, default="cpu")
-    p.add_argument("--transfer-workers", type=positive_int, default=1, help="expert copies that run at once")
-    add_prefetch_args(p)
+    add_runtime_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
     p.add_argument("--json", type=output_file, default=None, metavar="OUT",
@@ -36,9 +29,7 @@ def run(args: argparse.Namespace) -> dict:
     from prescient.atomic import write_results
 
     record = generate_offloaded(args.model, args.prompt, args.max_new_tokens, predictor=args.predictor,
-                                policy=args.policy, budget=args.budget, store=args.store,
-                                drop_page_cache=args.drop_page_cache, device=args.device,
-                                transfer_workers=args.transfer_workers, **prefetch_options(args))
+                                options=runtime_options(args))
     print(record["text"])
     print(summary(record))
     if args.json:

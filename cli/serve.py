@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import add_prefetch_args, budget, device, positive_int, prefetch_options
+from cli.args import add_runtime_args, port, positive_int, runtime_options, seconds
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -14,23 +14,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                                             "over the offloading runtime")
     p.add_argument("--model", required=True, help="Hugging Face model directory (decoder-only)")
     p.add_argument("--predictor", default=None, help="predictor artifact (NAME, NAME.json or NAME.safetensors)")
-    p.add_argument("--policy", default="lru", help="cache policy: lru, lfu, fifo, mrs")
-    p.add_argument("--budget", type=budget, default="0.5",
-                   help="expert memory: a fraction of all experts (0.5 or 50%%), slots (12slots) or bytes (512MiB)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000)
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model directory's name)")
     p.add_argument("--max-batch", type=positive_int, default=16, help="requests decoded together")
     p.add_argument("--max-queue", type=positive_int, default=64,
                    help="requests waiting for the batch; more are refused with 429 and Retry-After")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+    p.add_argument("--shutdown-timeout", type=seconds, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C")
-    p.add_argument("--store", choices=("disk", "host"), default="disk", help="where the experts live")
-    p.add_argument("--drop-page-cache", action="store_true", help="disk store: drop read pages from the page cache")
-    p.add_argument("--device", type=device, default="cpu")
-    p.add_argument("--transfer-workers", type=positive_int, default=1, help="expert copies that run at once")
-    add_prefetch_args(p)
+    add_runtime_args(p)
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
@@ -44,7 +37,5 @@ def run(args: argparse.Namespace) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     run_server(host=args.host, port=args.port, log_level=args.log_level, model_dir=args.model,
-               predictor=args.predictor, policy=args.policy, budget=args.budget,
-               served_model_name=args.served_model_name, max_batch=args.max_batch, max_queue=args.max_queue,
-               shutdown_timeout=args.shutdown_timeout, store=args.store, drop_page_cache=args.drop_page_cache,
-               device=args.device, transfer_workers=args.transfer_workers, **prefetch_options(args))
+               predictor=args.predictor, options=runtime_options(args), served_model_name=args.served_model_name,
+               max_batch=args.max_batch, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout)

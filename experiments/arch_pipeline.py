@@ -1,6 +1,6 @@
 """The whole pipeline on each MoE architecture of the installed transformers, built tiny.
 
-For a family the offloading runtime serves exactly (`offload_runtime.arch_support`), with a small
+For a family the offloading runtime serves exactly (`experiments.arch_support`), with a small
 byte-level BPE tokenizer saved beside the tiny model:
 
 1. trace: `training.tracing.trace_model` over a few hundred tokens of a small JSON corpus of
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
+from experiments.arch_support import Support, greedy, prompt_inputs
 from experiments.evaluate import evaluate_predictors
-from offload_runtime.arch_support import Support, greedy, prompt_inputs
 from offload_runtime.cgopipe.pipe import CGOPipe, budget_fraction
 from offload_runtime.engine.loader import load_offloaded
 from prescient.arch_zoo import VOCAB, Family, moe_families, save_tiny_model

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from offload_runtime.engine.options import RuntimeOptions
 from prescient.atomic import write_json_atomic
 from prescient.errors import PrescientError
 
@@ -46,6 +47,7 @@ class BatchPolicy:
         return f"N={self.requests} μ={self.micro_batch} r_w={self.resident:g}"
 
 
+BATCH_OPTIONS = RuntimeOptions(policy="fifo", drop_page_cache=True)  # CGOPipe chooses what stays resident
 DEFAULT_GRID = ("8:4:0.5,16:4:0.5,32:4:0.5,32:8:0.5,16:8:0.25,32:8:0.25,32:4:0.25,16:4:0.75,32:16:0.75,8:2:0.75,"
                 "64:16:0.5")
 
@@ -77,13 +79,13 @@ def request_prompts(tokenizer, count: int, shortest: int, longest: int, dataset:
     raise SystemExit(f"{dataset}:{split} has only {len(prompts)} texts of the lengths needed; ask for fewer requests")
 
 
-def store_read_bandwidth(model_dir: str, store: str, drop_page_cache: bool) -> float:
-    """Bytes/s of the expert store reading one layer's experts into slots, the way a decode
-    step streams them (a test on one sequential file overstates it here: expert reads are
-    split by tensor and jump around the file)."""
+def store_read_bandwidth(model_dir: str, options: RuntimeOptions) -> float:
+    """Bytes/s of the expert store of `options` reading one layer's experts into slots, the way
+    a decode step streams them (a test on one sequential file overstates it here: expert reads
+    are split by tensor and jump around the file)."""
     from offload_runtime.engine.loader import load_offloaded
 
-    model = load_offloaded(model_dir, policy="fifo", budget=1 / 4, store=store, drop_page_cache=drop_page_cache)
+    model = load_offloaded(model_dir, None, dataclasses.replace(options, budget=1 / 4))
     runtime = model.offload_runtime
     with runtime:
         n_experts = runtime.n_experts
@@ -145,13 +147,15 @@ def measure_resident(model, prompts: list[list[int]], gen_len: int) -> dict[str,
 
 
 def measure_pipe(model_dir: str, prompts: list[list[int]], gen_len: int, policy: BatchPolicy, overlap: bool,
-                 reference: list[list[int]], hot, store: str, drop_page_cache: bool) -> dict[str, Any]:
+                 reference: list[list[int]], hot, options: RuntimeOptions) -> dict[str, Any]:
+    """One CGOPipe run of `policy` on the runtime of `options` at the budget r_w needs."""
     from offload_runtime.cgopipe.pipe import CGOPipe, budget_fraction
     from offload_runtime.engine.loader import load_offloaded
 
     n_layers, n_experts = len(hot), len(hot[0])
     budget = budget_fraction(policy.resident, n_layers, n_experts)
-    model = load_offloaded(model_dir, policy="fifo", budget=budget, store=store, drop_page_cache=drop_page_cache)
+    options = dataclasses.replace(options, budget=budget)
+    model = load_offloaded(model_dir, None, options)
     requests = prompts[:policy.requests]
     n_micro = -(-policy.requests // policy.micro_batch)
     with model.offload_runtime as runtime, CGOPipe(model, policy.resident, hot=hot, overlap=overlap) as pipe:
@@ -164,6 +168,7 @@ def measure_pipe(model_dir: str, prompts: list[list[int]], gen_len: int, policy:
         "decode_seconds": round(pipe.stats.decode_seconds, 4), "prefill_seconds": round(pipe.stats.prefill_seconds, 4),
         "exact": out == reference[:policy.requests], "bytes_moved": stats.bytes_moved, "loads": stats.loads,
         "demand_loads": stats.demand_loads, "stall_seconds": stats.stall_seconds, "slots": stats.slots,
+        "options": options.to_json(),
     }
 
 
@@ -178,9 +183,9 @@ def predicted_decode_tokens_per_s(spec, hardware, prompt_len: int, gen_len: int,
 
 def bench_batch(model_dir: str, json_path: str, plot_path: str | None, main: BatchPolicy, grid: list[BatchPolicy],
                 sequential_at: list[BatchPolicy], gen_len: int, shortest: int, longest: int, hardware: str | None,
-                trace: str | None,
-                store: str = "disk", drop_page_cache: bool = True, dataset: str = "stdlib-code",
+                trace: str | None, options: RuntimeOptions = BATCH_OPTIONS, dataset: str = "stdlib-code",
                 split: str = "validation", threads: int = 1) -> dict[str, Any]:
+    """`options`: the runtime's (its store and page cache), each run at the budget its r_w needs."""
     import torch
 
     from experiments.machine import machine_info
@@ -196,7 +201,7 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, main: Bat
     prompts = request_prompts(load_tokenizer(model_dir), count, shortest, longest, dataset, split)
     profile = load_profile(hardware) if hardware else measure_profile(Path(model_dir))
     if hardware is None and profile.gpu is None:  # the link is what our store reads experts at
-        profile = dataclasses.replace(profile, disk_to_cpu=store_read_bandwidth(model_dir, store, drop_page_cache),
+        profile = dataclasses.replace(profile, disk_to_cpu=store_read_bandwidth(model_dir, options),
                                       notes=profile.notes + "; disk_to_cpu: expert reads of the store")
     # the plain model serves the reference outputs, the all-resident run and the fingerprint; it
     # is loaded after the disk measurements and dropped before the offloaded runs, since its
@@ -207,7 +212,8 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, main: Bat
     mean_prompt = round(sum(len(p) for p in prompts) / len(prompts))
     result: dict[str, Any] = {
         "settings": {"model": model_dir, "gen_len": gen_len, "prompt_tokens": [shortest, longest],
-                     "dataset": f"{dataset}:{split}", "store": store, "drop_page_cache": drop_page_cache,
+                     "dataset": f"{dataset}:{split}", "store": options.store,
+                     "drop_page_cache": options.drop_page_cache,
                      "hot_ranking": trace or "expert id", "main_policy": asdict(main),
                      "grid": [p.label for p in grid]},
         "machine": machine_info(threads), "hardware_profile": profile.to_dict(), "runs": [],
@@ -225,7 +231,7 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, main: Bat
     for index, policy in enumerate(policies):
         modes = (True, False) if policy in sequential else (True,)
         for overlap in modes:
-            run = measure_pipe(model_dir, prompts, gen_len, policy, overlap, reference, hot, store, drop_page_cache)
+            run = measure_pipe(model_dir, prompts, gen_len, policy, overlap, reference, hot, options)
             run["predicted_tokens_per_s"] = predicted_decode_tokens_per_s(spec, profile, mean_prompt, gen_len, policy)
             result["runs"].append(run)
             log.info("[%d/%d] %s %s: %.2f tokens/s (predicted %.2f), exact %s", index + 1, len(policies),

@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from experiments.machine import machine_info
+from offload_runtime.engine.options import RuntimeOptions
 from prescient.atomic import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -64,15 +65,14 @@ def _metrics(url: str) -> dict[str, float]:
 class ServerProcess:
     """`prescient serve` in a child process; `stop()` sends SIGTERM and returns its exit status."""
 
-    def __init__(self, model_dir: str, predictor: str | None, policy: str, budget: str, threads: int,
-                 max_batch: int, max_queue: int, drop_page_cache: bool) -> None:
+    def __init__(self, model_dir: str, predictor: str | None, options: RuntimeOptions, threads: int,
+                 max_batch: int, max_queue: int) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "cli.main", "serve", "--model", model_dir, "--policy", policy, "--budget", budget,
+        args = [sys.executable, "-m", "cli.main", "serve", "--model", model_dir, *serve_flags(options),
                 "--port", str(self.port), "--served-model-name", "bench", "--threads", str(threads),
                 "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--log-level", "warning"]
         args += ["--predictor", predictor] if predictor else []
-        args += ["--drop-page-cache"] if drop_page_cache else []
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(args, cwd=ROOT, env=env)
         deadline = time.monotonic() + 600
@@ -179,14 +179,27 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
             "ttft_s": {"p50": _pct(ttft, 0.5), "p99": _pct(ttft, 0.99)}}
 
 
+def serve_flags(options: RuntimeOptions) -> list[str]:
+    """`prescient serve`'s flags for `options`; hide-only prefetch and `prefetch_per_layer` have
+    none, so a server process cannot take them."""
+    if options.link_timing is not None or options.prefetch_per_layer is not None:
+        raise ValueError("a `prescient serve` process takes no link timing object nor prefetch_per_layer")
+    flags = ["--policy", options.policy, "--budget", str(options.budget), "--store", options.store,
+             "--device", options.device, "--transfer-workers", str(options.transfer_workers)]
+    flags += ["--drop-page-cache"] if options.drop_page_cache else []
+    chance = options.next_token_min_chance
+    return flags + (["--next-token", "--next-token-min-chance", str(chance)] if chance is not None else [])
+
+
 def bench_serve(model_dir: str, json_path: str, plot_path: str | None = None,
-                predictors: dict[str, str | None] | None = None, policy: str = "lru", budget: str = "0.5",
+                predictors: dict[str, str | None] | None = None, options: RuntimeOptions = RuntimeOptions(),
                 clients: tuple[int, ...] = (1, 4, 16, 64), rounds: int = 2, max_requests: int = 64,
                 max_tokens: int = 32, prompt_tokens: tuple[int, int] = (16, 48), repeats: int = 3,
                 level_time_s: float = 300.0, request_timeout_s: float = 300.0, threads: int = 1,
-                max_batch: int = 64, max_queue: int = 64, drop_page_cache: bool = False,
-                dataset: str = "stdlib-code", split: str = "validation") -> dict[str, Any]:
-    """Run the load test; write (and return) the JSON after every level, and the plot at the end."""
+                max_batch: int = 64, max_queue: int = 64, dataset: str = "stdlib-code",
+                split: str = "validation") -> dict[str, Any]:
+    """Run the load test with the servers' runtime `options`; write (and return) the JSON after
+    every level, and the plot at the end."""
     from experiments.bench_batch import request_prompts
     from prescient.loading import load_tokenizer
 
@@ -194,18 +207,17 @@ def bench_serve(model_dir: str, json_path: str, plot_path: str | None = None,
     predictors = predictors or {"none": None}
     prompts = request_prompts(load_tokenizer(model_dir), max_requests, *prompt_tokens, dataset, split)
     result: dict[str, Any] = {
-        "settings": {"model": model_dir, "predictors": predictors, "policy": policy, "budget": budget,
+        "settings": {"model": model_dir, "predictors": predictors, **options.to_json(),
                      "clients": list(clients), "rounds": rounds, "max_requests": max_requests,
                      "max_tokens": max_tokens, "prompt_tokens": list(prompt_tokens), "repeats": repeats,
                      "level_time_s": level_time_s, "request_timeout_s": request_timeout_s, "max_batch": max_batch,
-                     "max_queue": max_queue, "drop_page_cache": drop_page_cache, "dataset": f"{dataset}:{split}",
+                     "max_queue": max_queue, "dataset": f"{dataset}:{split}",
                      "decoding": "sampled, temperature 1, a seed per request", "stream": True},
         "machine": machine_info(threads), "runs": [],
     }
     for repeat in range(repeats):
         for name, predictor in predictors.items():
-            server = ServerProcess(model_dir, predictor, policy, budget, threads, max_batch, max_queue,
-                                   drop_page_cache)
+            server = ServerProcess(model_dir, predictor, options, threads, max_batch, max_queue)
             try:
                 asyncio.run(_level(server.url, prompts, 1, 1, max_tokens, level_time_s, request_timeout_s, 10**6))
                 for c in clients:

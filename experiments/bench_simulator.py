@@ -47,7 +47,7 @@ def synthetic_trace(
 
 
 def bench_simulator(tokens: int = 50_000, layers: int = 8, experts: int = 64, top_k: int = 2, top_t: int = 8,
-                    seq_len: int = 512, repeat: float = 0.5, capacity: int | None = None, horizon: int = 1,
+                    seq_len: int = 512, repeat: float = 0.5, capacity: int | None = None, layers_ahead: int = 1,
                     transfer_per_step: int = 4, seed: int = 0, runs: int = 3) -> dict:
     """Accesses per second of each policy's replay on a synthetic trace (see the module doc)."""
     settings = dict(locals())
@@ -78,7 +78,7 @@ def bench_simulator(tokens: int = 50_000, layers: int = 8, experts: int = 64, to
             started = time.process_time()
             result = simulate(
                 replay, capacity, make_policy(name.split("+")[0], **kwargs),
-                horizon=horizon if replay.predicted else None,
+                layers_ahead=layers_ahead if replay.predicted else None,
                 transfer_per_step=transfer_per_step if replay.predicted else None,
             )
             cpu.append(result.accesses / (time.process_time() - started))

@@ -3,14 +3,14 @@ predictor prefetching; hit and stall rates against capacity (JSON + PNG).
 
     prescient compare-caches --trace DIR [--predictor PATH|corr|token|freq|oracle] [--train-trace DIR] \
         [--policies lru,lfu,fifo,mrs,static,belady] [--capacity 0.125,0.25,0.5,0.75] [--batch-size 1,8] \
-        [--horizon 1|all] [--transfer-per-step N] [--prefetch-k N] --json OUT.json [--plot OUT.png]
+        [--layers-ahead 1|all] [--transfer-per-step N] [--prefetch-k N] --json OUT.json [--plot OUT.png]
 
 Every run replays the trace through the cache package's simulator (`cache.simulator`): decode
 order, `batch_size` consecutive sequences stepping together, one global budget of `capacity`
 slots over all L·E experts (a fraction of L·E, or an integer count). Each (batch size, policy,
 capacity) runs on demand alone and, when a predictor is given, again with prefetching: each
 row's top `prefetch_k` (default k) predicted experts per layer, the union over the batch,
-loaded `horizon` layers ahead (all layers at the token's start with `all`) over a link moving
+loaded `layers_ahead` layers ahead (all layers at the token's start with `all`) over a link moving
 `transfer_per_step` experts per layer compute (default: instant).
 
 Predicted scores come from running the predictor as it would run while decoding: tables see the
@@ -18,7 +18,7 @@ token alone; a causal SiDA hash sees the sequence up to the token (`predict` ove
 equals stepping through it); a bidirectional one is stepped token by token (`start`/`step`), so it
 never sees a future token; `oracle` is the trace's own router choices (the prefetch bound; its
 certain forecasts of the next tokens bound learned eviction and `--next-token` too); `corr`
-(Klotski) guesses layer 0 from its per-token table and, at horizon 1, layer l+1 from the experts
+(Klotski) guesses layer 0 from its per-token table and, at 1 layer ahead, layer l+1 from the experts
 the router truly chose at layer l (known when that prefetch is issued), else from its own guesses.
 freq, token, corr and static-hot's frequencies are fit on `--train-trace`, or on the replayed trace
 itself ("same trace (optimistic)").
@@ -154,14 +154,14 @@ def compare_caches(
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
     predictor: str | Path | ExpertPredictor | None = None,
     train_trace: str | Path | None = None,
-    horizon: int | None = 1,
+    layers_ahead: int | None = 1,
     transfer_per_step: int | None = None,
     prefetch_k: int | None = None,
     progress: bool = True,
     timing: LinkTiming | None = None,
     hide_only: bool = False,
     next_token: bool = False,
-    next_min_chance: float = 0.5,
+    next_token_min_chance: float = 0.5,
 ) -> dict[str, Any]:
     """Replay the trace at `trace_dir` through every (batch size, policy, capacity), on demand
     and, with `predictor` (a built-in name, an artifact path or a built predictor),
@@ -170,24 +170,12 @@ def compare_caches(
     its record gains simulated seconds, stall seconds, bytes moved and wasted per token and
     tokens/s (`cache.timing.TimedStats`); `settings.link_timing` holds the parameters. `hide_only`
     (with `timing`): prefetch only what the link can move before its layer runs. `next_token`
-    (with `timing` and a predictor with forecast heads): cross-token prefetch, a layer `horizon`
+    (with `timing` and a predictor with forecast heads): cross-token prefetch, a layer `layers_ahead`
     steps on in the next token is prefetched from the forecast of that token, an expert only if
-    its forecast chance of use is at least `next_min_chance`."""
+    its forecast chance of use is at least `next_token_min_chance`."""
     start = time.perf_counter()
     policies = check_policies(tuple(policies))
-    if not batch_sizes or any(b < 1 for b in batch_sizes):
-        raise CompareCachesError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
-    if horizon is not None and horizon < 1:
-        raise CompareCachesError(f"horizon must be >= 1 layer (or None: all layers), got {horizon}")
-    if transfer_per_step is not None and transfer_per_step < 0:
-        raise CompareCachesError(f"transfer_per_step must be >= 0 experts (or None: instant), got {transfer_per_step}")
-    if timing is not None and transfer_per_step is not None:
-        raise CompareCachesError("give timing (the time-true link) or transfer_per_step (the count-only link), not both")
-    if hide_only and timing is None:
-        raise CompareCachesError("hide-only prefetch weighs each copy's link time against compute: give --timing")
-    if next_token and (timing is None or predictor is None):
-        raise CompareCachesError("cross-token prefetch hides next-token loads behind compute: give --timing and a "
-                                 "--predictor with forecast heads")
+    _check_link(batch_sizes, layers_ahead, transfer_per_step, timing, hide_only, next_token, predictor is not None)
     trace = load_trace(trace_dir)
     fp = trace.fingerprint
     total = fp.n_moe_layers * fp.n_experts
@@ -215,7 +203,7 @@ def compare_caches(
     chances = {name: forecast[name] for name in ("forecast_chances", "later_chances") if name in forecast}
     if predictor is not None:
         began = time.perf_counter()
-        scores, info = trace_scores(pred, trace, name, decoding=True, true_previous_layer=horizon == 1)
+        scores, info = trace_scores(pred, trace, name, decoding=True, true_previous_layer=layers_ahead == 1)
         scores = scores.numpy()
         result["predictor"] = {"name": name, "kind": pred.kind, **source, **info,
                                "seconds": round(time.perf_counter() - began, 3)}
@@ -223,39 +211,18 @@ def compare_caches(
     result["settings"] = {
         "policies": list(policies), "capacities": [capacity_value(c) for c in capacities], "capacity_slots": slots,
         "total_experts": total, "budget": "global", "batch_sizes": list(batch_sizes),
-        "horizon": horizon, "transfer_per_step": transfer_per_step,
+        "layers_ahead": layers_ahead, "transfer_per_step": transfer_per_step,
         "link_timing": timing.to_dict() if timing is not None else None, "hide_only": hide_only,
-        "next_token": next_token, "next_min_chance": next_min_chance if next_token else None,
+        "next_token": next_token, "next_token_min_chance": next_token_min_chance if next_token else None,
         "prefetch_k": prefetch_k if prefetch_k is not None else fp.top_k,
         "mrs": {"alpha": 0.5, "p": 2 * fp.top_k},
     }
 
-    columns = {k: trace[k].numpy() for k in ("topk_ids", "seq_id", "topt_ids", "topt_logits")}
-    router = {"topt_ids": columns["topt_ids"], "topt_logits": columns["topt_logits"], "score_top": 2 * fp.top_k} \
-        if "mrs" in policies else {}
-    replays: dict[tuple[int, bool], Replay] = {}
-    for b in batch_sizes:
-        replays[b, False] = Replay.build(columns["topk_ids"], columns["seq_id"], b, n_experts=fp.n_experts,
-                                         **chances, **router)
-        if scores is not None:
-            replays[b, True] = Replay.build(columns["topk_ids"], columns["seq_id"], b, predicted_scores=scores,
-                                            prefetch_k=prefetch_k, n_experts=fp.n_experts, **chances,
-                                            next_chances=forecast.get("next_chances"),
-                                            next_min_chance=next_min_chance, **router)
+    replays = _replays(trace, batch_sizes, "mrs" in policies, chances, scores, prefetch_k=prefetch_k,
+                       next_chances=forecast.get("next_chances"), next_token_min_chance=next_token_min_chance)
     need = {b: replays[b, False].max_layer_keys for b in batch_sizes}
     result["min_capacity"] = {str(b): n for b, n in need.items()}
-    smallest = min(batch_sizes)
-    for given, n in zip(capacities, slots):
-        if n < need[smallest]:
-            raise CapacityError(
-                f"capacity {given} ({n} of {total} expert slots) cannot hold one layer-step's experts at "
-                f"batch size {smallest}: the minimum is {need[smallest]} slots (a fraction of "
-                f"{need[smallest] / total:.4g}); raise --capacity or lower --batch-size")
-    result["skipped"] = [{"batch_size": b, "capacity": n, "capacity_given": capacity_value(given), "min_capacity": need[b]}
-                         for b in batch_sizes for given, n in zip(capacities, slots) if n < need[b]]
-    for skip in result["skipped"]:
-        log.warning("skipping capacity %s (%d slots) at batch size %d: a layer-step there needs up to %d slots",
-                    skip["capacity_given"], skip["capacity"], skip["batch_size"], skip["min_capacity"])
+    result["skipped"] = _fitting(capacities, slots, need, total)
 
     frequencies = expert_frequencies(fit["topk_ids"].numpy(), fp.n_experts) if "static" in policies else None
     runs = [(b, prefetch, policy, given, n) for b in batch_sizes for prefetch in ((False, True) if scores is not None
@@ -264,17 +231,75 @@ def compare_caches(
     for b, prefetch, policy, given, n in tqdm(runs, desc="compare caches", unit="run", disable=not progress):
         replay = replays[b, prefetch]
         sim = simulate(replay, n, policy_for(policy, replay, fp.top_k, frequencies),
-                       horizon=horizon if prefetch else None,
+                       layers_ahead=layers_ahead if prefetch else None,
                        transfer_per_step=transfer_per_step if prefetch else None, timing=timing,
                        hide_only=hide_only and prefetch)
-        record = {"policy": policy, "capacity": n, "capacity_fraction": n / total, "capacity_given": capacity_value(given),
-                  "batch_size": b, "prefetch": prefetch, "hit_rate": sim.hit_rate, "stall_rate": sim.stall_rate}
+        record = {"policy": policy, "capacity": n, "capacity_fraction": n / total,
+                  "capacity_given": capacity_value(given), "batch_size": b, "prefetch": prefetch,
+                  "hit_rate": sim.hit_rate, "stall_rate": sim.stall_rate}
         result["runs"].append({**record, **{k: v for k, v in sim.to_dict().items() if k not in record},
                                "policy_class": sim.policy, "trace_fingerprint": fp.weights_hash})
     result["timing"] = {"total_s": round(time.perf_counter() - start, 3),
                         "simulate_s": round(sum(r["seconds"] for r in result["runs"]), 3),
                         "accesses": sum(r["accesses"] for r in result["runs"])}
     return result
+
+
+def _replays(trace: Trace, batch_sizes: tuple[int, ...], router_scores: bool, chances: dict[str, np.ndarray],
+             scores: np.ndarray | None, **prefetch: Any) -> dict[tuple[int, bool], Replay]:
+    """Per (batch size, with prefetch) the replay of `trace`: on demand, and with the predicted
+    `scores` (if any) prefetched as `prefetch` says; `router_scores`: with MRS's router scores."""
+    fp = trace.fingerprint
+    columns = {k: trace[k].numpy() for k in ("topk_ids", "seq_id", "topt_ids", "topt_logits")}
+    router = {"topt_ids": columns["topt_ids"], "topt_logits": columns["topt_logits"], "score_top": 2 * fp.top_k} \
+        if router_scores else {}
+    replays: dict[tuple[int, bool], Replay] = {}
+    for b in batch_sizes:
+        replays[b, False] = Replay.build(columns["topk_ids"], columns["seq_id"], b, n_experts=fp.n_experts,
+                                         **chances, **router)
+        if scores is not None:
+            replays[b, True] = Replay.build(columns["topk_ids"], columns["seq_id"], b, predicted_scores=scores,
+                                            n_experts=fp.n_experts, **chances, **prefetch, **router)
+    return replays
+
+
+def _check_link(batch_sizes: tuple[int, ...], layers_ahead: int | None, transfer_per_step: int | None,
+                timing: LinkTiming | None, hide_only: bool, next_token: bool, with_predictor: bool) -> None:
+    """Refuse, before the trace is read, batch sizes and link settings that do not fit together."""
+    if not batch_sizes or any(b < 1 for b in batch_sizes):
+        raise CompareCachesError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
+    if layers_ahead is not None and layers_ahead < 1:
+        raise CompareCachesError(f"layers_ahead must be >= 1 layer (or None: all layers), got {layers_ahead}")
+    if transfer_per_step is not None and transfer_per_step < 0:
+        raise CompareCachesError(f"transfer_per_step must be >= 0 experts (or None: instant), got {transfer_per_step}")
+    if timing is not None and transfer_per_step is not None:
+        raise CompareCachesError("give timing (the time-true link) or transfer_per_step (the count-only link), "
+                                 "not both")
+    if hide_only and timing is None:
+        raise CompareCachesError("hide-only prefetch weighs each copy's link time against compute: give --timing")
+    if next_token and (timing is None or not with_predictor):
+        raise CompareCachesError("cross-token prefetch hides next-token loads behind compute: give --timing and a "
+                                 "--predictor with forecast heads")
+
+
+def _fitting(capacities: tuple[float | int, ...], slots: list[int], need: dict[int, int],
+             total: int) -> list[dict[str, Any]]:
+    """The (batch size, capacity) pairs skipped because a layer-step there needs more slots than
+    the capacity has (`need`: per batch size); a capacity too small at the smallest batch size is
+    a `CapacityError`."""
+    smallest = min(need)
+    for given, n in zip(capacities, slots):
+        if n < need[smallest]:
+            raise CapacityError(
+                f"capacity {given} ({n} of {total} expert slots) cannot hold one layer-step's experts at "
+                f"batch size {smallest}: the minimum is {need[smallest]} slots (a fraction of "
+                f"{need[smallest] / total:.4g}); raise --capacity or lower --batch-size")
+    skipped = [{"batch_size": b, "capacity": n, "capacity_given": capacity_value(given), "min_capacity": need[b]}
+               for b in need for given, n in zip(capacities, slots) if n < need[b]]
+    for skip in skipped:
+        log.warning("skipping capacity %s (%d slots) at batch size %d: a layer-step there needs up to %d slots",
+                    skip["capacity_given"], skip["capacity"], skip["batch_size"], skip["min_capacity"])
+    return skipped
 
 
 # --- output ------------------------------------------------------------------------------------

@@ -168,16 +168,17 @@ def auto_class(config: PretrainedConfig) -> type:
     return AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
 
 
-def tiny_model(family: Family, seed: int = 0) -> PreTrainedModel:
-    """A randomly initialised tiny model of `family`, as its auto class builds it (a composite
-    config's causal LM is built from its text config), in eval mode, float32."""
-    config = tiny_config(family.model_type)
+def tiny_model(family: Family | PretrainedConfig, seed: int = 0) -> PreTrainedModel:
+    """A randomly initialised tiny model of `family` (or of a config of one's own), as its auto
+    class builds it (a composite config's causal LM is built from its text config), in eval
+    mode, float32."""
+    config = tiny_config(family.model_type) if isinstance(family, Family) else family
     torch.manual_seed(seed)
     try:
         model = auto_class(config).from_config(config, dtype=torch.float32)
     except Exception as exc:  # noqa: BLE001 - transformers' own code failing on a tiny config
         first_line = str(exc).strip().splitlines()[0]
-        raise TinyModelError(f"{family.model_type}: transformers cannot build the tiny model "
+        raise TinyModelError(f"{config.model_type}: transformers cannot build the tiny model "
                              f"({type(exc).__name__}: {first_line})") from exc
     _randomise_buffers(model)
     return model.eval()
@@ -191,8 +192,11 @@ def _randomise_buffers(model: PreTrainedModel) -> None:
             buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.05)
 
 
-def save_tiny_model(family: Family, path: str | Path, seed: int = 0) -> Path:
-    """Save a tiny model of `family` into `path` (config.json + safetensors) and return `path`."""
+def save_tiny_model(family: Family | PretrainedConfig, path: str | Path, seed: int = 0, tokenizer=None) -> Path:
+    """Save a tiny model of `family` (or of a config, see `tiny_model`) into `path` (config.json
+    + safetensors, and `tokenizer` if given) and return `path`."""
     path = Path(path)
     tiny_model(family, seed).save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
     return path

@@ -9,6 +9,11 @@ class NotAMoEModelError(PrescientError):
     """The model holds no mixture-of-experts block that an adapter recognises."""
 
 
+class UnsupportedModelError(PrescientError):
+    """The model cannot be run this way (serving an encoder-decoder; CGOPipe on layers it cannot
+    split into an attention half and an FFN half); the message says why."""
+
+
 class ModelFilesError(PrescientError):
     """A model directory is missing, or one of its weight files is missing or corrupt."""
 

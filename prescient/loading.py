@@ -55,10 +55,13 @@ def check_model_dir(path: Path) -> list[Path]:
     if not (path / "config.json").exists():
         raise ModelFilesError(f"{path} has no config.json; expected a Hugging Face model directory")
     try:
-        json.loads((path / "config.json").read_text())
+        config = json.loads((path / "config.json").read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelFilesError(f"{path / 'config.json'} is not valid JSON ({exc}); restore the model directory"
                               ) from None
+    if not isinstance(config, dict):
+        raise ModelFilesError(f"{path / 'config.json'} holds a JSON {type(config).__name__}, not an object of "
+                              "settings; restore the model directory")
     return weight_files(path)
 
 

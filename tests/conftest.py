@@ -24,6 +24,7 @@ import pytest
 import torch
 import transformers as tf
 
+from prescient.arch_zoo import save_tiny_model
 from training.tokenizer import train_byte_level_bpe
 
 TOKENIZER_VOCAB = 320  # the 256-byte alphabet, 2 special tokens and a few merges
@@ -89,24 +90,15 @@ def tiny_tokenizer() -> tf.PreTrainedTokenizerFast:
     return train_byte_level_bpe(_tokenizer_texts(), TOKENIZER_VOCAB)
 
 
-def save_tiny_model(arch: str, tokenizer, path: Path, seed: int = 0, num_hidden_layers: int | None = None) -> Path:
-    """Save a randomly initialised tiny `arch` model (2 layers unless `num_hidden_layers`) and
-    `tokenizer` into `path`."""
+def tiny_test_config(arch: str, tokenizer, num_hidden_layers: int | None = None) -> tf.PretrainedConfig:
+    """The tests' tiny `arch` config for `tokenizer` (2 layers unless `num_hidden_layers`); save a
+    model of it with `prescient.arch_zoo.save_tiny_model(config, path, seed, tokenizer)`."""
     ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
     config = _config(arch, ids)
     if num_hidden_layers is not None:
         config.num_hidden_layers = num_hidden_layers
-    torch.manual_seed(seed)
-    model = tf.AutoModelForSeq2SeqLM.from_config(config) if config.is_encoder_decoder \
-        else tf.AutoModelForCausalLM.from_config(config)
-    if arch == "deepseek_v3":  # a real correction bias, so that it matters for the choice
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape) * 0.05)
-    model.eval().save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return config
 
 
 @pytest.fixture(scope="session")
@@ -116,7 +108,8 @@ def tiny_moe_dir(tmp_path_factory, tiny_tokenizer) -> Callable[[str], Path]:
 
     def get(arch: str) -> Path:
         if arch not in built:
-            built[arch] = save_tiny_model(arch, tiny_tokenizer, tmp_path_factory.mktemp(f"tiny-{arch}"))
+            config = tiny_test_config(arch, tiny_tokenizer)
+            built[arch] = save_tiny_model(config, tmp_path_factory.mktemp(f"tiny-{arch}"), tokenizer=tiny_tokenizer)
         return built[arch]
 
     return get

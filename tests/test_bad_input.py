@@ -29,7 +29,8 @@ from predictor.base import PredictorMeta
 from predictor.sida import SiDAHash, read_token_embeddings
 from prescient.fingerprint import fingerprint_model_dir
 from prescient.traces import load_trace
-from tests.conftest import save_tiny_model
+from prescient.arch_zoo import save_tiny_model
+from tests.conftest import tiny_test_config
 from training.tracing import trace_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +83,8 @@ def world(tmp_path_factory, tiny_moe_dir, tiny_tokenizer, text_corpus) -> dict[s
     tmp = tmp_path_factory.mktemp("bad-input")
     model = tiny_moe_dir("mixtral")
     paths = {"model": model, "tmp": tmp}
-    paths["other"] = save_tiny_model("mixtral", tiny_tokenizer, tmp / "other-model", seed=1)
+    paths["other"] = save_tiny_model(tiny_test_config("mixtral", tiny_tokenizer), tmp / "other-model", seed=1,
+                                     tokenizer=tiny_tokenizer)
     paths["trace"] = trace_model(model, f"json:{text_corpus}", tmp / "trace", **TRACE)
     paths["trace_ids"] = damaged_trace(paths["trace"], tmp, "topk_ids", 99)
     paths["trace_nan"] = damaged_trace(paths["trace"], tmp, "topt_logits", float("nan"))
@@ -95,13 +97,16 @@ def world(tmp_path_factory, tiny_moe_dir, tiny_tokenizer, text_corpus) -> dict[s
     (tmp / "sida-torn.safetensors").write_bytes(paths["sida"].with_suffix(".safetensors").read_bytes())
     (tmp / "sida-torn.json").write_text(paths["sida"].with_suffix(".json").read_text()[:100])
     paths["sida_torn"] = tmp / "sida-torn"
-    for name in ("empty", "no_config", "bad_config", "reference", "a_dir"):
+    for name in ("empty", "no_config", "bad_config", "list_config", "reference", "a_dir"):
         (tmp / name).mkdir()
         paths[name] = tmp / name
     (tmp / "no_config" / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes())
     for file in model.iterdir():
         (tmp / "bad_config" / file.name).write_bytes(file.read_bytes())
     (tmp / "bad_config" / "config.json").write_text('{"model_type": "mixtral", ')
+    for file in model.iterdir():
+        (tmp / "list_config" / file.name).write_bytes(file.read_bytes())
+    (tmp / "list_config" / "config.json").write_text('["mixtral"]')
     (tmp / "reference" / "reference.json").write_text('{"recipe": {"tokenizer": ')
     (tmp / "a_file").write_text("mine\n")
     paths["a_file"] = tmp / "a_file"
@@ -160,6 +165,8 @@ CASES = [
      r"no_config has no config.json"),
     ("generate: corrupt config.json", [*without(generate(), "--model"), "--model", "{bad_config}"],
      r"bad_config/config.json is not valid JSON .*; restore"),
+    ("generate: config.json not an object", [*without(generate(), "--model"), "--model", "{list_config}"],
+     r"list_config/config.json holds a JSON list, not an object of settings; restore"),
     ("generate: unknown policy", generate("--policy", "bogus"), r"--policy: unknown cache policy 'bogus'; known"),
     ("generate: belady cannot serve", generate("--policy", "belady"), r"'belady' cannot serve: .*serving policies"),
     ("generate: static cannot serve", generate("--policy", "static"), r"'static' cannot serve: .*serving policies"),
@@ -184,6 +191,29 @@ CASES = [
      generate("--predictor", "{sida}", "--next-token"), r"--model.horizon"),
     ("generate: next-token chance above 1", generate("--next-token", "--next-min-chance", "1.5"),
      r"--next-min-chance: 1.5 is not a chance in \[0, 1\]"),
+    ("generate: next-token chance above 1, by its name", generate("--next-token", "--next-token-min-chance", "1.5"),
+     r"--next-token-min-chance.*: 1.5 is not a chance in \[0, 1\]"),
+    ("generate: next-token chance not a number", generate("--next-token", "--next-token-min-chance", "often"),
+     r"--next-token-min-chance.*: 'often' is not a number"),
+    ("generate: no transfer workers", generate("--transfer-workers", "0"), r"--transfer-workers: 0 must be at least 1"),
+    ("generate: budget without a unit", generate("--budget", "48"), r"--budget: budget '48' names no unit"),
+    ("generate: unknown store", generate("--store", "tape"), r"--store: invalid choice: 'tape'"),
+    ("serve: no transfer workers", ["serve", "--model", "{model}", "--transfer-workers", "0"],
+     r"--transfer-workers: 0 must be at least 1"),
+    ("serve: port out of range", ["serve", "--model", "{model}", "--port", "70000"],
+     r"--port: 70000 is not a port in 0..65535"),
+    ("serve: negative shutdown timeout", ["serve", "--model", "{model}", "--shutdown-timeout", "-1"],
+     r"--shutdown-timeout: -1.0 is not a duration"),
+    ("bench-serve: request timeout not a number", ["bench-serve", "--model", "{model}", "--request-timeout", "soon",
+                                                   "--json", "{out}"],
+     r"--request-timeout: 'soon' is not a number of seconds"),
+    ("bench-serve: unknown policy", ["bench-serve", "--model", "{model}", "--policy", "bogus", "--json", "{out}"],
+     r"--policy: unknown cache policy 'bogus'; known"),
+    ("bench-serve: a predictor without an artifact", ["bench-serve", "--model", "{model}", "--predictors", "none,freq",
+                                                       "--json", "{out}"],
+     r"--predictors: predictor 'freq' needs an artifact \(NAME=PATH\); serving loads artifacts only"),
+    ("bench: negative transfer workers", ["bench", "--model", "{model}", "--transfer-workers", "-1", "--json", "{out}"],
+     r"--transfer-workers: -1 must be at least 1"),
     ("generate: hide-only with a missing timing file", generate("--hide-only", "{tmp}/nowhere.json"),
      r"nowhere.json"),
     ("trace: window of 0 tokens", trace("--seq-len", "0"), r"--seq-len: 0 must be at least 1"),
@@ -196,6 +226,12 @@ CASES = [
      r"--batch-sizes: 0 must be at least 1"),
     ("evaluate: no predictors", [*without(evaluate(), "--predictors"), "--predictors", ""],
      r"--predictors: '' lists nothing; give a comma list"),
+    ("evaluate: a batch size given twice", [*without(evaluate(), "--batch-sizes"), "--batch-sizes", "1,8,1"],
+     r"--batch-sizes: '1,8,1' names '1' twice; give each once"),
+    ("evaluate: a predictor named twice", [*without(evaluate(), "--predictors"), "--predictors", "freq,sida={sida},sida"],
+     r"--predictors: predictor 'sida' is named twice; give each name once"),
+    ("compare-caches: one capacity twice", [*without(compare(), "--capacity"), "--capacity", "0.5,50%"],
+     r"--capacity: '0.5,50%' names '50%' twice; give each once"),
     ("evaluate: cross garbage", evaluate("--cross", "garbage"),
      r"--cross: entry 'garbage' is not DATASET=TRAIN_TRACE:EVAL_TRACE:ARTIFACT"),
     ("evaluate: expert id out of range", [*without(evaluate(), "--trace"), "--trace", "{trace_ids}"],

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from experiments.bench_batch import BatchPolicy, BenchBatchError, bench_batch, parse_grid, spearman
-from tests.conftest import save_tiny_model
+from prescient.arch_zoo import save_tiny_model
+from tests.conftest import tiny_test_config
 
 
 def test_spearman_ranks_with_ties():
@@ -26,7 +27,8 @@ def test_grid_parsing():
 
 
 def test_bench_batch_end_to_end(tmp_path, tiny_tokenizer):
-    model = save_tiny_model("mixtral", tiny_tokenizer, tmp_path / "model", num_hidden_layers=4)
+    model = save_tiny_model(tiny_test_config("mixtral", tiny_tokenizer, num_hidden_layers=4), tmp_path / "model",
+                            tokenizer=tiny_tokenizer)
     out = tmp_path / "bench-batch.json"
     main = BatchPolicy(4, 2, 0.25)
     grid = [main, BatchPolicy(2, 1, 0.5), BatchPolicy(4, 4, 0.75)]

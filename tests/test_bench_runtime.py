@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from cli import bench as bench_cli
-from experiments import bench_runtime as bench
-from experiments.bench_runtime_grid import (BASELINES, BenchError, RunSpec, check_grid, default_grid, full_grid,
+from experiments.bench_runtime import bench
+from experiments.bench_runtime.grid import (BASELINES, BenchError, RunSpec, check_grid, default_grid, full_grid,
                                             parse_runs)
 from predictor import PredictorMeta, SiDAHash, SiDAPredictor, SiDASizes, read_token_embeddings, save_predictor
 from prescient.fingerprint import fingerprint_model

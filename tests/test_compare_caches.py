@@ -25,7 +25,7 @@ FP = ModelFingerprint("synthetic", LAYERS, EXPERTS, K, VOCAB, "0" * 16)
 OTHER_FP = dataclasses.replace(FP, weights_hash="f" * 16)
 RECORD_FIELDS = {"policy", "capacity", "capacity_fraction", "batch_size", "prefetch", "hit_rate", "stall_rate",
                  "accesses", "hits", "misses", "stalls", "late_prefetches", "prefetch_inserts", "prefetch_hits",
-                 "wasted_prefetches", "evictions", "horizon", "transfer_per_step", "seconds", "trace_fingerprint"}
+                 "wasted_prefetches", "evictions", "layers_ahead", "transfer_per_step", "seconds", "trace_fingerprint"}
 
 
 def write_trace(path, seed=0, fingerprint=FP, tokens=None):
@@ -114,14 +114,14 @@ def test_correlation_table_one_layer_ahead_uses_the_true_previous_layer(traces):
 def test_cli_prints_the_table_and_writes_json_and_png(tmp_path, traces, capsys):
     out, png = tmp_path / "caches.json", tmp_path / "caches.png"
     cli_main(["compare-caches", "--trace", str(traces[0]), "--train-trace", str(traces[1]), "--predictor", "corr",
-              "--policies", "lru,mrs,belady", "--capacity", "0.5,1", "--batch-size", "1,2", "--horizon", "all",
+              "--policies", "lru,mrs,belady", "--capacity", "0.5,1", "--batch-size", "1,2", "--layers-ahead", "all",
               "--transfer-per-step", "1", "--json", str(out), "--plot", str(png)])
     table = capsys.readouterr().out
     assert "belady" in table and "stall+pf" in table
     res = json.loads(out.read_text())
-    assert res["settings"]["horizon"] is None and res["settings"]["transfer_per_step"] == 1
+    assert res["settings"]["layers_ahead"] is None and res["settings"]["transfer_per_step"] == 1
     assert {r["capacity"] for r in res["runs"]} == {12, 24}
-    assert {(r["prefetch"], r["horizon"]) for r in res["runs"]} == {(False, None), (True, None)}
+    assert {(r["prefetch"], r["layers_ahead"]) for r in res["runs"]} == {(False, None), (True, None)}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporaries
 

@@ -25,14 +25,10 @@ from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from prescient.errors import PrescientError
+from prescient.errors import UnsupportedModelError
 
 _HALVES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 _MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-
-
-class UnsupportedModelError(PrescientError):
-    """The model's decoder layers cannot be split into an attention half and an FFN half."""
 
 
 class CPUKVCache(DynamicCache):

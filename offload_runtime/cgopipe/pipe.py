@@ -38,11 +38,11 @@ import torch
 from torch import nn
 
 from offload_runtime.cgopipe.batching import partition_requests
-from offload_runtime.cgopipe.decoder_stack import DecoderStack, MicroBatchInputs, UnsupportedModelError
+from offload_runtime.cgopipe.decoder_stack import DecoderStack, MicroBatchInputs
 from offload_runtime.engine.hash_builder import HashBuilder
 from offload_runtime.engine.runtime import OffloadRuntime
 from predictor.base import ExpertPredictor
-from prescient.errors import CapacityError
+from prescient.errors import CapacityError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 

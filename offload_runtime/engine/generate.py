@@ -7,8 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cache.timing import LinkTiming
-from prescient.budget import Budget
+from offload_runtime.engine.options import RuntimeOptions
 from prescient.errors import PrescientError
 
 
@@ -46,29 +45,24 @@ def check_prompt(prompt_tokens: int, max_new_tokens: int, model_dir: Path) -> No
 
 
 def generate_offloaded(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, *,
-                       predictor: str | Path | None = None, policy: str = "lru", budget: Budget | float = 0.5,
-                       store: str = "disk", drop_page_cache: bool = False, device: str = "cpu",
-                       transfer_workers: int = 1, link_timing: LinkTiming | None = None,
-                       next_token_min_chance: float | None = None) -> dict[str, Any]:
-    """Generate greedily with the experts offloaded (`load_offloaded`'s options); the record holds
-    the settings, the new token ids and text, the runtime's statistics, prefill seconds and decode
-    tokens/s."""
+                       predictor: str | Path | None = None, options: RuntimeOptions | None = None,
+                       **settings: Any) -> dict[str, Any]:
+    """Generate greedily with the experts offloaded (`load_offloaded`'s options, whole or as
+    keywords); the record holds the settings (every option), the new token ids and text, the
+    runtime's statistics, prefill seconds and decode tokens/s."""
     import torch
 
     from offload_runtime.engine.loader import load_offloaded
-    from prescient.devices import check_device
     from prescient.loading import check_model_dir, load_tokenizer
 
-    check_device(device)
+    options = RuntimeOptions.of(options, **settings)
     check_model_dir(Path(model_dir))
     tokenizer = load_tokenizer(model_dir)
     inputs = tokenizer(prompt, return_tensors="pt")
     check_prompt(inputs["input_ids"].shape[1], max_new_tokens, Path(model_dir))
-    model = load_offloaded(model_dir, predictor=predictor, policy=policy, budget=budget, store=store,
-                           drop_page_cache=drop_page_cache, device=device, transfer_workers=transfer_workers,
-                           link_timing=link_timing, next_token_min_chance=next_token_min_chance)
+    model = load_offloaded(model_dir, predictor, options)
     with model.offload_runtime as runtime:
-        inputs = inputs.to(device)
+        inputs = inputs.to(options.device)
         clock = _Clock()
         with torch.inference_mode():
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, streamer=clock,
@@ -81,12 +75,8 @@ def generate_offloaded(model_dir: str | Path, prompt: str, max_new_tokens: int =
     prefill_s = clock.times[1] - clock.times[0] if len(token_ids) else None
     decode_s = clock.times[len(token_ids)] - clock.times[1] if len(token_ids) > 1 else None
     return {
-        "settings": {"model": str(model_dir), "predictor": predictor and str(predictor), "policy": policy,
-                     "budget": Budget.of(budget).as_json(),
-                     "store": store, "drop_page_cache": drop_page_cache, "device": device,
-                     "max_new_tokens": max_new_tokens,
-                     "link_timing": link_timing.to_dict() if link_timing is not None else None,
-                     "next_token_min_chance": next_token_min_chance},
+        "settings": {"model": str(model_dir), "predictor": predictor and str(predictor),
+                     "max_new_tokens": max_new_tokens, **options.to_json()},
         "prompt": prompt,
         "token_ids": token_ids,
         "text": tokenizer.decode(token_ids, skip_special_tokens=True),

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from cache import make_serving_policy
-from cache.timing import LinkTiming
+from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.runtime import OffloadRuntime
 from offload_runtime.engine.slots import SlotPool
 from offload_runtime.engine.store import ExpertStore
 from predictor.artifact import check_tracing_convention, load_predictor
 from predictor.base import ExpertPredictor, PredictorError
 from prescient.arch import is_encoder_decoder
-from prescient.budget import Budget
-from prescient.devices import check_device
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_without_experts
 
@@ -24,29 +23,26 @@ log = logging.getLogger(__name__)
 
 
 def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredictor | None = None,
-                   policy: str = "lru", budget: Budget | float | int | str = 0.5, store: str = "disk",
-                   drop_page_cache: bool = False, device: str | torch.device = "cpu",
-                   prefetch_per_layer: int | None = None, transfer_workers: int = 1,
-                   link_timing: LinkTiming | None = None, next_token_min_chance: float | None = None):
-    """A transformers model whose routed experts live in `store` ("disk" or "host") and are
-    loaded into `budget` worth of slots on `device` (a `Budget`; or a fraction of all experts, bytes, or a
-    string like "512MiB"). `predictor` (an artifact path, or a predictor) drives SiDA-style
-    prefetching; one built for another model is a `FingerprintMismatchError`. It prefetches
-    `prefetch_per_layer` experts per layer and predicted token (default: the model's top-k).
-    `transfer_workers` copies run at once (on our CPU machine two made no measurable difference
-    to decode speed from disk; see the README). With `link_timing` (a `cache.timing.LinkTiming`,
-    e.g. `experiments.timing_calibration.load_timing(...).timing`) a predicted expert is prefetched
-    only if its copy can end before its layer runs; the others are left to demand loads. With
-    `next_token_min_chance` (a predictor with forecast heads) prefetching reaches into the next
-    token: the experts its forecast gives at least that chance of use (cross-token prefetch).
+                   options: RuntimeOptions | None = None, **settings: Any):
+    """A transformers model whose routed experts live in `options.store` and are loaded into
+    `options.budget` worth of slots on `options.device` (see `RuntimeOptions`; `settings`, its
+    fields as keywords, are a shorthand for `options=RuntimeOptions(**settings)`). `predictor`
+    (an artifact path, or a predictor) drives SiDA-style prefetching; one built for another
+    model is a `FingerprintMismatchError`. `transfer_workers` copies run at once (on our CPU
+    machine two made no measurable difference to decode speed from disk; see the README). With
+    `link_timing` (e.g. `experiments.timing_calibration.load_timing(...).timing`) a predicted
+    expert is prefetched only if its copy can end before its layer runs; the others are left to
+    demand loads. With `next_token_min_chance` (a predictor with forecast heads) prefetching
+    reaches into the next token: the experts its forecast gives at least that chance of use
+    (cross-token prefetch).
 
     `generate(...)` works as usual. `model.offload_runtime` holds the runtime: `stats()`, and
     `close()`, which stops its threads; or run the model inside `with model.offload_runtime:`. A
     model dropped without either stops them once garbage-collected.
     """
-    check_device(device)
+    options = RuntimeOptions.of(options, **settings)  # every option checked before any file is read
     model, layers = load_without_experts(model_dir, dtype=torch.float32)  # experts stay on disk
-    eviction = make_serving_policy(policy, layers[0].top_k)  # a bad name fails before any expert is read
+    eviction = make_serving_policy(options.policy, layers[0].top_k)
     fingerprint = fingerprint_model(model, layers)
     if isinstance(predictor, ExpertPredictor):
         fingerprint.require_same(predictor.meta.fingerprint, f"predictor {predictor.kind!r}")
@@ -55,16 +51,15 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
     if predictor is not None:
         check_tracing_convention(predictor.meta, is_encoder_decoder(model))
     if eviction.uses_forecasts:
-        require_forecasts(predictor, f"cache policy {policy!r}")
-    if next_token_min_chance is not None:
+        require_forecasts(predictor, f"cache policy {options.policy!r}")
+    if options.next_token_min_chance is not None:
         require_forecasts(predictor, "cross-token prefetch")
-    expert_store = ExpertStore(model_dir, model, layers, mode=store, drop_page_cache=drop_page_cache)
+    expert_store = ExpertStore(model_dir, model, layers, mode=options.store, drop_page_cache=options.drop_page_cache)
     try:
-        pool = SlotPool.for_budget(expert_store.specs, layers[0].num_experts, layers[0].top_k, budget, device)
-        model.offload_runtime = OffloadRuntime(model, layers, expert_store, pool, fingerprint, policy=eviction,
-                                               predictor=predictor, prefetch_per_layer=prefetch_per_layer,
-                                               transfer_workers=transfer_workers, link_timing=link_timing,
-                                               next_token_min_chance=next_token_min_chance)
+        pool = SlotPool.for_budget(expert_store.specs, layers[0].num_experts, layers[0].top_k, options.budget,
+                                   options.device)
+        model.offload_runtime = OffloadRuntime(model, layers, expert_store, pool, fingerprint, eviction, options,
+                                               predictor=predictor)
     except BaseException:
         expert_store.close()
         raise
@@ -72,7 +67,7 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
     # fallback path (a full load) this also copies it out of the memory-mapped checkpoint, so the
     # mapping goes and dropping the page cache really drops it.
     for tensor in [*model.parameters(), *model.buffers()]:
-        tensor.data = tensor.data.to(device, copy=True)
+        tensor.data = tensor.data.to(options.device, copy=True)
     log.info("offloaded %d MoE layers: %d of %d experts fit the budget (%.1f MiB of slots)", len(layers),
              pool.num_slots, len(layers) * layers[0].num_experts, pool.nbytes / 2**20)
     return model

@@ -2,18 +2,10 @@
 
 Per forward of a stack (the model; an encoder-decoder's encoder and decoder apart, see
 `prescient.arch.moe_stacks`), a pre-hook hands its new input ids, as that stack's token stream,
-to the hash-building thread. Per MoE layer (inference thread), in `use(layer, experts)`:
-  1. the layer's selected experts are accessed in the `ExpertCache` and pinned; misses get a
-     slot and a demand load (the transfer engine serves demand loads first)
-  2. with a predictor: the forward's hash table, once ready, is turned into prefetches of the
-     predicted experts of the stack's layers after this one, nearest layer first, as far as the slots
-     not in use allow (one prefetch call never evicts a key of its own, so a prefetch never
-     evicts another wanted one); each layer tops this up. With `next_token_min_chance`
-     (cross-token prefetch), the forecast of the next forward follows: its layers up to this one,
-     the experts forecast at least that likely. With a `link_timing`, only those whose copy can
-     end before their layer runs (`_hideable`)
-  3. every selected expert is waited for; the model's own expert math runs on the slots
-     (see `offloaded_experts`); the experts are unpinned
+to the hash-building thread. Per MoE layer (inference thread), `use(layer, experts)` serves the
+layer's selected experts: the cache decides hits and misses, each miss gets a slot and a demand
+load, the forward's prefetches are topped up (`prefetch.Prefetcher`), every selected expert is
+waited for, and the model's own expert math runs on the slots (see `offloaded_experts`).
 The cache decides residency; the slot map mirrors it: an insert takes a slot and requests its
 copy, an eviction cancels a queued copy and frees the slot. A key evicted while its copy runs
 and wanted again waits for that copy before it is requested into another slot.
@@ -40,25 +32,22 @@ from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
 from cache import EvictionPolicy, ExpertCache, Key
-from cache.timing import LinkTiming
-from offload_runtime.engine.hash_builder import HashBuilder, HashBuilderError, HashTable
+from offload_runtime.engine.hash_builder import HashBuilder, HashBuilderError
 from offload_runtime.engine.offloaded_experts import offload_experts
+from offload_runtime.engine.options import RuntimeOptions
+from offload_runtime.engine.prefetch import Prefetcher
 from offload_runtime.engine.slots import SlotPool
 from offload_runtime.engine.store import ExpertStore
 from offload_runtime.engine.transfer import Ticket, TransferEngine
-from predictor.base import ExpertPredictor, PredictorError
+from predictor.base import ExpertPredictor
 from prescient.arch import MoELayer, moe_stacks
 from prescient.fingerprint import ModelFingerprint
 
 log = logging.getLogger(__name__)
-
-_STEP_PRIORITY = 2.0**24  # a newer forward's prefetches go before an older one's
-
 
 @dataclass
 class RuntimeStats:
@@ -89,15 +78,8 @@ class RuntimeStats:
 
 class OffloadRuntime:
     def __init__(self, model: nn.Module, layers: list[MoELayer], store: ExpertStore, pool: SlotPool,
-                 fingerprint: ModelFingerprint, policy: EvictionPolicy, predictor: ExpertPredictor | None = None,
-                 prefetch_per_layer: int | None = None, transfer_workers: int = 1,
-                 link_timing: LinkTiming | None = None, next_token_min_chance: float | None = None) -> None:
-        if next_token_min_chance is not None:  # checked before any thread starts
-            if not 0.0 <= next_token_min_chance <= 1.0:
-                raise PredictorError(f"cross-token prefetch's least chance of use must be in [0, 1], "
-                                     f"got {next_token_min_chance}")
-            if predictor is not None:
-                predictor.require_horizon(1)  # no forecast heads: a ForecastHorizonError saying what to train
+                 fingerprint: ModelFingerprint, policy: EvictionPolicy, options: RuntimeOptions,
+                 predictor: ExpertPredictor | None = None) -> None:
         self.model, self.layers, self.store, self.pool = model, layers, store, pool
         self.fingerprint = fingerprint  # computed once at load; CGOPipe checks predictors against it
         self.top_k = layers[0].top_k
@@ -105,20 +87,9 @@ class OffloadRuntime:
         self.policy = policy
         self.cache = ExpertCache(pool.num_slots, self.policy, n_layers=len(layers), top_k=self.top_k,
                                  on_evict=self._on_evict)
-        self.prefetch_per_layer = prefetch_per_layer or self.top_k
-        self.link_timing = link_timing  # hide-only prefetch (see _hideable); None: as many as the slots allow
-        self.next_token_min_chance = next_token_min_chance  # cross-token prefetch (see _next_keys); None: off
+        self.options = options
         self.arrival_order = False  # see parts(); CGOPipe turns it on
-        self.late_tables = 0
-        self.tables_on_time = 0
         self._step = -1
-        self._layers = range(len(layers))  # the MoE layers of the running stack
-        self._wanted: list[list[Key]] | None = None  # this forward's predicted keys, per layer
-        self._wanted_next: list[list[Key]] = []  # the next forward's forecast keys, per layer (cross-token)
-        self._later: np.ndarray | None = None  # this forward's chances of use by later ones (learned eviction)
-        self._table_counted = False
-        self._prefetched_after = -1  # last layer whose prefetches were issued this forward
-        self._rank = 0  # prefetches requested this forward
         self._tickets: dict[Key, Ticket] = {}
         self.sequence_ids: list | None = None  # serving: each batch row's sequence id (see the module doc)
         self.on_predictor_error = "raise"  # or "demand": log, count, and go on without the predictor
@@ -130,9 +101,11 @@ class OffloadRuntime:
                          for stream, stack in enumerate(moe_stacks(model, layers))]
         if getattr(self.policy, "uses_scores", False):
             self._handles += [layer.router.register_forward_hook(self._router_scores(layer)) for layer in layers]
-        self.engine = TransferEngine(store, pool, workers=transfer_workers)
-        self.builder = HashBuilder(predictor, forecasts=policy.uses_forecasts,
-                                   next_token=next_token_min_chance is not None) if predictor is not None else None
+        self.engine = TransferEngine(store, pool, workers=options.transfer_workers)
+        self.prefetcher = Prefetcher(self.cache, self.engine, len(layers), self.n_experts,
+                                     options.prefetch_per_layer or self.top_k, options)
+        self.builder = None if predictor is None else HashBuilder(
+            predictor, forecasts=policy.uses_forecasts, next_token=options.next_token_min_chance is not None)
         self._stop = weakref.finalize(self, _stop_threads, self.engine, self.builder, self.store)
 
     @property
@@ -147,9 +120,7 @@ class OffloadRuntime:
         builder as token stream `stream`."""
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
             self._step += 1
-            self._layers = layers
-            self._wanted, self._wanted_next, self._later, self._table_counted = None, [], None, False
-            self._prefetched_after, self._rank = -1, 0
+            self.prefetcher.start(self._step, layers)
             if self.builder is None:
                 return
             input_ids = kwargs["input_ids"] if "input_ids" in kwargs else (args[0] if args else None)
@@ -171,7 +142,7 @@ class OffloadRuntime:
         log.error("%s; serving goes on with demand loads only", exc)
         self.predictor_failures += 1
         self.builder.close()
-        self.builder, self._wanted = None, None
+        self.builder = None
 
     def end_sequences(self, ids: list) -> None:
         """Serving: the sequences `ids` ended; their predictor states go."""
@@ -198,14 +169,19 @@ class OffloadRuntime:
         """Make `experts` of `layer` resident and pinned while the block runs; yields the
         layer's [E] expert → slot table (-1: no slot). `wait=False`: the copies may still run."""
         keys = [(layer, e) for e in experts]
+        # the decision: the cache counts each hit and miss, inserts the misses (evicting what its
+        # policy chooses: `_on_evict` cancels the victim's queued copy and frees its slot) and
+        # pins every key, so nothing this layer needs is evicted while it runs
         self.cache.access_many(keys, pin=True)
         try:
+            # the copy: each miss (a key without a slot) gets one and a demand load, which the
+            # transfer engine serves ahead of every prefetch
             missing = [key for key in keys if self.pool.map.slot_of(key) is None]
             for key in missing:
                 self._load(key, demand=True)
-            if self.builder is not None:
+            if self.builder is not None:  # meanwhile, the predicted experts of the layers ahead
                 self._prefetch_after(layer, len(missing))
-            for key in keys if wait else ():
+            for key in keys if wait else ():  # the layer computes once its experts are in
                 self.engine.wait(key)
             yield self.pool.map.table[layer].to(device, copy=True)
         finally:
@@ -268,81 +244,20 @@ class OffloadRuntime:
         self._tickets[key] = self.engine.request(key, slot, priority=priority, demand=demand)
 
     def _prefetch_after(self, layer: int, demand_loads: int = 0) -> None:
-        if self._wanted is None:
+        """Prefetch what the forward's hash table predicts beyond `layer`, once the table is ready
+        (see `prefetch.Prefetcher`); `demand_loads`: the misses `layer` just requested."""
+        plan = self.prefetcher
+        if plan.wanted is None:
             try:
                 table = self.builder.poll(self._step)
             except HashBuilderError as exc:
                 self._predictor_failed(exc)
                 return
             if table is not None:
-                self._wanted = self._predicted_keys(table)
-                if table.next_chances is not None:
-                    self._wanted_next = self._next_keys(table.next_chances)
-                if table.chances is not None:  # learned eviction: keep what is predicted soonest
-                    self._later = table.later_chances.numpy()
-                    chances = table.chances.numpy().copy()
-                    ran = [earlier for earlier in self._layers if earlier < layer]  # a late table: run already
-                    chances[ran] = self._later[ran]
-                    self.cache.on_forecast(chances)
-        if self._later is not None:  # this forward has run the layer: only later ones may use its experts
-            self.cache.on_forecast(self._later, layer=layer)
-        if not self._table_counted:
-            self._table_counted = True
-            if self._wanted is None:
-                self.late_tables += 1
-            else:
-                self.tables_on_time += 1
-        if self._wanted is None or layer <= self._prefetched_after:
-            return
-        self._prefetched_after = layer
-        # the stack's layers after this one, then (cross-token) the next forward's up to this one
-        ahead = [self._wanted[later] for later in self._layers if later > layer]
-        if self._wanted_next:
-            ahead += [self._wanted_next[later] for later in self._layers if later <= layer]
-        wanted = ([key for keys in ahead for key in keys] if self.link_timing is None
-                  else self._hideable(ahead, demand_loads))
-        # the cache spares every key of one prefetch call: a prefetch never evicts another wanted one
-        inserted = self.prefetch(wanted, priority=self._step * _STEP_PRIORITY - self._rank - 1)
-        self._rank += len(inserted)
-
-    def _hideable(self, ahead: list[list[Key]], demand_loads: int) -> list[Key]:
-        """Of `ahead` (the predicted keys of the layer-steps after the running one, nearest
-        first), those whose copies can end before their layer starts (cost-aware prefetch's link
-        half, as the simulator's `hide_only`): the i-th layer-step on leaves i layer computes,
-        counted from when the running layer's own `demand_loads` are in (its compute waits for
-        them), less the other copies waiting or running and those chosen for nearer ones.
-        Resident keys stay in the list (a prefetch call spares its own keys)."""
-        timing = self.link_timing
-        chosen = max(self.engine.pending - demand_loads, 0)
-        kept = []
-        for steps, keys in enumerate(ahead, start=1):
-            room = int(steps * timing.layer_compute_s / timing.transfer_s)
-            for key in keys:
-                if key in self.cache:
-                    kept.append(key)
-                elif chosen < room:
-                    kept.append(key)
-                    chosen += 1
-        return kept
-
-    def _predicted_keys(self, table: HashTable) -> list[list[Key]]:
-        """Per layer of the running stack (other layers: none), the experts to prefetch, best
-        first: `prefetch_per_layer` per token of the forward (a prompt uses many experts per
-        layer), those scored above zero."""
-        count = min(self.n_experts, self.prefetch_per_layer * max(table.tokens, 1))
-        top = torch.topk(table.scores, count, dim=-1)
-        return [[(layer, int(e)) for s, e in zip(values.tolist(), experts.tolist()) if s > 0]
-                if layer in self._layers else []
-                for layer, (values, experts) in enumerate(zip(top.values, top.indices))]
-
-    def _next_keys(self, chances: torch.Tensor) -> list[list[Key]]:
-        """Per layer of the running stack, the experts the next forward is forecast to use with a
-        chance of at least `next_token_min_chance`, likeliest first, `prefetch_per_layer` at most
-        (the chances are the largest over the rows)."""
-        top = torch.topk(chances, min(self.n_experts, self.prefetch_per_layer), dim=-1)
-        return [[(layer, int(e)) for c, e in zip(values.tolist(), experts.tolist()) if c >= self.next_token_min_chance]
-                if layer in self._layers else []
-                for layer, (values, experts) in enumerate(zip(top.values, top.indices))]
+                plan.take(table, layer)
+        keys = plan.keys_after(layer, demand_loads)
+        if keys is not None:
+            plan.issued(self.prefetch(keys, priority=plan.priority))
 
     # -- reporting and shutdown -------------------------------------------------------------
 
@@ -355,7 +270,7 @@ class OffloadRuntime:
             prefetch_accuracy=c.prefetch_hits / c.prefetch_inserts if c.prefetch_inserts else 0.0,
             hit_rate=c.hit_rate, bytes_moved=t.bytes_moved, loads=t.loads, demand_loads=t.demand_loads,
             prefetch_loads=t.prefetch_loads, stall_seconds=round(t.stall_seconds, 4),
-            late_tables=self.late_tables, tables_on_time=self.tables_on_time,
+            late_tables=self.prefetcher.late_tables, tables_on_time=self.prefetcher.tables_on_time,
             slots=self.pool.num_slots, slot_bytes=self.pool.nbytes, predictor_failures=self.predictor_failures,
         )
 

@@ -1,4 +1,5 @@
-"""The OpenAI request bodies this server reads, and the response bodies it writes.
+"""The OpenAI request bodies this server reads, and the response bodies it writes (typed
+pydantic models, as vLLM's `protocol.py`; `model_dump()` gives the JSON).
 
 Requests are strict: a field of the wrong type and a field the OpenAI API does not have are 400
 errors (as OpenAI itself answers "Unrecognized request argument"); OpenAI fields this server
@@ -106,34 +107,116 @@ class ChatRequest(_Common):
 
 # -- responses ------------------------------------------------------------------------------
 
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class _Answer(BaseModel):
+    """What every answer and stream chunk holds; each kind names its `object` and its choices."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list
+    usage: Usage | None = None
+
+
+class Completion(_Answer):
+    """A /v1/completions answer, or one of its stream chunks (OpenAI's `text_completion`)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletion(_Answer):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: dict[str, str]  # {"role", "content"} first, {"content"} after, {} on the finish chunk
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(_Answer):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChunkChoice]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "moe-prescient"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
 
 
-def completion_body(rid: str, model: str, text: str, finish_reason: str | None, use: dict | None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": use}
+def completion_body(rid: str, model: str, text: str, finish_reason: str | None, use: Usage | None) -> Completion:
+    return Completion(id=rid, model=model, choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
+                      usage=use)
 
 
-def chat_body(rid: str, model: str, text: str, finish_reason: str | None, use: dict | None) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish_reason}],
-            "usage": use}
+def chat_body(rid: str, model: str, text: str, finish_reason: str | None, use: Usage | None) -> ChatCompletion:
+    return ChatCompletion(id=rid, model=model, usage=use,
+                          choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)])
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None, use: dict | None) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": use}
+def chat_chunk(rid: str, model: str, delta: dict[str, str], finish_reason: str | None,
+               use: Usage | None) -> ChatCompletionChunk:
+    return ChatCompletionChunk(id=rid, model=model, choices=[ChunkChoice(delta=delta, finish_reason=finish_reason)],
+                               usage=use)
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    """OpenAI's error body, as JSON-ready data."""
+    return ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code)).model_dump()

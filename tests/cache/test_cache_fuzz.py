@@ -85,10 +85,10 @@ def test_replays_never_crash(policy, capacity, n_layers, ids, steps, score_ids, 
                  forecast_steps) if policy == "learned" else None
     try:
         if which == "timed":
-            cache.replay_timed(n_layers, ids, steps, 1e-3, 2e-3, scores=scores, predicted=predicted, ahead=ahead,
+            cache.replay_timed(n_layers, ids, steps, 1e-3, 2e-3, scores=scores, predicted=predicted, layers_ahead=ahead,
                                forecasts=forecasts)
         else:
-            cache.replay(n_layers, ids, steps, scores=scores, predicted=predicted, ahead=ahead, bandwidth=1,
+            cache.replay(n_layers, ids, steps, scores=scores, predicted=predicted, layers_ahead=ahead, bandwidth=1,
                          forecasts=forecasts)
     except CacheError:
         pass

@@ -89,7 +89,7 @@ def test_counts_add_up_with_prefetching(trace, name, per_layer, batch_size):
     )
     capacity = 6 if per_layer else 16
     r = simulate(replay, capacity, make_policy(name, **policy_kwargs(name, replay, trace)), per_layer=per_layer,
-                 horizon=1, transfer_per_step=2)
+                 layers_ahead=1, transfer_per_step=2)
     assert r.accesses == replay.n_accesses
     assert r.hits + r.misses == r.accesses
     assert r.stalls == r.misses + r.late_prefetches <= r.accesses
@@ -138,7 +138,7 @@ def test_bulk_paths_equal_the_public_calls_one_layer_step_at_a_time(trace, name,
             calls.prefetch_many(predicted[layer + 1] if layer + 1 < replay.n_layers else [])
             calls.unpin_many(keys)
     r = simulate(replay, capacity, make_policy(name, **policy_kwargs(name, replay, trace)), per_layer=per_layer,
-                 horizon=1)
+                 layers_ahead=1)
     s = calls.stats
     assert s.wasted_prefetches > 0 and calls.pinned() == {}
     assert (r.accesses, r.hits, r.misses, r.evictions) == (s.accesses, s.hits, s.misses, s.evictions)
@@ -158,7 +158,7 @@ def test_perfect_prediction_with_an_instant_link_never_stalls(trace):
     topk = trace["topk_ids"]
     demand = simulate(Replay.build(topk, trace["seq_id"]), 64, make_policy("lru"))
     replay = Replay.build(topk, trace["seq_id"], predicted_scores=one_hot_predictions(topk, 16))
-    r = simulate(replay, 64, make_policy("lru"), horizon=None, transfer_per_step=None)
+    r = simulate(replay, 64, make_policy("lru"), layers_ahead=None, transfer_per_step=None)
     assert (r.misses, r.stalls) == (0, 0)
     assert r.prefetch_hits == r.prefetch_inserts == demand.misses > 0
 
@@ -173,14 +173,14 @@ def test_a_link_that_moves_nothing_turns_every_cold_load_into_a_late_prefetch(tr
 
 
 def test_transfer_timing_worked_by_hand():
-    """L = 3, k = 2, one token, perfect prediction, horizon 1, the link moves 1 expert per layer.
+    """L = 3, k = 2, one token, perfect prediction, layers_ahead 1, the link moves 1 expert per layer.
     Start: L0's two experts are queued. L0: both late; L1's queued, one moves. L1: one late;
     L2's queued, one moves. L2: one late. Four stalls, no misses."""
     topk = np.array([[[0, 1], [0, 1], [0, 1]]])
     replay = Replay.build(topk, np.array([0]), predicted_scores=one_hot_predictions(topk, 2))
-    r = simulate(replay, 6, make_policy("fifo"), horizon=1, transfer_per_step=1)
+    r = simulate(replay, 6, make_policy("fifo"), layers_ahead=1, transfer_per_step=1)
     assert (r.accesses, r.misses, r.late_prefetches, r.stalls) == (6, 0, 4, 4)
-    r = simulate(replay, 6, make_policy("fifo"), horizon=1, transfer_per_step=2)
+    r = simulate(replay, 6, make_policy("fifo"), layers_ahead=1, transfer_per_step=2)
     assert (r.late_prefetches, r.stalls) == (2, 2)  # only layer 0's experts are late
 
 
@@ -192,7 +192,7 @@ def test_evicted_prefetch_is_wasted_and_its_transfer_cancelled():
     pred[0, 0, [0, 2]] = [1.0, 0.5]
     pred[0, 1, [1, 3]] = [1.0, 0.5]  # top-2 predicted per layer
     replay = Replay.build(topk, np.array([0]), predicted_scores=pred, prefetch_k=2)
-    r = simulate(replay, 2, make_policy("fifo"), horizon=None, transfer_per_step=1)
+    r = simulate(replay, 2, make_policy("fifo"), layers_ahead=None, transfer_per_step=1)
     # (0,0),(0,2) queued, then (1,1) evicts (0,0) and (1,3) evicts (0,2): both wasted.
     # L0: (0,0) misses and evicts (1,1) (first in): wasted, its transfer cancelled. The link
     # moves (1,3). L1: (1,1) misses and evicts (1,3) (first in): wasted.

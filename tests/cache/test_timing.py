@@ -57,7 +57,7 @@ def prefetched_layer_replay(n_tokens):
 
 def test_a_prefetch_one_layer_ahead_on_a_link_faster_than_compute_never_stalls():
     n = 20
-    r = simulate(prefetched_layer_replay(n), 1, make_policy("lru"), per_layer=True, horizon=1,
+    r = simulate(prefetched_layer_replay(n), 1, make_policy("lru"), per_layer=True, layers_ahead=1,
                  timing=timing(1.0, 0.9))
     t = r.timed
     # only the first token's layer 0 waits: its prediction is issued as the token starts
@@ -69,7 +69,7 @@ def test_a_prefetch_one_layer_ahead_on_a_link_faster_than_compute_never_stalls()
 
 def test_a_prefetch_in_flight_when_its_layer_starts_stalls_for_the_rest():
     n = 20
-    r = simulate(prefetched_layer_replay(n), 1, make_policy("lru"), per_layer=True, horizon=1,
+    r = simulate(prefetched_layer_replay(n), 1, make_policy("lru"), per_layer=True, layers_ahead=1,
                  timing=timing(1.0, 1.5))
     t = r.timed
     # token 0: layer 0 waits 1.5 s; every token: layer 1's copy starts with layer 0's compute, 0.5 s late
@@ -82,7 +82,7 @@ def test_demand_loads_jump_ahead_of_queued_prefetches():
     """Both of layer 1's predictions queue when the token starts; layer 0's miss goes first (1 s,
     not 2 s); the second prediction, still queued when layer 1 starts, becomes a demand load."""
     replay = hand_replay(2, [[(0, 0)], [(1, 2)]], [[], [(1, 1), (1, 2)]])
-    r = simulate(replay, 4, make_policy("lru"), horizon=None, timing=timing(1.0, 1.0))
+    r = simulate(replay, 4, make_policy("lru"), layers_ahead=None, timing=timing(1.0, 1.0))
     t = r.timed
     assert t.stall_seconds == 2.0 and t.simulated_seconds == 4.0
     assert (t.demand_loads, t.prefetch_loads) == (2, 1)
@@ -94,7 +94,7 @@ def test_a_newer_tokens_prefetches_go_before_an_older_ones():
     before the one still queued when it is issued (first in, first out would stall 2.5 s)."""
     replay = hand_replay(2, [[(0, 0)], [(1, 0)], [(0, 0)], [(1, 3)]],
                          [[], [(1, 1), (1, 2), (1, 4)], [], [(1, 3)]])
-    r = simulate(replay, 8, make_policy("lru"), horizon=None, timing=timing(1.0, 1.5))
+    r = simulate(replay, 8, make_policy("lru"), layers_ahead=None, timing=timing(1.0, 1.5))
     t = r.timed
     # 0: miss (0,0) until 1.5, compute to 2.5 while (1,1) copies 1.5-3.0
     # 2.5: miss (1,0) behind it until 4.5, compute to 5.5 while (1,2) copies 4.5-6.0
@@ -110,7 +110,7 @@ def test_bytes_wasted_counts_prefetches_copied_and_evicted_unused():
     evicts it: cancelled, nothing moved. Layer 1's is copying when its miss evicts it: the copy
     ends (wasted) and the demand load waits behind it."""
     replay = hand_replay(2, [[(0, 0)], [(1, 1)]], [[(0, 1)], [(1, 3)]])
-    r = simulate(replay, 1, make_policy("lru"), per_layer=True, horizon=None, timing=timing(1.0, 5.0))
+    r = simulate(replay, 1, make_policy("lru"), per_layer=True, layers_ahead=None, timing=timing(1.0, 5.0))
     t = r.timed
     assert r.wasted_prefetches == 2  # the cache's count: both evicted unused
     assert (t.demand_loads, t.prefetch_loads, t.wasted_loads) == (2, 1, 1)
@@ -133,13 +133,13 @@ def policy(name, replay):
 
 
 @pytest.mark.parametrize("name", ["lru", "mrs", "belady"])
-@pytest.mark.parametrize("horizon", [1, None])
+@pytest.mark.parametrize("layers_ahead", [1, None])
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_the_clock_adds_up_and_the_cache_decides_as_without_it(name, horizon, batch_size):
+def test_the_clock_adds_up_and_the_cache_decides_as_without_it(name, layers_ahead, batch_size):
     replay = random_replay(batch_size=batch_size)
     link = timing(1e-3, 2.5e-3)
-    timed = simulate(replay, 20, policy(name, replay), horizon=horizon, timing=link)
-    counted = simulate(replay, 20, policy(name, replay), horizon=horizon)
+    timed = simulate(replay, 20, policy(name, replay), layers_ahead=layers_ahead, timing=link)
+    counted = simulate(replay, 20, policy(name, replay), layers_ahead=layers_ahead)
     decisions = ("accesses", "hits", "misses", "prefetch_inserts", "prefetch_hits", "wasted_prefetches", "evictions")
     assert [getattr(timed, k) for k in decisions] == [getattr(counted, k) for k in decisions]
     t = timed.timed
@@ -163,7 +163,7 @@ def test_demand_only_timing_charges_every_miss_a_whole_transfer_in_turn():
 
 def test_the_count_only_model_is_unchanged():
     replay = random_replay()
-    r = simulate(replay, 20, make_policy("lru"), horizon=1, transfer_per_step=2)
+    r = simulate(replay, 20, make_policy("lru"), layers_ahead=1, transfer_per_step=2)
     assert r.timed is None and r.transfer_per_step == 2
     d = r.to_dict()
     assert "simulated_seconds" not in d and "tokens_per_s" not in d
@@ -186,29 +186,29 @@ def test_timing_is_a_link_timing_and_not_both_link_models():
 
 def test_hide_only_drops_the_prefetches_that_cannot_end_before_their_layer():
     n = 20  # layer 1's copy (1.5 s) cannot hide behind layer 0's compute (1 s): none is issued
-    r = simulate(prefetched_layer_replay(n), 1, make_policy("lru"), per_layer=True, horizon=1,
+    r = simulate(prefetched_layer_replay(n), 1, make_policy("lru"), per_layer=True, layers_ahead=1,
                  timing=timing(1.0, 1.5), hide_only=True)
     t = r.timed
     assert (t.prefetch_loads, r.prefetch_inserts, r.late_prefetches) == (0, 0, 0)
     assert r.misses == 1 + n and t.stall_seconds == pytest.approx(1.5 * (1 + n))  # every one a demand load
-    fits = simulate(prefetched_layer_replay(n), 1, make_policy("lru"), per_layer=True, horizon=1,
+    fits = simulate(prefetched_layer_replay(n), 1, make_policy("lru"), per_layer=True, layers_ahead=1,
                     timing=timing(1.0, 0.9), hide_only=True)  # 0.9 s fits behind 1 s: all of layer 1's go
     assert fits.timed.prefetch_loads == n and fits.misses == 1 and fits.timed.stall_seconds == pytest.approx(0.9)
 
 
-@pytest.mark.parametrize("horizon", [1, None])
-def test_hide_only_on_a_link_slower_than_a_token_is_demand_loading(horizon):
+@pytest.mark.parametrize("layers_ahead", [1, None])
+def test_hide_only_on_a_link_slower_than_a_token_is_demand_loading(layers_ahead):
     replay = random_replay()
     demand = Replay(replay.n_layers, replay.n_experts, replay.top_k, 1, replay.keys, replay.offsets,
                     n_tokens=replay.n_tokens)
     slow = timing(1e-3, 5e-3)  # one copy outlasts the compute of a token's 4 layers
-    gated = simulate(replay, 20, make_policy("lru"), horizon=horizon, timing=slow, hide_only=True)
+    gated = simulate(replay, 20, make_policy("lru"), layers_ahead=layers_ahead, timing=slow, hide_only=True)
     alone = simulate(demand, 20, make_policy("lru"), timing=slow)
     assert gated.timed.prefetch_loads == gated.prefetch_inserts == 0
     assert (gated.hits, gated.misses, gated.timed.simulated_seconds) == (alone.hits, alone.misses,
                                                                          alone.timed.simulated_seconds)
     fast = timing(1e-3, 1e-4)
-    hidden = simulate(replay, 20, make_policy("lru"), horizon=horizon, timing=fast, hide_only=True)
+    hidden = simulate(replay, 20, make_policy("lru"), layers_ahead=layers_ahead, timing=fast, hide_only=True)
     assert hidden.timed.prefetch_loads > 0
     with pytest.raises(TimingError, match="give timing"):
         simulate(replay, 20, make_policy("lru"), hide_only=True)
@@ -228,10 +228,10 @@ def next_token_replay(n_tokens, forecast=True):
 
 def test_cross_token_prefetch_hides_the_next_tokens_first_layer_behind_this_ones_compute():
     n = 10  # a copy (1.5 s) outlasts a layer's compute (1 s) but not a token's (2 s)
-    alone = simulate(next_token_replay(n, forecast=False), 2, make_policy("lru"), per_layer=True, horizon=None,
+    alone = simulate(next_token_replay(n, forecast=False), 2, make_policy("lru"), per_layer=True, layers_ahead=None,
                      timing=timing(1.0, 1.5), hide_only=True)
     assert alone.timed.prefetch_loads == 0 and alone.timed.stall_seconds == pytest.approx(1.5 * (n + 1))
-    r = simulate(next_token_replay(n), 2, make_policy("lru"), per_layer=True, horizon=None, timing=timing(1.0, 1.5),
+    r = simulate(next_token_replay(n), 2, make_policy("lru"), per_layer=True, layers_ahead=None, timing=timing(1.0, 1.5),
                  hide_only=True)
     t = r.timed
     # token 0: layer 0 misses (1.5 s); its compute issues token 1's layer-0 expert (1.5-3.0 s), ahead of
@@ -247,7 +247,7 @@ def test_cross_token_prefetch_keeps_the_likely_experts_and_needs_timing():
     chances = np.zeros((2, 2, 4))
     chances[0, 0, 2], chances[0, 1, 3], chances[0, 1, 0] = 0.9, 0.4, 0.3
     replay = Replay.build(topk, np.zeros(2, np.int64), predicted_scores=np.zeros((2, 2, 4)), n_experts=4,
-                          next_chances=chances, next_min_chance=0.5)
+                          next_chances=chances, next_token_min_chance=0.5)
     keys, offsets = replay.next_predicted
     assert keys.tolist() == [2] and offsets.tolist() == [0, 1, 1, 1, 1]  # (0, 2) for token 1; (1, 3) below 0.5
     with pytest.raises(TimingError, match="give timing"):

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from cli import archs as archs_cli
 from experiments.arch_pipeline import with_pipeline
-from offload_runtime.arch_support import check_family, greedy, markdown_table, prompt_inputs, support_table
+from experiments.arch_support import check_family, greedy, markdown_table, prompt_inputs, support_table
 from predictor.sida import read_token_embeddings
 from offload_runtime.engine.loader import load_offloaded
 from prescient.arch_zoo import Family, moe_families, save_tiny_model, tiny_config

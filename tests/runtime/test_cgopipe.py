@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from offload_runtime.cgopipe.pipe import CGOPipe, Event, budget_fraction
-from offload_runtime.cgopipe.decoder_stack import UnsupportedModelError
+from prescient.errors import UnsupportedModelError
 from offload_runtime.engine.loader import load_offloaded
 from predictor import FrequencyPredictor, PredictorMeta
 from prescient.errors import CapacityError, FingerprintMismatchError
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_model
-from tests.conftest import save_tiny_model
+from prescient.arch_zoo import save_tiny_model
+from tests.conftest import tiny_test_config
 
 NEW_TOKENS = 5
 PROMPT_LENGTHS = (9, 2, 6, 1, 7, 4, 3)  # a mix, so micro-batches carry left padding
@@ -56,7 +57,8 @@ def test_outputs_equal_each_request_alone(tiny_moe_dir, arch, overlap):
 @pytest.fixture(scope="module")
 def deep_mixtral(tmp_path_factory, tiny_tokenizer):
     """Four layers of 8 experts: at r_w = 0.25, 2·4 resident + 2·6 streamed = 20 of 32 slots."""
-    return save_tiny_model("mixtral", tiny_tokenizer, tmp_path_factory.mktemp("deep-mixtral"), num_hidden_layers=4)
+    return save_tiny_model(tiny_test_config("mixtral", tiny_tokenizer, num_hidden_layers=4),
+                           tmp_path_factory.mktemp("deep-mixtral"), tokenizer=tiny_tokenizer)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["cgopipe", "sequential"])

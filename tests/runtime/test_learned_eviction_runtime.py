@@ -150,7 +150,7 @@ def test_cross_token_prefetch_loads_the_next_forwards_layers_and_stays_exact(tin
         out = generate(model, inputs, new_tokens=6)
     assert torch.equal(out, want)
     assert early, "no prefetch reached into the next forward"
-    assert all(len(keys) <= runtime.prefetch_per_layer for keys in runtime._wanted_next)
+    assert all(len(keys) <= runtime.prefetcher.per_layer for keys in runtime.prefetcher.wanted_next)
 
 
 def test_cross_token_prefetch_keeps_only_likely_experts(tiny_moe_dir):
@@ -159,7 +159,7 @@ def test_cross_token_prefetch_keeps_only_likely_experts(tiny_moe_dir):
     with model.offload_runtime as runtime:
         chances = torch.zeros(len(runtime.layers), runtime.n_experts)
         chances[0, 3], chances[1, 1], chances[1, 2] = 0.9, 0.5, 0.49
-        assert runtime._next_keys(chances)[:2] == [[(0, 3)], [(1, 1)]]
+        assert runtime.prefetcher._next_keys(chances)[:2] == [[(0, 3)], [(1, 1)]]
 
 
 def test_cross_token_prefetch_bad_input(tiny_moe_dir, tmp_path):
@@ -180,5 +180,6 @@ def test_hide_only_counts_from_when_the_running_layers_own_demand_loads_are_in(t
     with model.offload_runtime as runtime:
         key = next((1, e) for e in range(runtime.n_experts) if (1, e) not in runtime.cache)
         monkeypatch.setattr(type(runtime.engine), "pending", property(lambda _engine: 1))  # a copy waiting
-        assert runtime._hideable([[key]], demand_loads=1) == [key]  # it is this layer's demand load: the link is free
-        assert runtime._hideable([[key]], demand_loads=0) == []  # another prefetch: no room left
+        # it is this layer's demand load: the link is free
+        assert runtime.prefetcher._hideable([[key]], demand_loads=1) == [key]
+        assert runtime.prefetcher._hideable([[key]], demand_loads=0) == []  # another prefetch: no room left

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli import args as cli_args
 from cli import generate as generate_cli
 from offload_runtime.engine.loader import load_offloaded
 from predictor import FrequencyPredictor, PredictorMeta, TokenTablePredictor, save_predictor
@@ -229,10 +230,10 @@ def test_generate_cli_prints_and_writes_json(tiny_moe_dir, tmp_path, capsys):
                                               ("1", Budget(1.0, "fraction")), ("12slots", Budget(12, "slots")),
                                               ("512MiB", Budget(2**29, "bytes"))])
 def test_budget_parsing(text, budget):
-    assert generate_cli.budget(text) == budget
+    assert cli_args.budget(text) == budget
 
 
 @pytest.mark.parametrize("text", ["48", "4096", "half", "0", "150%"])
 def test_a_budget_without_a_unit_or_out_of_range_is_refused_naming_the_units(text):
     with pytest.raises(argparse.ArgumentTypeError, match="12slots"):
-        generate_cli.budget(text)
+        cli_args.budget(text)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload_runtime.arch_support import greedy, prompt_inputs
+from experiments.arch_support import greedy, prompt_inputs
 from offload_runtime.engine.loader import load_offloaded
 from prescient.arch_zoo import moe_families, save_tiny_model
 from prescient.loading import load_model

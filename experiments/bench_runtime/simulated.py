@@ -43,10 +43,10 @@ from prescient.traces import Trace, load_trace
 
 
 def simulate_bench(result: dict[str, Any], trace_dir: str | Path, predictor_paths: dict[str, str],
-                   next_min_chance: float = 0.5) -> None:
+                   next_token_min_chance: float = 0.5) -> None:
     """Add the module doc's `simulated` to every offloaded run of `result` and its `simulator`
     section. `predictor_paths`: the bench's predictor name -> artifact (the oracle: its trace);
-    `next_min_chance`: cross-token prefetch's, for the runs with the `next` mode."""
+    `next_token_min_chance`: cross-token prefetch's, for the runs with the `next` mode."""
     fingerprint = ModelFingerprint.from_dict(result["model"]["fingerprint"])
     calibration = timing_from_bench(result, fingerprint=fingerprint)
     trace = load_trace(trace_dir)
@@ -56,7 +56,7 @@ def simulate_bench(result: dict[str, Any], trace_dir: str | Path, predictor_path
     for label in dict.fromkeys(r["label"] for r in runs):
         first = next(r for r in runs if r["label"] == label)
         simulated[label] = simulate_run(trace, first, predictor_paths.get(first["predictor"]), calibration.timing,
-                                        next_min_chance)
+                                        next_token_min_chance)
     for run in runs:
         run["simulated"] = simulated[run["label"]]
     slots = {r["budget"]: r["simulated"]["slots"] for r in runs}
@@ -67,7 +67,7 @@ def simulate_bench(result: dict[str, Any], trace_dir: str | Path, predictor_path
 
 
 def simulate_run(trace: Trace, run: dict[str, Any], predictor_path: str | None, timing: LinkTiming,
-                 next_min_chance: float = 0.5) -> dict[str, Any]:
+                 next_token_min_chance: float = 0.5) -> dict[str, Any]:
     """One bench run (its predictor, policy, slot count and prefetch modes) replayed on `trace`
     with `timing` (which the `hide` mode also weighs copies with)."""
     fp = trace.fingerprint
@@ -85,9 +85,9 @@ def simulate_run(trace: Trace, run: dict[str, Any], predictor_path: str | None, 
         build["predicted_scores"] = scores.numpy()
     modes = run.get("modes") or ()
     build.update(forecast_inputs(pred, trace, POLICIES[run["policy"]].uses_forecasts, "next" in modes),
-                 next_min_chance=next_min_chance)
+                 next_token_min_chance=next_token_min_chance)
     replay = Replay.build(columns["topk_ids"], columns["seq_id"], 1, **build)
-    sim = simulate(replay, slots, policy_for(run["policy"], replay, fp.top_k), horizon=None, timing=timing,
+    sim = simulate(replay, slots, policy_for(run["policy"], replay, fp.top_k), layers_ahead=None, timing=timing,
                    hide_only="hide" in modes)
     figures = sim.to_dict()
     return {"tokens_per_s": round(figures["tokens_per_s"], 3),

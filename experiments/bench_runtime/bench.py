@@ -14,32 +14,34 @@ method, baselines {all_resident, accelerate_disk}, runs [records], hash_thread_c
 complete. A record: label, kind, [predictor, policy, budget], tokens_per_s, peak_rss_mb,
 hit_rate, stall_seconds, bytes_moved, late_tables, exact, decode_tokens, decode_seconds,
 prefill_seconds, load_seconds, rss_after_load_mb, load_peak_rss_mb, peak_rss_scope, stats
-(the runtime's, over the decode windows), and error where a run failed. The all_resident baseline
-also holds token_ids: the reference every run is compared with.
-
-Wired into `prescient.cli` with `add_parser(sub)` and `run(args)`. The runs and their grids are in
-`bench_runtime_grid`, a job's model in `bench_runtime_load`, one measurement in its own process in
-`bench_runtime_measure`, the JSON records and ratios in `bench_runtime_records`.
+(the runtime's, over the decode windows), options (the run's `RuntimeOptions`, whole) and error
+where a run failed. The all_resident baseline also holds token_ids: the reference every run is
+compared with. The other modules of this package are named in its `__init__`.
 """
 
 from __future__ import annotations
 
 import logging
 import tempfile
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from experiments.bench_runtime_grid import BASELINES, BenchError, RunSpec, check_grid
-from experiments.bench_runtime_load import Job
-from experiments.bench_runtime_measure import Executor
-from experiments.bench_runtime_records import ratios, record_of, record_run
+from cache.timing import LinkTiming
+from experiments.bench_runtime.grid import BASELINES, BenchError, RunSpec, check_grid
+from experiments.bench_runtime.load import Job
+from experiments.bench_runtime.measure import Executor
+from experiments.bench_runtime.records import ratios, record_of, record_run
 from experiments.machine import machine_info
 from experiments.timing_calibration import load_timing
+from offload_runtime.engine.options import RuntimeOptions
 from prescient.atomic import write_json_atomic
+from prescient.fingerprint import ModelFingerprint
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ METHOD = {
                         "so every expert they use is resident and the timed pass loads nothing (see bytes_moved)",
 }
 HEADLINE_BUDGET = 0.5
+SHARED_OPTIONS = RuntimeOptions(drop_page_cache=True)  # what every run shares unless the caller says otherwise
 
 
 def prompt_ids(tokenizer, texts: list[str], count: int, tokens: int) -> list[list[int]]:
@@ -110,16 +113,14 @@ def bench_runtime(
     baselines: tuple[str, ...] = BASELINES,
     baseline_tokens: int = 4,
     sample_seed: int | None = None,
-    transfer_workers: int = 1,
+    options: RuntimeOptions = SHARED_OPTIONS,
     hash_cost_predictor: str | None = None,
     threads: int | None = None,
-    store: str = "disk",
-    drop_page_cache: bool = True,
     isolate: bool = True,
     work_dir: str | Path | None = None,
     simulate: bool = False,
     link_timing: str | Path | None = None,
-    next_min_chance: float = 0.5,
+    next_token_min_chance: float = 0.5,
     json_path: str | Path | None = None,
     plot_path: str | Path | None = None,
 ) -> dict[str, Any]:
@@ -128,16 +129,138 @@ def bench_runtime(
     the end). Prompts: the first `timed_prompts` + 1 of `texts` with `prompt_tokens` tokens
     (the first is the warm-up). `predictors`: name -> artifact path, or None for a built-in
     (freq, token, corr: fit on `train_trace`; oracle; none). `sample_seed`: sampled decoding
-    (see METHOD["decoding"]) instead of greedy. `simulate`: the time-true simulator's prediction
-    beside each run (`experiments.bench_runtime_simulated`; needs the all_resident baseline).
+    (see METHOD["decoding"]) instead of greedy. `options`: the runtime options every run shares
+    (store, page cache, transfer workers, ...); each run sets its policy, budget and prefetch
+    modes on a copy, recorded with the run. `simulate`: the time-true simulator's prediction
+    beside each run (`experiments.bench_runtime.simulated`; needs the all_resident baseline).
     A run's prefetch modes: `hide` prefetches only what the link of `link_timing` (a bench or
-    hardware-profile JSON, `experiments.timing_calibration.load_timing`) can hide behind compute, `next` reaches into the next token for experts forecast at least `next_min_chance`
-    likely."""
+    hardware-profile JSON, `experiments.timing_calibration.load_timing`) can hide behind compute,
+    `next` reaches into the next token for experts forecast at least `next_token_min_chance` likely."""
     from transformers import AutoConfig
 
-    from prescient.fingerprint import ModelFingerprint
     from prescient.loading import load_tokenizer
 
+    predictors = _check(model_dir, runs, predictors, hash_cost_predictor, train_trace, baselines, simulate, link_timing)
+    if min(new_tokens, baseline_tokens) < 2 or timed_prompts < 1:
+        raise BenchError("decode speed needs at least 2 new tokens and 1 timed prompt")
+    threads = threads or torch.get_num_threads()
+    tokenizer = load_tokenizer(model_dir)
+    ids = prompt_ids(tokenizer, texts, timed_prompts + 1, prompt_tokens)
+    settings = _settings(runs, predictors, options, new_tokens=new_tokens, timed_prompts=timed_prompts,
+                         prompt_tokens=prompt_tokens, warmup_tokens=warmup_tokens, baseline_tokens=baseline_tokens,
+                         sample_seed=sample_seed, train_trace=train_trace and str(train_trace),
+                         isolated_processes=isolate, next_token_min_chance=next_token_min_chance)
+    result: dict[str, Any] = {
+        "settings": settings, "machine": machine_info(threads), "model": {"dir": str(model_dir)},
+        "prompts": {"warmup": ids[0], "timed": ids[1:]}, "method": METHOD,
+        "baselines": {}, "runs": [], "hash_thread_cost": None, "ratios": {}, "complete": False,
+    }
+    save = partial(write_json_atomic, json_path, result) if json_path is not None else lambda: None
+    total = 1 + ("accelerate_disk" in baselines) + len(runs) + 2 * (hash_cost_predictor is not None)
+    model_type = AutoConfig.from_pretrained(model_dir).model_type
+    execute = Executor(isolate, (f"transformers.models.{model_type}.modeling_{model_type}",))
+    with _work_dir(work_dir) as work, tqdm(total=total, desc="bench", unit="run") as bar:
+        work = Path(work)
+        work.mkdir(parents=True, exist_ok=True)
+        oracle_trace = work / "oracle-trace"
+        base = Job("offloaded", str(model_dir), ids[1:], new_tokens, warmup=ids[:1], warmup_tokens=warmup_tokens,
+                   pad_token_id=tokenizer.pad_token_id, threads=threads, options=options, work_dir=str(work),
+                   sample_seed=sample_seed)
+        bar.set_postfix_str("all_resident")
+        trace_out = oracle_trace if "oracle" in predictors or simulate else None
+        reference, fingerprint = _reference(execute, base, trace_out, "all_resident" in baselines, result)
+        link = _link(result, link_timing, model_dir, fingerprint) if any("hide" in r.modes for r in runs) else None
+        bar.update()
+        paths = {"oracle": str(oracle_trace), **_artifacts(predictors, fingerprint, train_trace, work)}
+        if "accelerate_disk" in baselines:
+            bar.set_postfix_str("accelerate_disk")
+            job = replace(base, kind="accelerate_disk", prompts=ids[1:2], warmup=[], new_tokens=baseline_tokens)
+            result["baselines"]["accelerate_disk"] = record_run(execute, job, None, reference)
+            bar.update()
+        save()
+        for spec in runs:
+            bar.set_postfix_str(spec.label)
+            job = _run_job(base, spec, paths, link, next_token_min_chance)
+            result["runs"].append(record := record_run(execute, job, spec, reference))
+            result["model"].update(record.pop("model_info", None) or {})
+            bar.update()
+            save()
+        if hash_cost_predictor is not None:
+            result["hash_thread_cost"] = _hash_thread_cost(execute, base, hash_cost_predictor,
+                                                           paths.get(hash_cost_predictor), reference, bar)
+        if simulate:
+            from experiments.bench_runtime.simulated import simulate_bench
+
+            bar.set_postfix_str("simulating")
+            simulate_bench(result, oracle_trace, paths, next_token_min_chance)
+    result["ratios"] = ratios(result["runs"], result["baselines"], HEADLINE_BUDGET)
+    result["complete"] = True
+    save()
+    _report(result, plot_path)
+    return result
+
+
+def _report(result: dict[str, Any], plot_path: str | Path | None) -> None:
+    """The plot, if asked for, and a warning naming the runs that failed or were not exact."""
+    if plot_path is not None:
+        from experiments.bench_runtime.plot import plot_bench  # matplotlib only when plotting
+
+        plot_bench(result, plot_path)
+    bad = [r["label"] for r in [*result["runs"], *result["baselines"].values()] if not r["exact"]]
+    if bad:
+        log.warning("failed or not exact: %s", ", ".join(bad))
+
+
+def _work_dir(work_dir: str | Path | None) -> AbstractContextManager[str]:
+    """`work_dir`, or a temporary folder removed at the end."""
+    return tempfile.TemporaryDirectory(prefix="prescient-bench-") if work_dir is None else nullcontext(str(work_dir))
+
+
+def _settings(runs: list[RunSpec], predictors: dict[str, str | None], options: RuntimeOptions,
+              **given: Any) -> dict[str, Any]:
+    """The JSON's settings: the grid, the options every run shares, and the `given` ones."""
+    return {"budgets": sorted({r.budget for r in runs}), "policies": sorted({r.policy for r in runs}),
+            "predictors": {k: v and str(v) for k, v in predictors.items()}, **given,
+            "transfer_workers": options.transfer_workers, "store": options.store,
+            "drop_page_cache": options.drop_page_cache, "headline_budget": HEADLINE_BUDGET, "link_timing": None}
+
+
+def _reference(execute: Executor, base: Job, trace_out: Path | None, keep: bool,
+               result: dict[str, Any]) -> tuple[list[list[int]], ModelFingerprint]:
+    """The all-resident run: the token ids every run is compared with, and the model's
+    fingerprint; recorded as the all_resident baseline if `keep`. With `trace_out` it also
+    writes the router choices there (the oracle's trace)."""
+    ref = execute(replace(base, kind="all_resident", trace_out=str(trace_out) if trace_out is not None else None))
+    reference = ref["token_ids"]
+    fingerprint = ModelFingerprint.from_dict(ref.pop("fingerprint"))
+    result["model"]["fingerprint"] = fingerprint.to_dict()  # a timing calibration checks it
+    if keep:
+        result["baselines"]["all_resident"] = {**record_of(None, "all_resident", dict(ref), reference),
+                                               "token_ids": reference}
+    return reference, fingerprint
+
+
+def _link(result: dict[str, Any], link_timing: str | Path, model_dir: str | Path, fingerprint) -> LinkTiming:
+    """The link +hide runs weigh copies against, calibrated for this model and recorded in the settings."""
+    calibration = load_timing(link_timing, model_config=model_dir, fingerprint=fingerprint)
+    result["settings"]["link_timing"] = calibration.to_dict()
+    return calibration.timing
+
+
+def _run_job(base: Job, spec: RunSpec, paths: dict[str, str], link: LinkTiming | None,
+             next_token_min_chance: float) -> Job:
+    """The job of run `spec`: the shared options with its policy, budget and prefetch modes."""
+    options = replace(base.options, budget=spec.budget, policy=spec.policy,
+                      link_timing=link if "hide" in spec.modes else None,
+                      next_token_min_chance=next_token_min_chance if "next" in spec.modes else None)
+    return replace(base, options=options, predictor_path=paths.get(spec.predictor),
+                   predictor=None if spec.predictor == "none" else spec.predictor)
+
+
+def _check(model_dir: str | Path, runs: list[RunSpec], predictors: dict[str, str | None],
+           hash_cost_predictor: str | None, train_trace: str | Path | None, baselines: tuple[str, ...],
+           simulate: bool, link_timing: str | Path | None) -> dict[str, str | None]:
+    """Refuse, before any work, what the bench cannot run; returns the predictors some run uses."""
     if hash_cost_predictor is not None and hash_cost_predictor not in predictors:
         raise BenchError(f"hash-cost predictor {hash_cost_predictor!r} is not among the predictors")
     used = {spec.predictor for spec in runs} | {hash_cost_predictor}
@@ -148,101 +271,11 @@ def bench_runtime(
     if simulate and not any(spec.predictor == "none" and spec.budget < 1 for spec in runs):
         raise BenchError("--simulate calibrates the simulator's link on a run without a predictor below budget 1.0 "
                          "(e.g. none:lru@0.5): add one")
-    hiding = any("hide" in spec.modes for spec in runs)
-    if hiding and link_timing is None:
-        raise BenchError("+hide runs weigh each copy against compute: pass --link-timing BENCH.json|PROFILE.json")
-    if hiding:
-        load_timing(link_timing, model_config=model_dir)  # a bad file fails before any run; its model is checked below
-    if min(new_tokens, baseline_tokens) < 2 or timed_prompts < 1:
-        raise BenchError("decode speed needs at least 2 new tokens and 1 timed prompt")
-    threads = threads or torch.get_num_threads()
-    tokenizer = load_tokenizer(model_dir)
-    ids = prompt_ids(tokenizer, texts, timed_prompts + 1, prompt_tokens)
-    temporary = tempfile.TemporaryDirectory(prefix="prescient-bench-") if work_dir is None else None
-    work = Path(work_dir or temporary.name)
-    work.mkdir(parents=True, exist_ok=True)
-    base = Job("offloaded", str(model_dir), ids[1:], new_tokens, warmup=ids[:1], warmup_tokens=warmup_tokens,
-               pad_token_id=tokenizer.pad_token_id, threads=threads, store=store, drop_page_cache=drop_page_cache,
-               work_dir=str(work), sample_seed=sample_seed, transfer_workers=transfer_workers)
-    result: dict[str, Any] = {
-        "settings": {"budgets": sorted({r.budget for r in runs}), "policies": sorted({r.policy for r in runs}),
-                     "predictors": {k: v and str(v) for k, v in predictors.items()}, "new_tokens": new_tokens,
-                     "timed_prompts": timed_prompts, "prompt_tokens": prompt_tokens, "warmup_tokens": warmup_tokens,
-                     "baseline_tokens": baseline_tokens, "sample_seed": sample_seed,
-                     "transfer_workers": transfer_workers, "train_trace": train_trace and str(train_trace),
-                     "store": store, "drop_page_cache": drop_page_cache, "isolated_processes": isolate,
-                     "headline_budget": HEADLINE_BUDGET,
-                     "link_timing": None, "next_min_chance": next_min_chance},
-        "machine": machine_info(threads), "model": {"dir": str(model_dir)},
-        "prompts": {"warmup": ids[0], "timed": ids[1:]}, "method": METHOD,
-        "baselines": {}, "runs": [], "hash_thread_cost": None, "ratios": {}, "complete": False,
-    }
-
-    def save() -> None:
-        if json_path is not None:
-            write_json_atomic(json_path, result)
-
-    oracle_trace = work / "oracle-trace"
-    total = 1 + ("accelerate_disk" in baselines) + len(runs) + 2 * (hash_cost_predictor is not None)
-    try:
-        model_type = AutoConfig.from_pretrained(model_dir).model_type
-        preload = (f"transformers.models.{model_type}.modeling_{model_type}",)
-        execute = Executor(isolate, preload)
-        with tqdm(total=total, desc="bench", unit="run") as bar:
-            bar.set_postfix_str("all_resident")
-            ref = execute(replace(base, kind="all_resident",
-                                  trace_out=str(oracle_trace) if "oracle" in predictors or simulate else None))
-            reference = ref["token_ids"]
-            fingerprint = ModelFingerprint.from_dict(ref.pop("fingerprint"))
-            result["model"]["fingerprint"] = fingerprint.to_dict()  # a timing calibration checks it
-            link = None
-            if hiding:
-                calibration = load_timing(link_timing, model_config=model_dir, fingerprint=fingerprint)
-                link = calibration.timing
-                result["settings"]["link_timing"] = calibration.to_dict()
-            if "all_resident" in baselines:
-                result["baselines"]["all_resident"] = {**record_of(None, "all_resident", dict(ref), reference),
-                                                       "token_ids": reference}
-            bar.update()
-            paths = {"oracle": str(oracle_trace), **_artifacts(predictors, fingerprint, train_trace, work)}
-            if "accelerate_disk" in baselines:
-                bar.set_postfix_str("accelerate_disk")
-                job = replace(base, kind="accelerate_disk", prompts=ids[1:2], warmup=[], new_tokens=baseline_tokens)
-                result["baselines"]["accelerate_disk"] = record_run(execute, job, None, reference)
-                bar.update()
-            save()
-            for spec in runs:
-                bar.set_postfix_str(spec.label)
-                job = replace(base, budget=spec.budget, policy=spec.policy, predictor_path=paths.get(spec.predictor),
-                              predictor=None if spec.predictor == "none" else spec.predictor,
-                              link_timing=link if "hide" in spec.modes else None,
-                              next_token_min_chance=next_min_chance if "next" in spec.modes else None)
-                result["runs"].append(record := record_run(execute, job, spec, reference))
-                result["model"].update(record.pop("model_info", None) or {})
-                bar.update()
-                save()
-            if hash_cost_predictor is not None:
-                result["hash_thread_cost"] = _hash_thread_cost(execute, base, hash_cost_predictor,
-                                                               paths.get(hash_cost_predictor), reference, bar)
-            if simulate:
-                from experiments.bench_runtime_simulated import simulate_bench
-
-                bar.set_postfix_str("simulating")
-                simulate_bench(result, oracle_trace, paths, next_min_chance)
-    finally:
-        if temporary is not None:
-            temporary.cleanup()
-    result["ratios"] = ratios(result["runs"], result["baselines"], HEADLINE_BUDGET)
-    result["complete"] = True
-    save()
-    if plot_path is not None:
-        from experiments.bench_runtime_plot import plot_bench  # matplotlib only when plotting
-
-        plot_bench(result, plot_path)
-    bad = [r["label"] for r in [*result["runs"], *result["baselines"].values()] if not r["exact"]]
-    if bad:
-        log.warning("failed or not exact: %s", ", ".join(bad))
-    return result
+    if any("hide" in spec.modes for spec in runs):
+        if link_timing is None:
+            raise BenchError("+hide runs weigh each copy against compute: pass --link-timing BENCH.json|PROFILE.json")
+        load_timing(link_timing, model_config=model_dir)  # a bad file fails before any run; its model is checked later
+    return predictors
 
 
 def _artifacts(predictors: dict[str, str | None], fingerprint, train_trace: str | Path | None,
@@ -270,7 +303,8 @@ def _hash_thread_cost(execute: Executor, base: Job, name: str, path: str | None,
                       bar: tqdm) -> dict[str, Any]:
     """Budget 1.0, every used expert made resident by an untimed pass over the timed prompts:
     the thread running `name` with its tables ignored, against no thread."""
-    warm = replace(base, budget=1.0, policy="lru", warmup=base.prompts, warmup_tokens=base.new_tokens)
+    warm = replace(base, options=replace(base.options, budget=1.0, policy="lru"), warmup=base.prompts,
+                   warmup_tokens=base.new_tokens)
     records = {}
     for key, job, spec in [
         ("with_thread_tables_ignored", replace(warm, predictor=name, predictor_path=path, ignore_tables=True),

@@ -1,6 +1,6 @@
 """One `prescient bench` measurement: load a job's model, warm up, time the decode of its prompts
 and take its peak memory (`measure`), in a fresh process of its own (`Executor`). How each number
-is measured is in `experiments.bench_runtime.METHOD`."""
+is measured is in `experiments.bench_runtime.bench.METHOD`."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from experiments.bench_runtime_grid import BenchError
-from experiments.bench_runtime_load import Job, load_job
+from experiments.bench_runtime.grid import BenchError
+from experiments.bench_runtime.load import Job, load_job
 
 # imported once by the forkserver, so that each run's process starts with them (and the model's own module)
 PRELOAD = ["torch", "transformers.modeling_utils", "transformers.generation.utils", "accelerate",
@@ -146,7 +146,7 @@ def _decode_stats(pairs: list[list]) -> dict[str, Any]:
 
 def measure(job: Job) -> dict[str, Any]:
     """Load the job's model, warm up, time the prompts' decode; see
-    `experiments.bench_runtime.METHOD`."""
+    `experiments.bench_runtime.bench.METHOD`."""
     threads = torch.get_num_threads()
     torch.set_num_threads(job.threads)
     try:

@@ -7,9 +7,9 @@ import logging
 from statistics import median
 from typing import Any
 
-from experiments.bench_runtime_grid import BASELINES, RunSpec
-from experiments.bench_runtime_load import Job
-from experiments.bench_runtime_measure import Executor
+from experiments.bench_runtime.grid import BASELINES, RunSpec
+from experiments.bench_runtime.load import Job
+from experiments.bench_runtime.measure import Executor
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +36,13 @@ def record_of(spec: RunSpec | None, kind: str, result: dict[str, Any],
 def record_run(execute: Executor, job: Job, spec: RunSpec | None, reference: list[list[int]]) -> dict[str, Any]:
     """Execute one job and return its record; a failed job (e.g. out of memory) is recorded with
     its error, and the benchmark goes on."""
+    options = {"options": job.options.to_json()} if job.kind == "offloaded" else {}
     try:
-        return record_of(spec, job.kind, execute(job), reference)
+        return {**record_of(spec, job.kind, execute(job), reference), **options}
     except Exception as exc:
         log.error("run %s failed: %r", _head(spec, job.kind)["label"], exc)
         return {**_head(spec, job.kind), "tokens_per_s": None, "peak_rss_mb": None, "exact": False,
-                "error": f"{type(exc).__name__}: {exc}"}
+                "error": f"{type(exc).__name__}: {exc}", **options}
 
 
 def ratios(runs: list[dict[str, Any]], baselines: dict[str, dict[str, Any]], budget: float) -> dict[str, Any]:

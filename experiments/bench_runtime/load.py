@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from cache.timing import LinkTiming
+from offload_runtime.engine.options import RuntimeOptions
 from predictor.base import ExpertPredictor
 
 
 @dataclass
 class Job:
-    """One measurement (`experiments.bench_runtime_measure.measure`), picklable for the process
+    """One measurement (`experiments.bench_runtime.measure.measure`), picklable for the process
     that runs it."""
 
     kind: str  # "all_resident" | "accelerate_disk" | "offloaded"
@@ -31,19 +31,13 @@ class Job:
     warmup_tokens: int = 0
     pad_token_id: int | None = None
     threads: int = 1
-    budget: float = 1.0
-    policy: str = "lru"
+    options: RuntimeOptions = RuntimeOptions(budget=1.0, drop_page_cache=True)  # offloaded: the runtime's
     predictor: str | None = None  # "oracle" (path: its trace) or another name (path: an artifact)
     predictor_path: str | None = None
     ignore_tables: bool = False
-    store: str = "disk"
-    drop_page_cache: bool = True
     work_dir: str | None = None  # accelerate's offload folder is made below it
     trace_out: str | None = None  # all_resident: write the router choices of every prompt here
-    transfer_workers: int = 1
-    sample_seed: int | None = None  # None: greedy; else sampled, see `bench_runtime_measure.generate_ids`
-    link_timing: LinkTiming | None = None  # hide-only prefetch
-    next_token_min_chance: float | None = None  # cross-token prefetch
+    sample_seed: int | None = None  # None: greedy; else sampled, see `measure.generate_ids`
 
 
 class _IgnoredTables(ExpertPredictor):
@@ -99,7 +93,7 @@ def _load_accelerate(job: Job, stack: ExitStack) -> nn.Module:
     stack.callback(shutil.rmtree, folder, True)
     model = model_class(config).from_pretrained(job.model_dir, dtype=torch.float32, device_map=device_map,
                                                 offload_folder=str(folder)).eval()
-    if job.drop_page_cache:
+    if job.options.drop_page_cache:
         fds = [os.open(path, os.O_RDONLY) for path in sorted(folder.rglob("*")) if path.is_file()]
         stack.callback(lambda: [os.close(fd) for fd in fds])
 
@@ -137,9 +131,7 @@ def load_job(job: Job, stack: ExitStack) -> tuple[nn.Module, Any, dict[str, Any]
         predictor = (OraclePredictor(load_trace(job.predictor_path)) if job.predictor == "oracle"
                      else load_predictor(job.predictor_path))
         predictor = _IgnoredTables(predictor) if job.ignore_tables else predictor
-    model = load_offloaded(job.model_dir, predictor=predictor, policy=job.policy, budget=job.budget,
-                           store=job.store, drop_page_cache=job.drop_page_cache, transfer_workers=job.transfer_workers,
-                           link_timing=job.link_timing, next_token_min_chance=job.next_token_min_chance)
+    model = load_offloaded(job.model_dir, predictor, job.options)
     runtime = stack.enter_context(model.offload_runtime)
     layers, store = runtime.layers, runtime.store
     return model, runtime, {"model_info": {

@@ -1,0 +1,102 @@
+"""`RuntimeOptions`: every setting of the offloading runtime in one frozen object, checked when made.
+
+    options = RuntimeOptions(policy="mrs", budget="50%", next_token_min_chance=0.5)
+    model = load_offloaded("runs/demo/model", "runs/demo/predictor/sida", options)
+
+The command line builds one from its flags (`cli.args.runtime_options`); the server, the bench
+and `generate_offloaded` pass it whole, and every result JSON records `to_json()`. A value of the
+wrong type or out of range fails here, before any file is read, with the error class of what it
+configures (`CapacityError` for the budget, `PolicyError` for the policy, `DeviceError` for the
+device, `PredictorError` for the next-token chance, `OptionsError` for the rest).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from cache import make_serving_policy
+from cache.timing import LinkTiming
+from predictor.base import PredictorError
+from prescient.budget import Budget
+from prescient.devices import check_device
+from prescient.errors import PrescientError
+
+STORES = ("disk", "host")
+
+
+class OptionsError(PrescientError, ValueError):
+    """A runtime option of the wrong type or out of its range."""
+
+
+def _whole(name: str, value: Any, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OptionsError(f"{name} must be a whole number, got {value!r}")
+    if value < least:
+        raise OptionsError(f"{name} must be at least {least}, got {value}")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How the runtime serves: `policy` (a serving cache policy: lru, lfu, fifo, mrs, learned,
+    learned-belady), `budget` (expert memory: a `Budget`, a fraction, or text such as "512MiB"),
+    `store` ("disk": read from the checkpoint; "host": kept in host memory), `drop_page_cache`
+    (disk store: drop read pages), `device` (of the slots and the resident weights),
+    `transfer_workers` (copies that run at once), `prefetch_per_layer` (experts prefetched per
+    layer and predicted token; None: the model's top-k), `link_timing` (hide-only prefetch: only
+    copies that can end before their layer runs; None: as many as the slots allow),
+    `next_token_min_chance` (cross-token prefetch of the next token's experts forecast at least
+    this likely; None: off)."""
+
+    policy: str = "lru"
+    budget: Budget = Budget(0.5, "fraction")
+    store: str = "disk"
+    drop_page_cache: bool = False
+    device: str = "cpu"
+    transfer_workers: int = 1
+    prefetch_per_layer: int | None = None
+    link_timing: LinkTiming | None = None
+    next_token_min_chance: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, str):
+            raise OptionsError(f"policy must be a policy name, got {self.policy!r}")
+        make_serving_policy(self.policy, top_k=1)  # an unknown or trace-only policy is refused by name
+        object.__setattr__(self, "policy", self.policy.lower())
+        object.__setattr__(self, "budget", Budget.of(self.budget))
+        if self.store not in STORES:
+            raise OptionsError(f"store must be one of {', '.join(STORES)}, got {self.store!r}")
+        if not isinstance(self.drop_page_cache, bool):
+            raise OptionsError(f"drop_page_cache must be True or False, got {self.drop_page_cache!r}")
+        object.__setattr__(self, "device", str(check_device(self.device)))
+        _whole("transfer_workers", self.transfer_workers, 1)
+        if self.prefetch_per_layer is not None:
+            _whole("prefetch_per_layer", self.prefetch_per_layer, 1)
+        if self.link_timing is not None and not isinstance(self.link_timing, LinkTiming):
+            raise OptionsError(f"link_timing must be a cache.timing.LinkTiming, got {self.link_timing!r}")
+        chance = self.next_token_min_chance
+        if chance is not None:
+            if isinstance(chance, bool) or not isinstance(chance, (int, float)) or not 0.0 <= chance <= 1.0:
+                raise PredictorError(f"cross-token prefetch's least chance of use must be in [0, 1], got {chance}")
+            object.__setattr__(self, "next_token_min_chance", float(chance))
+
+    @classmethod
+    def of(cls, options: RuntimeOptions | None = None, **settings: Any) -> RuntimeOptions:
+        """`options`, or (the keyword shorthand of the Python API) `RuntimeOptions(**settings)`."""
+        if options is None:
+            return cls(**settings)
+        if settings:
+            raise TypeError(f"give the runtime options whole or as keywords, not both ({', '.join(settings)})")
+        return options
+
+    @classmethod
+    def names(cls) -> frozenset[str]:
+        return frozenset(field.name for field in fields(cls))
+
+    def to_json(self) -> dict[str, Any]:
+        """Every option, as a results JSON records it."""
+        return {"policy": self.policy, "budget": self.budget.as_json(), "store": self.store,
+                "drop_page_cache": self.drop_page_cache, "device": self.device,
+                "transfer_workers": self.transfer_workers, "prefetch_per_layer": self.prefetch_per_layer,
+                "link_timing": self.link_timing.to_dict() if self.link_timing is not None else None,
+                "next_token_min_chance": self.next_token_min_chance}

@@ -1,0 +1,188 @@
+"""The served model: its configuration (`ServeConfig`), and `Service`, which loads the model in the
+background and checks each request against it (`ClientError`: the 4xx answer a client caused)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from offload_runtime.engine.options import RuntimeOptions
+from offload_runtime.server import schemas
+from offload_runtime.server.metrics import ServerMetrics
+from offload_runtime.server.scheduler import (Event, QueueFullError, Request as Sequence, SamplingParams, Scheduler,
+                                              SchedulerClosedError)
+from offload_runtime.server.text import TextStream, chat_prompt
+from predictor.base import ExpertPredictor
+from prescient.errors import UnsupportedModelError
+
+log = logging.getLogger(__name__)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
+
+
+@dataclass
+class ServeConfig:
+    model_dir: Path
+    predictor: str | Path | ExpertPredictor | None = None  # an artifact path, or a predictor
+    options: RuntimeOptions = field(default_factory=RuntimeOptions)  # the runtime's (see load_offloaded)
+    served_model_name: str | None = None  # the `model` clients name; default: the model directory's name
+    max_batch: int = 16  # requests decoded together
+    max_queue: int = 64  # requests waiting beyond the batch; more are refused with 429
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish at shutdown
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or Path(self.model_dir).name
+
+
+@dataclass
+class ClientError(Exception):
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+    type: str = "invalid_request_error"
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class Service:
+    """The loaded model, its scheduler and metrics; what the HTTP routes call."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        predictor = "none" if config.predictor is None else getattr(config.predictor, "kind", None) \
+            or Path(str(config.predictor)).name.removesuffix(".json").removesuffix(".safetensors")
+        self.metrics = ServerMetrics({"policy": config.options.policy, "budget": str(config.options.budget),
+                                      "predictor": predictor})
+        self.model = self.tokenizer = self.scheduler = None
+        self.context_length = 0
+        self.load_error: BaseException | None = None
+        self.on_load_error: Callable[[BaseException], None] | None = None
+        self._loader: threading.Thread | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.scheduler is not None
+
+    def start(self) -> None:
+        """Load in the background (idempotent)."""
+        if self._loader is None:
+            self._loader = threading.Thread(target=self._load, name="serve-loader", daemon=True)
+            self._loader.start()
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        if self._loader is not None:
+            self._loader.join(timeout)
+        return self.ready
+
+    def _load(self) -> None:
+        from offload_runtime.engine.loader import load_offloaded
+        from prescient.loading import load_tokenizer
+
+        c = self.config
+        try:
+            tokenizer = load_tokenizer(c.model_dir)
+            model = load_offloaded(c.model_dir, c.predictor, c.options)
+            if model.config.is_encoder_decoder:
+                model.offload_runtime.close()
+                raise UnsupportedModelError(f"{c.model_dir} is an encoder-decoder model; serving decodes "
+                                            "decoder-only models (use the Python API for encoder-decoders)")
+            model.offload_runtime.on_predictor_error = "demand"  # a failing predictor must not stop serving
+            eos = model.generation_config.eos_token_id
+            eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+            if tokenizer.eos_token_id is not None:
+                eos.add(tokenizer.eos_token_id)
+            self.model, self.tokenizer = model, tokenizer
+            self.context_length = model.config.max_position_embeddings
+            self.scheduler = Scheduler(model, eos, max_batch=c.max_batch, max_queue=c.max_queue,
+                                       on_finish=self.metrics.observe_finished)
+            self.metrics.scheduler = self.scheduler
+            log.info("serving %s as %r: policy %s, budget %s, predictor %s, up to %d requests per batch",
+                     c.model_dir, c.name, c.options.policy, c.options.budget, c.predictor or "none", c.max_batch)
+        except BaseException as exc:
+            self.load_error = exc
+            log.error("cannot serve %s: %s", c.model_dir, exc)
+            if self.on_load_error is not None:
+                self.on_load_error(exc)
+
+    def close(self) -> None:
+        """Stop the scheduler (cancelling what is left) and the runtime's threads."""
+        if self._loader is not None:
+            self._loader.join()
+        if self.scheduler is not None:
+            self.scheduler.close()
+        if self.model is not None:
+            self.model.offload_runtime.close()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def check(self, body: schemas.CompletionRequest | schemas.ChatRequest) -> None:
+        if not self.ready:
+            raise ClientError(503, "the model is still loading" if self.load_error is None
+                               else f"the model failed to load: {self.load_error}", type="server_error")
+        if body.model != self.config.name:
+            raise ClientError(404, f"the model {body.model!r} does not exist; this server serves "
+                                    f"{self.config.name!r}", param="model", code="model_not_found")
+        bad = body.unsupported()
+        if bad is not None:
+            raise ClientError(400, bad[1], param=bad[0])
+
+    def prompt_ids(self, body: schemas.CompletionRequest | schemas.ChatRequest) -> list[int]:
+        if isinstance(body, schemas.ChatRequest):
+            text = chat_prompt(self.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
+            ids, param = self.tokenizer(text, add_special_tokens=False)["input_ids"], "messages"
+        elif isinstance(body.prompt, list) and all(isinstance(t, int) for t in body.prompt) and body.prompt:
+            ids, param = list(body.prompt), "prompt"
+            if min(ids) < 0 or max(ids) >= len(self.tokenizer):
+                raise ClientError(400, f"token ids must be in [0, {len(self.tokenizer)})", param="prompt")
+        else:
+            text = body.prompt if isinstance(body.prompt, str) else "".join(body.prompt)
+            ids, param = self.tokenizer(text)["input_ids"], "prompt"
+        if not ids:
+            raise ClientError(400, "the prompt is empty", param=param)
+        if len(ids) >= self.context_length:
+            raise ClientError(400, f"the prompt is {len(ids)} tokens; the model's context is {self.context_length} "
+                                    "tokens, and at least one must be left to generate", param=param,
+                               code="context_length_exceeded")
+        return ids
+
+    def params(self, body: schemas.CompletionRequest | schemas.ChatRequest, prompt_tokens: int) -> SamplingParams:
+        room = self.context_length - prompt_tokens
+        if isinstance(body, schemas.ChatRequest):
+            asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            max_tokens = asked if asked is not None else room
+        else:
+            asked, param = body.max_tokens, "max_tokens"
+            max_tokens = asked if asked is not None else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+        if max_tokens < 1:
+            raise ClientError(400, f"{param} must be at least 1, not {max_tokens}", param=param)
+        if max_tokens > room:
+            raise ClientError(400, f"{param} = {max_tokens} goes past the model's context: the prompt takes "
+                                    f"{prompt_tokens} of {self.context_length} tokens, {room} are left", param=param,
+                               code="context_length_exceeded")
+        return SamplingParams(max_tokens=max_tokens, temperature=float(body.temperature), top_p=float(body.top_p),
+                              seed=body.seed, stop=body.stop_strings())
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Sequence, asyncio.Queue]:
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def on_event(event: Event) -> None:  # the inference thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop is gone (shutdown)
+                pass
+
+        sequence = Sequence(prompt_ids, params, on_event, TextStream(self.tokenizer, params.stop))
+        try:
+            self.scheduler.submit(sequence)
+        except QueueFullError as exc:
+            raise ClientError(429, str(exc), type="rate_limit_error", code="queue_full",
+                               headers={"Retry-After": "1"}) from None
+        except SchedulerClosedError as exc:
+            raise ClientError(503, str(exc), type="server_error") from None
+        return sequence, events
