@@ -20,10 +20,12 @@ log = logging.getLogger("prescient")
 COMMANDS = {
     "demo": "demo",
     "reference-model": "reference_model",
+    "quantize": "quantize",
     "trace": "trace",
     "train": "train",
     "evaluate": "evaluate",
     "routing-stats": "routing_stats",
+    "quality": "quality",
     "compare-caches": "compare_caches",
     "generate": "generate",
     "bench": "bench",

@@ -83,6 +83,12 @@ def load_model(model: str | Path, dtype: torch.dtype | None = None, **kwargs) ->
     except OSError as exc:  # a hub name that cannot be fetched (no network, no such repo)
         raise ModelFilesError(f"cannot load model {model!r}: not a local directory, and the hub says: {exc}") from exc
     loaded = model_class(config).from_pretrained(model, dtype=dtype or "auto", **kwargs)
+    if dtype is not None and getattr(config, "quantization_config", None) is not None:
+        # transformers expands a compressed checkpoint's weights in their scales' dtype; the model
+        # then computes in `dtype` like any other (it refuses `.to(dtype)` on a quantised model)
+        for tensor in loaded.parameters():
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.to(dtype)
     loaded.eval()
     return loaded, find_moe_layers(loaded)
 

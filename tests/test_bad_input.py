@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from cli.main import main
+from offload_runtime.compression.writer import quantize_model
 from predictor import SiDAPredictor, SiDASizes
 from predictor.artifact import save_predictor
 from predictor.base import PredictorMeta
@@ -72,6 +74,33 @@ BAD_RECIPES = {  # name -> (section, field, value) changed in the tiny recipe
 }
 
 
+def compressed_copies(model: Path, tmp: Path) -> dict[str, Path]:
+    """The model quantised to int4, and copies damaged as a bad download or a foreign tool leaves them."""
+    good = tmp / "int4"
+    quantize_model(model, good, 4)
+    paths = {"int4": good}
+    scale = "model.layers.0.block_sparse_moe.experts.1.w2.weight_scale"
+    for name, change in {"int4_nan": lambda t: t[scale].view(-1).__setitem__(0, float("nan")),
+                         "int4_scale_shape": lambda t: t.__setitem__(scale, t[scale][:16].contiguous())}.items():
+        shutil.copytree(good, tmp / name)
+        tensors = load_file(str(good / "model.safetensors"))
+        change(tensors)
+        save_file(tensors, str(tmp / name / "model.safetensors"), metadata={"format": "pt"})
+        paths[name] = tmp / name
+    shutil.copytree(good, tmp / "int4_w4a8")
+    config = json.loads((good / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {
+        "num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}
+    (tmp / "int4_w4a8" / "config.json").write_text(json.dumps(config))
+    shutil.copytree(good, tmp / "int4_no_shard")
+    keys = list(load_file(str(good / "model.safetensors")))
+    weight_map = {key: "model-00001-of-00002.safetensors" if i % 2 else "model-00002-of-00002.safetensors"
+                  for i, key in enumerate(keys)}
+    (tmp / "int4_no_shard" / "model.safetensors").rename(tmp / "int4_no_shard" / "model-00001-of-00002.safetensors")
+    (tmp / "int4_no_shard" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return {**paths, "int4_w4a8": tmp / "int4_w4a8", "int4_no_shard": tmp / "int4_no_shard"}
+
+
 class Unsafe:
     def __reduce__(self):
         return print, ("this must never run",)
@@ -117,6 +146,7 @@ def world(tmp_path_factory, tiny_moe_dir, tiny_tokenizer, text_corpus) -> dict[s
         spec[section][field] = value
         (tmp / f"{name}.yaml").write_text(yaml.safe_dump(spec))
         paths[name] = tmp / f"{name}.yaml"
+    paths.update(compressed_copies(model, tmp))
     torch.save({"state_dict": {}, "hook": Unsafe()}, tmp / "unsafe.ckpt")
     (tmp / "truncated.ckpt").write_bytes((tmp / "unsafe.ckpt").read_bytes()[:200])
     paths.update(unsafe_ckpt=tmp / "unsafe.ckpt", truncated_ckpt=tmp / "truncated.ckpt")
@@ -255,6 +285,23 @@ CASES = [
      r"unsafe.ckpt holds what the safe weights-only loader refuses .*; resume only from"),
     ("train: another model than the trace's", train("--model.model_dir", "{other}"),
      r"trace .* was built for model mixtral\(.*\) but is used with model mixtral\(.*\); rebuild"),
+    ("quantize: 3 bits", ["quantize", "--model", "{model}", "--bits", "3", "--out", "{run}"],
+     r"--bits: invalid choice: 3 \(choose from 4, 8, 16\)"),
+    ("quantize: a group size that does not divide", ["quantize", "--model", "{model}", "--bits", "4", "--group-size",
+                                                      "24", "--out", "{run}"],
+     r"--group-size 24 does not divide the experts' input dimensions \[32\]"),
+    ("quantize: an already compressed model", ["quantize", "--model", "{int4}", "--bits", "4", "--out", "{run}"],
+     r"int4 is already compressed \(its config.json has a quantization_config\); quantise the uncompressed model"),
+    ("generate: a compressed model with a NaN scale", [*without(generate(), "--model"), "--model", "{int4_nan}"],
+     r"experts.1.w2.weight_scale holds NaN or infinite values; the checkpoint is damaged"),
+    ("generate: a compressed model with a scale of the wrong shape",
+     [*without(generate(), "--model"), "--model", "{int4_scale_shape}"],
+     r"experts.1.w2.weight_scale has shape \[16, 1\], but a \[32, 32\] weight in groups of 32 needs \[32, 1\]"),
+    ("generate: a compressed model whose scheme quantises activations",
+     [*without(generate(), "--model"), "--model", "{int4_w4a8}"],
+     r"has a scheme the runtime cannot run: quantised activations \(the runtime runs weight-only schemes\)"),
+    ("generate: a compressed model missing a shard", [*without(generate(), "--model"), "--model", "{int4_no_shard}"],
+     r"weight file .*model-00002-of-00002.safetensors listed in model.safetensors.index.json is missing"),
     ("reference-model: truncated reference.json", ["reference-model", "--out", "{reference}"],
      r"reference/reference.json is not valid JSON .*; delete .*reference to build the model again"),
     ("reference-model: heads that do not divide the hidden size", ["reference-model", "--recipe", "{recipe_heads}",

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
+from prescient.errors import DatasetError
 from training.corpora import load_corpus
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,21 @@ def pack_windows(tokenizer: PreTrainedTokenizerFast, texts: list[str], seq_len: 
         ids.append(tokenizer.eos_token_id)
     n = len(ids) // seq_len
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def corpus_windows(tokenizer: PreTrainedTokenizerFast, dataset: str, split: str, text_field: str, seq_len: int,
+                     count: int) -> torch.Tensor:
+    """Up to `count` packed windows of `seq_len` tokens from the split's first documents."""
+    texts, chars = [], 0
+    for text in load_corpus(dataset, split, text_field)["text"]:
+        texts.append(text)
+        chars += len(text)
+        if chars >= 8 * seq_len * count:  # comfortably more characters than the tokens asked for
+            break
+    windows = pack_windows(tokenizer, texts, seq_len)[:count]
+    if len(windows) == 0:
+        raise DatasetError(f"dataset {dataset!r} split {split!r} holds fewer than {seq_len} tokens")
+    return windows
 
 
 def corpus_texts(spec: str, split: str, max_chars: int) -> list[str]:

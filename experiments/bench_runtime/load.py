@@ -134,6 +134,9 @@ def load_job(job: Job, stack: ExitStack) -> tuple[nn.Module, Any, dict[str, Any]
     model = load_offloaded(job.model_dir, predictor, job.options)
     runtime = stack.enter_context(model.offload_runtime)
     layers, store = runtime.layers, runtime.store
-    return model, runtime, {"model_info": {
-        "expert_bytes": store.expert_nbytes, "total_expert_bytes": store.total_nbytes, "n_moe_layers": len(layers),
+    keys = [(layer, expert) for layer in range(len(layers)) for expert in range(layers[0].num_experts)]
+    stored = sum(store.stored_nbytes(key) for key in keys)
+    return model, runtime, {"model_info": {  # expert_bytes: what one miss moves (compressed bytes if stored so)
+        "expert_bytes": round(stored / len(keys)), "slot_bytes": store.expert_nbytes,
+        "total_expert_bytes": stored, "total_slot_bytes": store.total_nbytes, "n_moe_layers": len(layers),
         "n_experts": layers[0].num_experts, "top_k": layers[0].top_k}}

@@ -39,6 +39,8 @@ from torch import nn
 from tqdm import tqdm
 
 from cache.policy import Key
+from offload_runtime.compression.codec import compressed_names, expand_into
+from offload_runtime.compression.scheme import PACKED_SUFFIX, CheckpointSchemes, CompressionError, WeightScheme
 from offload_runtime.engine.expert_layout import ExpertSpec, LayoutDeriver, Piece, PieceRead, StoreError, expert_spec
 from prescient.arch import MoELayer, find_moe_layers
 from prescient.loading import weight_files
@@ -80,6 +82,22 @@ class _Step:
     order: tuple[int, ...]
     dst: tuple[slice, ...]
     plain: bool  # the piece is contiguous in the file and in the expert's tensor: read in place
+    compressed: _Compressed | None = None  # the piece's tensor is stored compressed: offset counts in its expansion
+
+
+@dataclass(frozen=True)
+class _Compressed:
+    """A weight stored compressed (`<module>.weight_packed`, `.weight_scale`, ...): the file
+    entries of its parts, its scheme, and its shape [out, in] once expanded."""
+
+    module: str
+    parts: dict[str, _Entry]
+    scheme: WeightScheme
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(e.shape) * e.dtype.itemsize for e in self.parts.values())
 
 
 def _read_header(path: Path) -> dict[str, _Entry]:
@@ -119,7 +137,9 @@ def _index(model_dir: Path) -> dict[str, _Entry]:
     return entries
 
 
-def _plan(read: PieceRead, entry: _Entry) -> _Step:
+def _plan(read: PieceRead, entry: _Entry, compressed: _Compressed | None = None) -> _Step:
+    """The step reading `read` from `entry` (for a compressed weight: from its expansion, an
+    entry at offset 0 of the weight's shape and dtype)."""
     strides = [math.prod(entry.shape[a + 1:]) for a in range(len(entry.shape))]
     size = tuple(len(range(*b)) for b in read.box)
     first = sum(b[0] * s for b, s in zip(read.box, strides))
@@ -129,7 +149,7 @@ def _plan(read: PieceRead, entry: _Entry) -> _Step:
     contiguous = all(stride[a] == math.prod(size[b] for b in kept[i + 1:]) for i, a in enumerate(kept))
     return _Step(read.param, entry.path, entry.offset + first * entry.dtype.itemsize, last - first + 1,
                  entry.dtype, size, stride, read.order, tuple(slice(*d) for d in read.dst),
-                 plain=contiguous and all(d[2] == 1 for d in read.dst))
+                 plain=contiguous and all(d[2] == 1 for d in read.dst), compressed=compressed)
 
 
 class ExpertStore:
@@ -159,6 +179,7 @@ class ExpertStore:
         if any(layer.num_experts != self.num_experts for layer in layers):
             raise StoreError(f"the MoE layers differ in expert count: {[x.num_experts for x in layers]}")
         self._index = _index(self.model_dir)
+        self._schemes = CheckpointSchemes.of(_model_config(self.model_dir), str(self.model_dir / "config.json"))
         self.specs: list[ExpertSpec] = []
         self._plans: list[list[list[_Step]]] = []  # [layer][expert] → steps
         layouts = LayoutDeriver(model)
@@ -166,7 +187,9 @@ class ExpertStore:
             spec, fused = expert_spec(layer)
             self.specs.append(spec)
             self._plans.append(self._plan_layer(layouts, layer, spec, fused))
-        paths = {step.path for layer_plans in self._plans for steps in layer_plans for step in steps}
+        self._stored = [[_stored_nbytes(steps) for steps in layer_plans] for layer_plans in self._plans]
+        paths = {path for layer_plans in self._plans for steps in layer_plans for step in steps
+                 for path in _files(step)}
         self._fds = {path: os.open(path, os.O_RDONLY) for path in paths}
         self._host: list[dict[str, torch.Tensor]] | None = None
         if mode == "host":
@@ -190,6 +213,18 @@ class ExpertStore:
     def total_nbytes(self) -> int:
         return sum(spec.nbytes for spec in self.specs) * self.num_experts
 
+    def stored_nbytes(self, key: Key) -> int:
+        """The bytes one read of expert `key` takes from the files: what crosses the link
+        (compressed bytes for a compressed checkpoint, where `expert_nbytes` is a slot's); in
+        host mode, the expanded expert that each read copies."""
+        layer, expert = self._check(key)
+        return self.specs[layer].nbytes if self._host is not None else self._stored[layer][expert]
+
+    @property
+    def compressed(self) -> bool:
+        """Whether the experts are stored compressed (a compressed-tensors checkpoint)."""
+        return any(step.compressed is not None for step in self._plans[0][0])
+
     def read(self, key: Key, out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Expert `key`'s tensors, one per parameter name of the experts module, each shaped like
         that parameter's [e] slice. With `out` (e.g. a slot's views) they are written there."""
@@ -206,7 +241,7 @@ class ExpertStore:
         for step in steps:
             self._read_step(step, out[step.param])
         if self.drop_page_cache:
-            for path in {step.path for step in steps}:
+            for path in {path for step in steps for path in _files(step)}:
                 os.posix_fadvise(self._fds[path], 0, 0, os.POSIX_FADV_DONTNEED)
         return out
 
@@ -244,47 +279,120 @@ class ExpertStore:
                 return self._index[candidate]
         return None
 
+    def _found(self, key: str) -> bool:
+        return self._locate(key) is not None or self._locate(_packed(key)) is not None
+
+    def _compressed(self, key: str, where: str) -> _Compressed:
+        """Checkpoint weight `key` stored compressed: its parts located, its shape and scales
+        checked (a damaged scale is refused here, before any expert is read)."""
+        packed = self._locate(_packed(key))
+        module = next(k for k in (_packed(key), _packed(key).split(".", 1)[-1], f"model.{_packed(key)}")
+                      if k in self._index)[: -len(PACKED_SUFFIX) - 1]
+        if self._schemes is None:
+            raise CompressionError(f"{where} is stored compressed ({module}.{PACKED_SUFFIX} in {packed.path.name}) "
+                                   "but config.json has no quantization_config")
+        scheme = self._schemes.for_module(module, where)
+        parts = {}
+        for name in compressed_names(scheme.args):
+            entry = self._index.get(f"{module}.{name}")
+            if entry is None:
+                raise CompressionError(f"{where}: {module}.{name} is in none of the weight files")
+            parts[name] = entry
+        shape = tuple(int(x) for x in self._read_entry(parts.pop("weight_shape")).tolist())
+        scale = self._read_entry(parts["weight_scale"])
+        groups = 1 if scheme.args.strategy == "channel" else (shape[-1] // scheme.args.group_size if shape else 0)
+        if len(shape) != 2 or tuple(scale.shape) != (shape[0], groups):
+            raise CompressionError(f"{where}: {module}.weight_scale has shape {list(scale.shape)}, but a "
+                                   f"{list(shape)} weight in {scheme.args.strategy}s of {scheme.args.group_size} "
+                                   f"needs [{shape[0] if shape else '?'}, {groups}]")
+        if not torch.isfinite(scale.float()).all():
+            raise CompressionError(f"{where}: {module}.weight_scale holds NaN or infinite values; the checkpoint is "
+                                   "damaged")
+        expected_packed = (shape[0], math.ceil(shape[1] * scheme.args.num_bits / 32))
+        if parts["weight_packed"].shape != expected_packed:
+            raise CompressionError(f"{where}: {module}.weight_packed has shape {list(parts['weight_packed'].shape)}, "
+                                   f"a {list(shape)} weight at {scheme.args.num_bits} bits needs {list(expected_packed)}")
+        return _Compressed(module, parts, scheme, shape)
+
+    def _read_entry(self, entry: _Entry) -> torch.Tensor:
+        tensor = torch.empty(entry.shape, dtype=entry.dtype)
+        with open(entry.path, "rb") as handle:
+            handle.seek(entry.offset)
+            handle.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy()))
+        return tensor
+
     def _plan_layer(self, layouts: LayoutDeriver, layer: MoELayer, spec: ExpertSpec,
                     fused: bool) -> list[list[_Step]]:
         pieces: list[Piece] = []
         for revert in (True, False):
             pieces = layouts.pieces(layer, spec, fused, revert)
-            if all(self._locate(p.at(0).key) for p in pieces):
+            if all(self._found(p.at(0).key) for p in pieces):
                 break
         else:
-            missing = [p.at(0).key for p in pieces if self._locate(p.at(0).key) is None]
+            missing = [p.at(0).key for p in pieces if not self._found(p.at(0).key)]
             raise StoreError(f"layer {layer.index} expert 0: tensors {missing} are in none of the weight files "
                              f"of {self.model_dir}; is this the model's own directory?")
         plans = []
+        stored_dtypes: dict[str, torch.dtype] = {}  # expert 0's piece key → its dtype
         for expert in range(layer.num_experts):
             steps = []
             for piece in pieces:
                 read = piece.at(expert)
                 entry = self._locate(read.key)
                 where = f"layer {layer.index} expert {expert}: checkpoint tensor {read.key}"
+                compressed = None
+                if entry is None and self._locate(_packed(read.key)) is not None:
+                    compressed = self._compressed(read.key, where)
+                    entry = _Entry(compressed.parts["weight_packed"].path, 0, compressed.shape,
+                                   spec.dtypes[read.param])
                 if entry is None:
                     raise StoreError(f"{where} is in none of the weight files of {self.model_dir}")
-                if entry.dtype != spec.dtypes[read.param]:
+                # experts stored in another float dtype than the model computes in (a bf16 checkpoint
+                # served in float32) are converted as they are read; every expert stores them alike
+                stored = stored_dtypes.setdefault(piece.read.key, entry.dtype)
+                converted = entry.dtype.is_floating_point and spec.dtypes[read.param].is_floating_point
+                if entry.dtype != stored or (entry.dtype != spec.dtypes[read.param] and not converted):
                     raise StoreError(f"{where} in {entry.path.name} is {entry.dtype}, but the model's experts module "
-                                     f"holds {read.param} as {spec.dtypes[read.param]}; load the model with "
-                                     f"dtype={entry.dtype} (or 'auto')")
+                                     f"holds {read.param} as {spec.dtypes[read.param]} and expert 0 stores it as "
+                                     f"{stored}; load the model with dtype={entry.dtype} (or 'auto')")
                 expected = piece.file_shape(spec.counts.get(read.param, layer.num_experts))
                 if entry.shape != expected:
                     raise StoreError(f"{where} in {entry.path.name} has shape {list(entry.shape)}, but the model's "
                                      f"experts module ({read.param} {list(spec.shapes[read.param])} per expert) "
                                      f"expects {list(expected)}")
-                steps.append(_plan(read, entry))
+                steps.append(_plan(read, entry, compressed))
             plans.append(steps)
         return plans
 
     def _read_step(self, step: _Step, tensor: torch.Tensor) -> None:
         target = tensor[step.dst]
+        if step.compressed is not None:
+            self._expand_step(step, target)
+            return
         if step.plain and target.is_contiguous() and target.device.type == "cpu" and target.dtype == step.dtype:
             self._pread(step.path, target, step.offset)
             return
         buffer = torch.empty(step.span, dtype=step.dtype)
         self._pread(step.path, buffer, step.offset)
         view = buffer.as_strided(step.size, step.stride).permute(step.order)
+        target.copy_(view.reshape(target.shape))
+
+    def _expand_step(self, step: _Step, target: torch.Tensor) -> None:
+        """Read a compressed weight's parts (the bytes that cross the link) and expand them into
+        `target`: in place when the step is the whole weight, else through a buffer of its shape."""
+        source = step.compressed
+        parts = {}
+        for name, entry in source.parts.items():
+            parts[name] = torch.empty(entry.shape, dtype=entry.dtype)
+            self._pread(entry.path, parts[name], entry.offset)
+        parts["weight_shape"] = torch.tensor(source.shape)
+        whole = step.plain and step.offset == 0 and step.span == math.prod(source.shape)
+        if whole and target.is_contiguous() and target.device.type == "cpu" and target.numel() == step.span:
+            expand_into(parts, source.scheme.args, target.view(source.shape))
+            return
+        buffer = expand_into(parts, source.scheme.args, torch.empty(source.shape, dtype=step.dtype))
+        first = step.offset // step.dtype.itemsize
+        view = buffer.view(-1)[first:first + step.span].as_strided(step.size, step.stride).permute(step.order)
         target.copy_(view.reshape(target.shape))
 
     def _pread(self, path: Path, tensor: torch.Tensor, offset: int) -> None:
@@ -313,3 +421,25 @@ class ExpertStore:
             for fd in self._fds.values():
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         log.info("host store: %d experts, %.1f MiB%s", len(keys), self.total_nbytes / 2**20, " pinned" if pin else "")
+
+
+def _model_config(model_dir: Path) -> dict:
+    try:
+        return json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}  # the model loader has read it already; a store on a bare weight folder has none
+
+
+def _packed(key: str) -> str:
+    """The packed tensor's key of checkpoint weight `key` (`<module>.weight` → `<module>.weight_packed`)."""
+    return key[: -len("weight")] + PACKED_SUFFIX if key.endswith(".weight") else f"{key}.{PACKED_SUFFIX}"
+
+
+def _files(step: _Step) -> set[Path]:
+    return {e.path for e in step.compressed.parts.values()} if step.compressed is not None else {step.path}
+
+
+def _stored_nbytes(steps: list[_Step]) -> int:
+    """Bytes read for one expert: each compressed weight once, each plain piece's span."""
+    compressed = {step.compressed.module: step.compressed.nbytes for step in steps if step.compressed is not None}
+    return sum(compressed.values()) + sum(step.span * step.dtype.itemsize for step in steps if step.compressed is None)

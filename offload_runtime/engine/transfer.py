@@ -52,6 +52,8 @@ class ExpertSource(Protocol):
 
     def resident(self, key: Key) -> dict[str, torch.Tensor] | None: ...
 
+    def stored_nbytes(self, key: Key) -> int: ...
+
 
 @dataclass
 class TransferStats:
@@ -279,7 +281,7 @@ class TransferEngine:
         stats.loads += 1
         stats.demand_loads += ticket.demand
         stats.prefetch_loads += not ticket.demand
-        stats.bytes_moved += self.pool.spec.nbytes
+        stats.bytes_moved += self.store.stored_nbytes(ticket.key)
         ticket.future.set_result(None)
 
     def _run(self) -> None:

@@ -44,6 +44,9 @@ class GatedStore:
     def resident(self, key):
         return None
 
+    def stored_nbytes(self, key):
+        return NBYTES
+
     def order(self) -> list[tuple[int, int]]:
         return [key for what, key in self.log if what == "start"]
 

@@ -1,0 +1,32 @@
+"""`prescient quantize`: a model directory with its routed experts compressed (compressed-tensors
+`pack-quantized` int4 / int8), or stored in bfloat16 (`--bits 16`, the fair uncompressed baseline)."""
+
+from __future__ import annotations
+
+import argparse
+
+from cli.args import output_dir, positive_int
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("quantize", help="store a model's routed experts at 4 or 8 bits (compressed-tensors "
+                                               "pack-quantized) or in bfloat16")
+    p.add_argument("--model", required=True, help="Hugging Face model directory (uncompressed)")
+    p.add_argument("--bits", type=int, required=True, choices=(4, 8, 16),
+                   help="4 or 8: group-wise symmetric integers; 16: a bfloat16 copy of the experts")
+    p.add_argument("--group-size", type=positive_int, default=None,
+                   help="weights per scale along a row (default: the largest of 128, 64, 32, 16 that divides "
+                        "every expert's input dimension)")
+    p.add_argument("--method", default="rtn", choices=("rtn",),
+                   help="rtn: round to the nearest level of each group's min/max grid")
+    p.add_argument("--out", type=output_dir, required=True, help="new model directory (must not exist or be empty)")
+    return p
+
+
+def run(args: argparse.Namespace) -> None:
+    from offload_runtime.compression.writer import quantize_model
+
+    report = quantize_model(args.model, args.out, args.bits, args.group_size, args.method)
+    print(f"{args.out}: experts {report['source_expert_bytes'] / 2**20:.1f} MiB → {report['expert_bytes'] / 2**20:.1f} "
+          f"MiB ({report['expert_compression']}x smaller) in {report['seconds']} s, "
+          f"peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB")

@@ -1,0 +1,13 @@
+"""Compressed experts: routed experts stored group-wise int8 / int4 (or bf16) in compressed-tensors'
+`pack-quantized` layout, the format GPTQModel and llm-compressor write and transformers and vLLM
+read.
+
+- `scheme.py`: the checkpoint's `quantization_config` read and checked (which tensors are
+  compressed, with what arguments), and the one we write.
+- `codec.py`: one weight quantised (round-to-nearest, group-wise) and expanded again, through
+  compressed-tensors' own compressor, so what we write is what its readers read.
+- `writer.py`: `quantize_model`, a model directory in, a compressed one out, shard by shard.
+
+The runtime's store (`engine/store.py`) reads the compressed bytes of an expert (what crosses the
+link) and expands them once on arrival into the slot, in the model's dtype.
+"""

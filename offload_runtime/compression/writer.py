@@ -1,0 +1,213 @@
+"""`quantize_model`: a model directory in, one with its routed experts compressed out.
+
+The routed experts' checkpoint tensors are found through transformers' own weight conversion (the
+names `save_pretrained` writes for the model's experts, e.g. Mixtral's
+`block_sparse_moe.experts.{e}.w1.weight`); each becomes compressed-tensors' `pack-quantized`
+parts (`weight_packed`, `weight_scale`, `weight_shape`) at 4 or 8 bits, or a bfloat16 copy at
+16. Every other tensor (attention, routers, norms, embeddings, shared experts) is copied as it
+is, so the output routes exactly as the source and shares its fingerprint: a predictor trained on
+the source serves it.
+
+Streaming: one tensor is read at a time (its file mapped only while it is read) and the output
+is written in shards of at most `SHARD_BYTES`, so memory holds one shard, never the model. The
+output is built in a hidden folder beside `out` and renamed into place when complete; an
+interrupted run leaves `out` untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import resource
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+from transformers import AutoConfig
+from transformers.core_model_loading import revert_weight_conversion
+
+from offload_runtime.compression.codec import quantize_weight
+from offload_runtime.compression.scheme import BITS, CompressionError, config_dict, weight_args
+from prescient.arch import find_moe_layers
+from prescient.atomic import write_json_atomic
+from prescient.fingerprint import fingerprint_model
+from prescient.loading import check_model_dir, load_without_experts, model_class
+
+log = logging.getLogger(__name__)
+
+SHARD_BYTES = 256 * 2**20
+GROUP_SIZES = (128, 64, 32, 16)  # the default: the largest that divides every expert's input dimension
+REPORT = "quantize.json"
+
+
+def expert_keys(model_dir: Path, files: list[Path]) -> dict[str, Path]:
+    """The checkpoint keys of the routed experts' tensors and the file holding each."""
+    config = AutoConfig.from_pretrained(model_dir)
+    with init_empty_weights(include_buffers=False):
+        model = model_class(config).from_config(config)
+    layers = find_moe_layers(model)
+    ids = {id(param) for layer in layers for param in layer.experts.parameters()}
+    experts = {name: t for name, t in model.state_dict(keep_vars=True).items() if id(t) in ids}
+    where = {key: path for path in files for key in _keys(path)}
+    found = {}
+    for name in revert_weight_conversion(model, experts):
+        key = next((k for k in (name, name.split(".", 1)[-1], f"model.{name}") if k in where), None)
+        if key is None:
+            raise CompressionError(f"{model_dir}: expert tensor {name} is in none of the weight files")
+        found[key] = where[key]
+    return found
+
+
+def quantize_model(model_dir: str | Path, out: str | Path, bits: int, group_size: int | None = None,
+                   method: str = "rtn") -> dict:
+    """Write `model_dir` with its routed experts at `bits` (4, 8: group-wise symmetric integers
+    rounded to nearest; 16: bfloat16) to `out`; returns the report also written as
+    `out/quantize.json`. `group_size` None takes the largest of 128, 64, 32, 16 that divides every
+    expert's input dimension. Bad input (an unsupported bit width, a group size that does not
+    divide, an already compressed model, an existing `out`) is a CompressionError before any
+    file is written."""
+    start = time.perf_counter()
+    model_dir, out = Path(model_dir), Path(out)
+    if bits not in BITS:
+        raise CompressionError(f"--bits {bits} is not supported; choose one of {', '.join(map(str, BITS))}")
+    if method != "rtn":
+        raise CompressionError(f"quantisation method {method!r} is not supported; the method is 'rtn'")
+    files = check_model_dir(model_dir)
+    if "quantization_config" in json.loads((model_dir / "config.json").read_text()):
+        raise CompressionError(f"{model_dir} is already compressed (its config.json has a quantization_config); "
+                               "quantise the uncompressed model")
+    if out.exists() and any(out.iterdir()):
+        raise CompressionError(f"output directory {out} exists and is not empty; choose another --out or delete it")
+    experts = expert_keys(model_dir, files)
+    shapes = {key: _shape(path, key) for key, path in experts.items()}
+    flat = [key for key, shape in shapes.items() if len(shape) != 2]
+    if flat:
+        raise CompressionError(f"{model_dir}: expert tensor {flat[0]} has shape {list(shapes[flat[0]])}; quantize "
+                               "compresses checkpoints that store one 2-D tensor per expert and projection")
+    args = None if bits == 16 else weight_args(bits, _group_size(group_size, shapes))
+    work = out.parent / f".{out.name}.partial"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        sizes = _write_shards(files, experts, args, work)
+        _copy_side_files(model_dir, work, args, experts)
+        report = _report(model_dir, work, bits, args, method, sizes)
+        report["seconds"] = round(time.perf_counter() - start, 2)
+        write_json_atomic(work / REPORT, report)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        work.rename(out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    log.info("wrote %s: experts %.1f MiB → %.1f MiB in %.1f s", out, sizes["source_expert_bytes"] / 2**20,
+             sizes["expert_bytes"] / 2**20, report["seconds"])
+    return report
+
+
+def _group_size(asked: int | None, shapes: dict[str, tuple[int, ...]]) -> int:
+    inputs = sorted({shape[1] for shape in shapes.values()})
+    if asked is not None:
+        if asked < 1 or any(n % asked for n in inputs):
+            raise CompressionError(f"--group-size {asked} does not divide the experts' input dimensions {inputs}")
+        return asked
+    for size in GROUP_SIZES:
+        if all(n % size == 0 for n in inputs):
+            return size
+    raise CompressionError(f"no group size of {', '.join(map(str, GROUP_SIZES))} divides the experts' input "
+                           f"dimensions {inputs}; give --group-size")
+
+
+def _write_shards(files: list[Path], experts: dict[str, Path], args, work: Path) -> dict[str, int]:
+    """Every tensor of `files`, experts compressed, into shards of at most SHARD_BYTES, and the index."""
+    shard: dict[str, torch.Tensor] = {}
+    weight_map: dict[str, str] = {}
+    sizes = {"source_expert_bytes": 0, "expert_bytes": 0, "total_bytes": 0}
+    names: list[str] = []
+
+    def flush() -> None:
+        name = f"model-{len(names) + 1:05d}.safetensors"
+        save_file(shard, str(work / name), metadata={"format": "pt"})
+        names.append(name)
+        weight_map.update({key: name for key in shard})
+        shard.clear()
+
+    keys = [(path, key) for path in files for key in _keys(path)]
+    with tqdm(total=len(experts), desc="quantising experts", unit="tensor", disable=None) as progress:
+        for path, key in keys:
+            with safe_open(str(path), framework="pt") as handle:  # mapped only while this tensor is read
+                tensor = handle.get_tensor(key)
+            if key in experts:
+                sizes["source_expert_bytes"] += tensor.numel() * tensor.element_size()
+                parts = ({key: tensor.to(torch.bfloat16)} if args is None else
+                         {f"{key[:-len('weight')]}{name}": part for name, part in quantize_weight(tensor, args).items()})
+                sizes["expert_bytes"] += sum(t.numel() * t.element_size() for t in parts.values())
+                progress.update()
+            else:
+                parts = {key: tensor}
+            held = sum(t.numel() * t.element_size() for t in shard.values())
+            added = sum(t.numel() * t.element_size() for t in parts.values())
+            if shard and held + added > SHARD_BYTES:
+                flush()
+            shard.update(parts)
+            sizes["total_bytes"] += added
+    if shard:
+        flush()
+    renamed = {}
+    for i, name in enumerate(names):  # the shard count is known only now: name them as save_pretrained does
+        final = f"model-{i + 1:05d}-of-{len(names):05d}.safetensors" if len(names) > 1 else "model.safetensors"
+        (work / name).rename(work / final)
+        renamed[name] = final
+    index = {"metadata": {"total_size": sizes["total_bytes"]},
+             "weight_map": {key: renamed[name] for key, name in sorted(weight_map.items())}}
+    if len(names) > 1:
+        write_json_atomic(work / "model.safetensors.index.json", index)
+    return sizes
+
+
+def _copy_side_files(model_dir: Path, work: Path, args, experts: dict[str, Path]) -> None:
+    """Config (with the quantization_config when compressed), tokenizer and other files."""
+    for item in model_dir.iterdir():
+        if item.is_file() and not item.name.endswith((".safetensors", ".safetensors.index.json")) \
+                and item.name != REPORT:
+            shutil.copy2(item, work / item.name)
+    if args is not None:
+        config = json.loads((work / "config.json").read_text())
+        config["quantization_config"] = config_dict(_targets(experts), args)
+        write_json_atomic(work / "config.json", config)
+
+
+def _targets(experts: dict[str, Path]) -> list[str]:
+    """Regexes naming the expert modules: each module name with its numbers generalised."""
+    modules = {key[: -len(".weight")] for key in experts}
+    return sorted({"re:^" + re.sub(r"\d+", r"\\d+", re.escape(m)) + "$" for m in modules})
+
+
+def _report(model_dir: Path, work: Path, bits: int, args, method: str, sizes: dict[str, int]) -> dict:
+    """What was written, and the fingerprint check: the output must route as the source."""
+    source = fingerprint_model(*load_without_experts(model_dir, dtype=torch.float32))
+    written = fingerprint_model(*load_without_experts(work, dtype=torch.float32))
+    if written != source:
+        raise CompressionError(f"the compressed model's fingerprint {written} differs from the source's {source}; "
+                               "a tensor outside the experts changed")
+    return {"source": str(model_dir), "fingerprint": source.to_dict(), "bits": bits, "method": method if args else None,
+            "group_size": args.group_size if args is not None else None, "symmetric": True if args else None,
+            "scale_dtype": "bfloat16" if args else None, **sizes,
+            "expert_compression": round(sizes["source_expert_bytes"] / max(sizes["expert_bytes"], 1), 3),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def _keys(path: Path) -> list[str]:
+    with safe_open(str(path), framework="pt") as handle:
+        return list(handle.keys())
+
+
+def _shape(path: Path, key: str) -> tuple[int, ...]:
+    with safe_open(str(path), framework="pt") as handle:
+        return tuple(handle.get_slice(key).get_shape())
