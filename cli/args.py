@@ -133,6 +133,19 @@ def predictor_specs(text: str) -> dict[str, str | None]:
     return specs
 
 
+def named_paths(text: str) -> dict[str, str]:
+    """`fp32=runs/a,int4=runs/b` -> {"fp32": "runs/a", "int4": "runs/b"}, in order, each name once."""
+    pairs: dict[str, str] = {}
+    for item in list_of(str)(text):
+        name, _, path = (part.strip() for part in item.partition("="))
+        if not name or not path:
+            raise argparse.ArgumentTypeError(f"entry {item!r} is not NAME=PATH")
+        if name in pairs:
+            raise argparse.ArgumentTypeError(f"{name!r} is named twice; give each name once")
+        pairs[name] = path
+    return pairs
+
+
 def add_results_args(parser: argparse.ArgumentParser, what: str = "results file", plot: str | None = "PNG of the results"
                      ) -> None:
     """`--json OUT` (required) and, unless `plot` is None, `--plot OUT.png`: an experiment's outputs."""

@@ -29,6 +29,7 @@ COMMANDS = {
     "compare-caches": "compare_caches",
     "generate": "generate",
     "bench": "bench",
+    "bench-compressed": "bench_compressed",
     "bench-batch": "bench_batch",
     "serve": "serve",
     "bench-serve": "bench_serve",

@@ -23,6 +23,8 @@ from offload_runtime.compression.writer import quantize_model
 from offload_runtime.engine.loader import load_offloaded
 from prescient.fingerprint import fingerprint_model_dir
 from prescient.loading import load_model, load_tokenizer
+from prescient.traces import load_trace
+from training.tracing import trace_model
 
 ARCHS = ("mixtral", "qwen3_moe", "olmoe")
 PROMPT = "def f(x):\n    return x"
@@ -179,3 +181,10 @@ def test_group_sizes_follow_the_widest_that_divides(quantized):
     config = json.loads((quantized("qwen3_moe", 8) / "config.json").read_text())["quantization_config"]
     weights = config["config_groups"]["group_0"]["weights"]
     assert (weights["num_bits"], weights["group_size"], weights["strategy"]) == (8, 16, "group")  # inputs 32 and 16
+
+
+def test_trace_of_a_compressed_model_carries_the_sources_fingerprint(quantized, tiny_moe_dir, text_corpus, tmp_path):
+    """So traces, and predictors trained on them, of the source serve the compressed model and back."""
+    out = trace_model(quantized("mixtral", 8), f"json:{text_corpus}", tmp_path / "trace", split="train",
+                      max_tokens=40, top_t=4, seq_len=16, batch_size=4)
+    assert load_trace(out).manifest.fingerprint == fingerprint_model_dir(tiny_moe_dir("mixtral"))

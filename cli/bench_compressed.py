@@ -1,0 +1,47 @@
+"""`prescient bench-compressed`: decode speed of one model at several stored precisions, interleaved
+with repeats, beside each one's quality (JSON + PNG); see `experiments.bench_compressed`."""
+
+from __future__ import annotations
+
+import argparse
+
+from cli.args import add_results_args, budgets, named_paths, positive_int
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench-compressed", help="decode tokens/s of a model at several stored precisions, "
+                                                       "beside their quality (JSON + PNG)")
+    p.add_argument("--models", type=named_paths, required=True,
+                   help="NAME=DIR,... in the order compared; the first is the uncompressed one speeds are "
+                        "divided by (e.g. fp32=runs/reference-bench,int4=runs/bench-int4)")
+    p.add_argument("--budgets", type=budgets, default="12.5%,25%,50%", help="expert memory, fractions of all experts")
+    p.add_argument("--repeats", type=positive_int, default=3, help="interleaved repeats (A B C A B C)")
+    p.add_argument("--quality", type=named_paths, default={},
+                   help="NAME=JSON,... `prescient quality` results shown beside NAME's runs")
+    p.add_argument("--new-tokens", type=positive_int, default=24, help="new tokens per timed prompt")
+    p.add_argument("--prompts", type=positive_int, default=3, help="timed prompts (one more is the warm-up)")
+    p.add_argument("--sample", type=int, default=0, metavar="SEED",
+                   help="sampled decoding seeded per prompt by SEED (as `prescient bench --sample`)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per run")
+    p.add_argument("--dataset", default="stdlib-code", help="corpus the prompts come from")
+    add_results_args(p)
+    return p
+
+
+def run(args: argparse.Namespace) -> None:
+    from experiments.bench_compressed import bench_compressed
+    from experiments.bench_runtime.grid import BenchError, fraction
+    from training.corpora import load_corpus
+
+    unknown = sorted(set(args.quality) - set(args.models))
+    if unknown:
+        raise BenchError(f"--quality names {', '.join(unknown)}, which --models does not; name models of --models")
+    texts = list(load_corpus(args.dataset, "validation")["text"][: 20 * (args.prompts + 1)])
+    result = bench_compressed(args.models, texts, [fraction(b) for b in args.budgets], args.repeats, args.quality,
+                              args.json, args.plot, new_tokens=args.new_tokens, timed_prompts=args.prompts,
+                              sample_seed=args.sample, threads=args.threads)
+    for name, rows in result["summary"].items():
+        for label, row in rows.items():
+            print(f"{name:<8} {label:<18} {row['tokens_per_s'] or 0:7.2f} tok/s  "
+                  f"stall {row['stall_ms_per_token'] or 0:6.1f} ms/tok  {row['mb_moved_per_token'] or 0:6.1f} MB/tok  "
+                  f"exact {row['exact']}")

@@ -1,0 +1,135 @@
+"""`prescient bench-compressed`: decode speed of one model stored at several precisions (the
+outputs of `prescient quantize`), interleaved with repeats, each beside its quality.
+
+    prescient bench-compressed --models fp32=DIR,bf16=DIR,int8=DIR,int4=DIR --budgets 12.5%,25%,50% \
+        --repeats 3 [--quality int8=Q.json,int4=Q.json] --json OUT.json --plot OUT.png
+
+Each repeat runs `prescient bench` (`experiments.bench_runtime.bench_runtime`, every run in a
+fresh process) on each model in turn — A B C A B C — with its all-resident baseline and on-demand
+LRU at each budget; the runtime expands a compressed expert into its slot on arrival, so a slot
+holds the same float32 expert whatever the stored precision, a budget buys the same slots for
+every model, and what differs is what a miss costs: the bytes it moves and their expansion.
+Quality comes from `prescient quality` JSONs (perplexity increase, KL, top-1 agreement against
+the uncompressed model, per dataset), copied beside each model's runs.
+
+JSON: {settings, machine, models {NAME: {dir, expert_bytes, slot_bytes, quality}}, runs [the
+bench records, each with model and repeat], summary {NAME: {LABEL: {tokens_per_s median, range,
+repeats, stall_ms_per_token, mb_moved_per_token, hit_rate, exact, vs_first_none_lru}}}, complete}.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from statistics import mean, median
+from typing import Any
+
+from experiments.bench_runtime.bench import bench_runtime
+from experiments.bench_runtime.grid import RunSpec
+from experiments.machine import machine_info
+from offload_runtime.engine.options import RuntimeOptions
+from prescient.atomic import write_json_atomic, write_results
+
+log = logging.getLogger(__name__)
+
+
+def bench_compressed(models: dict[str, str], texts: list[str], budgets: list[float], repeats: int,
+                     quality: dict[str, str], json_path: str | Path, plot_path: str | Path | None = None,
+                     options: RuntimeOptions | None = None, **bench: Any) -> dict[str, Any]:
+    """Interleaved repeats of each model's bench; `bench` passes on to `bench_runtime`
+    (new_tokens, timed_prompts, sample_seed, threads, ...)."""
+    options = options or RuntimeOptions(drop_page_cache=True)
+    runs = [RunSpec("none", "lru", budget) for budget in budgets]
+    result: dict[str, Any] = {
+        "settings": {"budgets": budgets, "repeats": repeats, "options": options.to_json(),
+                     **{k: v for k, v in bench.items() if k != "threads"}},
+        "machine": machine_info(bench.get("threads") or 1),
+        "models": {name: {"dir": path, "quality": _quality(quality.get(name))} for name, path in models.items()},
+        "runs": [], "summary": {}, "complete": False,
+    }
+    for repeat in range(repeats):
+        for name, path in models.items():
+            log.info("repeat %d/%d: %s", repeat + 1, repeats, name)
+            measured = bench_runtime(path, texts, predictors={"none": None}, runs=runs, baselines=("all_resident",),
+                                     options=options, **bench)
+            model = measured["model"]
+            result["models"][name].update(expert_bytes=model.get("expert_bytes"), slot_bytes=model.get("slot_bytes"))
+            for record in [measured["baselines"]["all_resident"], *measured["runs"]]:
+                result["runs"].append({"model": name, "repeat": repeat, **record})
+            result["summary"] = summarise(result["runs"], list(models))
+            write_json_atomic(json_path, result)
+    result["complete"] = True
+    write_results(result, json_path, plot_path, _plot)
+    return result
+
+
+def summarise(records: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """Per model and run label: medians over the repeats, the spread of tokens/s, and speed over
+    the first model's (the uncompressed one's) on-demand LRU at the same budget."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["model"], r["label"]), []).append(r)
+    out: dict[str, Any] = {name: {} for name in names}
+    for (name, label), rs in groups.items():
+        speeds = [r["tokens_per_s"] for r in rs if r.get("tokens_per_s")]
+        tokens = [r.get("decode_tokens") or 0 for r in rs]
+        out[name][label] = {
+            "tokens_per_s": median(speeds) if speeds else None,
+            "tokens_per_s_range": [min(speeds), max(speeds)] if speeds else None, "repeats": len(rs),
+            "stall_ms_per_token": _per_token([r.get("stall_seconds") for r in rs], tokens, 1e3),
+            "mb_moved_per_token": _per_token([r.get("bytes_moved") for r in rs], tokens, 1e-6),
+            "hit_rate": median([r["hit_rate"] for r in rs]) if all(r.get("hit_rate") is not None for r in rs) else None,
+            "exact": all(r.get("exact") for r in rs), "budget": rs[0].get("budget"),
+        }
+    first = names[0]
+    for name in names:
+        for label, row in out[name].items():
+            base = out[first].get(label, {}).get("tokens_per_s")
+            row[f"vs_{first}"] = row["tokens_per_s"] / base if row["tokens_per_s"] and base else None
+    return out
+
+
+def _per_token(values: list[float | None], tokens: list[int], unit: float) -> float | None:
+    pairs = [(v, t) for v, t in zip(values, tokens) if v is not None and t]
+    return median(v / t * unit for v, t in pairs) if pairs else None
+
+
+def _quality(path: str | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    measured = json.loads(Path(path).read_text())
+    return {"json": path, "reference": measured["reference"], "datasets": measured["datasets"]}
+
+
+def _plot(result: dict[str, Any], path: str | Path) -> None:
+    """Tokens/s against perplexity increase (mean over datasets), a panel per budget; bars show
+    the repeats' range."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = result["settings"]["budgets"]
+    fig, axes = plt.subplots(1, len(budgets) + 1, figsize=(4.2 * (len(budgets) + 1), 3.8), sharey=True)
+    labels = ["all_resident"] + [RunSpec("none", "lru", b).label for b in budgets]
+    for ax, label in zip(axes, labels):
+        for name, info in result["models"].items():
+            row = result["summary"].get(name, {}).get(label)
+            if not row or row["tokens_per_s"] is None:
+                continue
+            quality = info.get("quality")
+            increase = (100 * mean(d["perplexity_increase"] for d in quality["datasets"].values())
+                        if quality else 0.0)
+            low, high = row["tokens_per_s_range"]
+            ax.errorbar([increase], [row["tokens_per_s"]], yerr=[[row["tokens_per_s"] - low], [high - row["tokens_per_s"]]],
+                        fmt="o", capsize=3, label=name)
+            ax.annotate(name, (increase, row["tokens_per_s"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_title(label)
+        ax.set_xlabel("perplexity increase (%)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("decode tokens/s (median of repeats)")
+    axes[-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
