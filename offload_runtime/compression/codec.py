@@ -9,10 +9,14 @@ model computes in (transformers' own loader gives the same values).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.utils import calculate_qparams
+
+from offload_runtime.compression.scheme import CompressionError
 
 SCALE_DTYPE = torch.bfloat16
 
@@ -67,3 +71,19 @@ def expand_into(tensors: dict[str, torch.Tensor], args: QuantizationArgs, out: t
 def compressed_names(args: QuantizationArgs) -> tuple[str, ...]:
     """The checkpoint tensors of one compressed weight, by their name after the module's."""
     return PackedQuantizationCompressor.compression_param_names(_scheme(args))
+
+
+def check_parts(what: str, shape: tuple[int, ...], scale: torch.Tensor, packed_shape: tuple[int, ...],
+                args: QuantizationArgs) -> None:
+    """A CompressionError naming `what` unless a weight of `shape` stored at `args` has scales of
+    the shape its groups need, all finite, and a packed tensor of the size its levels need."""
+    groups = 1 if args.strategy == "channel" else (shape[-1] // args.group_size if len(shape) == 2 else 0)
+    if len(shape) != 2 or tuple(scale.shape) != (shape[0], groups):
+        raise CompressionError(f"{what}.weight_scale has shape {list(scale.shape)}, but a {list(shape)} weight in "
+                               f"{args.strategy}s of {args.group_size} needs [{shape[0] if shape else '?'}, {groups}]")
+    if not torch.isfinite(scale.float()).all():
+        raise CompressionError(f"{what}.weight_scale holds NaN or infinite values; the checkpoint is damaged")
+    needed = (shape[0], math.ceil(shape[1] * args.num_bits / 32))
+    if tuple(packed_shape) != needed:
+        raise CompressionError(f"{what}.weight_packed has shape {list(packed_shape)}, a {list(shape)} weight at "
+                               f"{args.num_bits} bits needs {list(needed)}")

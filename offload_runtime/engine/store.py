@@ -7,6 +7,13 @@ little-endian data) says where they lie, and `os.preadv` reads them, straight in
 destination when the box is contiguous (a slot, a pinned buffer). We read with pread instead of
 `safe_open`'s memory map so that nothing keeps the file's pages mapped: dropping them works.
 
+Compressed experts (a compressed-tensors `pack-quantized` checkpoint, `prescient quantize`'s or
+a user's): a piece whose checkpoint weight is stored as `<module>.weight_packed` (+ scale, shape,
+zero point) is read as those parts, the bytes that cross the link (`stored_nbytes`), and expanded
+on arrival into the slot in the model's dtype (`offload_runtime.compression.codec`). Scales and
+shapes are checked once when the store opens. Experts stored in another float dtype than the
+model's (a bf16 copy served in float32) are converted as they are read.
+
 Modes:
 - `disk`: every `read` reads the file. With `drop_page_cache=True` the store calls
   `posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED)` on each file after reading from it, so the
@@ -39,7 +46,7 @@ from torch import nn
 from tqdm import tqdm
 
 from cache.policy import Key
-from offload_runtime.compression.codec import compressed_names, expand_into
+from offload_runtime.compression.codec import check_parts, compressed_names, expand_into
 from offload_runtime.compression.scheme import PACKED_SUFFIX, CheckpointSchemes, CompressionError, WeightScheme
 from offload_runtime.engine.expert_layout import ExpertSpec, LayoutDeriver, Piece, PieceRead, StoreError, expert_spec
 from prescient.arch import MoELayer, find_moe_layers
@@ -273,11 +280,13 @@ class ExpertStore:
                              f"of {self.num_experts} experts")
         return layer, expert
 
+    def _resolve(self, key: str) -> str | None:
+        """The weight files' name for checkpoint key `key` (with or without the base model's prefix)."""
+        return next((c for c in (key, key.split(".", 1)[-1], f"model.{key}") if c in self._index), None)
+
     def _locate(self, key: str) -> _Entry | None:
-        for candidate in (key, key.split(".", 1)[-1], f"model.{key}"):
-            if candidate in self._index:
-                return self._index[candidate]
-        return None
+        found = self._resolve(key)
+        return None if found is None else self._index[found]
 
     def _found(self, key: str) -> bool:
         return self._locate(key) is not None or self._locate(_packed(key)) is not None
@@ -285,12 +294,10 @@ class ExpertStore:
     def _compressed(self, key: str, where: str) -> _Compressed:
         """Checkpoint weight `key` stored compressed: its parts located, its shape and scales
         checked (a damaged scale is refused here, before any expert is read)."""
-        packed = self._locate(_packed(key))
-        module = next(k for k in (_packed(key), _packed(key).split(".", 1)[-1], f"model.{_packed(key)}")
-                      if k in self._index)[: -len(PACKED_SUFFIX) - 1]
+        module = self._resolve(_packed(key))[: -len(PACKED_SUFFIX) - 1]
         if self._schemes is None:
-            raise CompressionError(f"{where} is stored compressed ({module}.{PACKED_SUFFIX} in {packed.path.name}) "
-                                   "but config.json has no quantization_config")
+            raise CompressionError(f"{where} is stored compressed ({module}.{PACKED_SUFFIX}) but config.json has no "
+                                   "quantization_config")
         scheme = self._schemes.for_module(module, where)
         parts = {}
         for name in compressed_names(scheme.args):
@@ -299,19 +306,8 @@ class ExpertStore:
                 raise CompressionError(f"{where}: {module}.{name} is in none of the weight files")
             parts[name] = entry
         shape = tuple(int(x) for x in self._read_entry(parts.pop("weight_shape")).tolist())
-        scale = self._read_entry(parts["weight_scale"])
-        groups = 1 if scheme.args.strategy == "channel" else (shape[-1] // scheme.args.group_size if shape else 0)
-        if len(shape) != 2 or tuple(scale.shape) != (shape[0], groups):
-            raise CompressionError(f"{where}: {module}.weight_scale has shape {list(scale.shape)}, but a "
-                                   f"{list(shape)} weight in {scheme.args.strategy}s of {scheme.args.group_size} "
-                                   f"needs [{shape[0] if shape else '?'}, {groups}]")
-        if not torch.isfinite(scale.float()).all():
-            raise CompressionError(f"{where}: {module}.weight_scale holds NaN or infinite values; the checkpoint is "
-                                   "damaged")
-        expected_packed = (shape[0], math.ceil(shape[1] * scheme.args.num_bits / 32))
-        if parts["weight_packed"].shape != expected_packed:
-            raise CompressionError(f"{where}: {module}.weight_packed has shape {list(parts['weight_packed'].shape)}, "
-                                   f"a {list(shape)} weight at {scheme.args.num_bits} bits needs {list(expected_packed)}")
+        check_parts(f"{where}: {module}", shape, self._read_entry(parts["weight_scale"]),
+                    parts["weight_packed"].shape, scheme.args)
         return _Compressed(module, parts, scheme, shape)
 
     def _read_entry(self, entry: _Entry) -> torch.Tensor:
