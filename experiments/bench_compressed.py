@@ -111,7 +111,7 @@ def _plot(result: dict[str, Any], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     budgets = result["settings"]["budgets"]
-    fig, axes = plt.subplots(1, len(budgets) + 1, figsize=(4.2 * (len(budgets) + 1), 3.8), sharey=True)
+    fig, axes = plt.subplots(1, len(budgets) + 1, figsize=(4.2 * (len(budgets) + 1), 3.8))
     labels = ["all_resident"] + [RunSpec("none", "lru", b).label for b in budgets]
     for ax, label in zip(axes, labels):
         for name, info in result["models"].items():
@@ -128,6 +128,8 @@ def _plot(result: dict[str, Any], path: str | Path) -> None:
         ax.set_title(label)
         ax.set_xlabel("perplexity increase (%)")
         ax.grid(alpha=0.3)
+    for ax in axes:
+        ax.set_ylim(bottom=0)
     axes[0].set_ylabel("decode tokens/s (median of repeats)")
     axes[-1].legend(fontsize=8)
     fig.tight_layout()
