@@ -95,12 +95,13 @@ def quantize_model(model_dir: str | Path, out: str | Path, bits: int, group_size
                                "quantise the uncompressed model")
     if out.exists() and any(out.iterdir()):
         raise CompressionError(f"output directory {out} exists and is not empty; choose another --out or delete it")
-    experts = expert_keys(model_dir, files)
+    # the experts' weights, one 2-D tensor per expert and projection; their biases stay as they are
+    experts = {key: path for key, path in expert_keys(model_dir, files).items() if len(_shape(path, key)) != 1}
     shapes = {key: _shape(path, key) for key, path in experts.items()}
-    flat = [key for key, shape in shapes.items() if len(shape) != 2]
-    if flat:
-        raise CompressionError(f"{model_dir}: expert tensor {flat[0]} has shape {list(shapes[flat[0]])}; quantize "
-                               "compresses checkpoints that store one 2-D tensor per expert and projection")
+    fused = [key for key, shape in shapes.items() if len(shape) != 2 or not key.endswith(".weight")]
+    if fused:
+        raise CompressionError(f"{model_dir}: expert tensor {fused[0]} has shape {list(shapes[fused[0]])}; quantize "
+                               "compresses checkpoints that store one 2-D weight per expert and projection")
     args = None if bits == 16 else weight_args(bits, _group_size(group_size, shapes))
     _fixed_mmap_threshold()
     work = out.parent / f".{out.name}.partial"
