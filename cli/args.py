@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
-from offload_runtime.engine.options import STORES, RuntimeOptions
+from offload_runtime.engine.options import DTYPES, STORES, RuntimeOptions
 from prescient.atomic import check_folder, resolve_output
 from prescient.budget import Budget
 from prescient.devices import check_device
@@ -180,6 +180,9 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
         "drop_page_cache": lambda p: p.add_argument(
             "--drop-page-cache", action="store_true", help="disk store: drop read pages from the page cache"),
         "device": lambda p: p.add_argument("--device", type=device, default="cpu"),
+        "dtype": lambda p: p.add_argument(
+            "--dtype", choices=tuple(DTYPES), default="float32",
+            help="what the model computes in and a slot holds (bfloat16: half the bytes per expert slot)"),
         "transfer_workers": lambda p: p.add_argument(
             "--transfer-workers", type=positive_int, default=1, help="expert copies that run at once"),
         "hide_only": lambda p: p.add_argument(

@@ -23,6 +23,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--sample", type=int, default=0, metavar="SEED",
                    help="sampled decoding seeded per prompt by SEED (as `prescient bench --sample`)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per run")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="what the models compute in and a slot holds (every model alike)")
     p.add_argument("--dataset", default="stdlib-code", help="corpus the prompts come from")
     add_results_args(p)
     return p
@@ -31,6 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> None:
     from experiments.bench_compressed import bench_compressed
     from experiments.bench_runtime.grid import BenchError, fraction
+    from offload_runtime.engine.options import RuntimeOptions
     from training.corpora import load_corpus
 
     unknown = sorted(set(args.quality) - set(args.models))
@@ -39,7 +42,8 @@ def run(args: argparse.Namespace) -> None:
     texts = list(load_corpus(args.dataset, "validation")["text"][: 20 * (args.prompts + 1)])
     result = bench_compressed(args.models, texts, [fraction(b) for b in args.budgets], args.repeats, args.quality,
                               args.json, args.plot, new_tokens=args.new_tokens, timed_prompts=args.prompts,
-                              sample_seed=args.sample, threads=args.threads)
+                              options=RuntimeOptions(drop_page_cache=True, dtype=args.dtype), sample_seed=args.sample,
+                              threads=args.threads)
     for name, rows in result["summary"].items():
         for label, row in rows.items():
             print(f"{name:<8} {label:<18} {row['tokens_per_s'] or 0:7.2f} tok/s  "

@@ -7,8 +7,9 @@ outputs of `prescient quantize`), interleaved with repeats, each beside its qual
 Each repeat runs `prescient bench` (`experiments.bench_runtime.bench_runtime`, every run in a
 fresh process) on each model in turn — A B C A B C — with its all-resident baseline and on-demand
 LRU at each budget; the runtime expands a compressed expert into its slot on arrival, so a slot
-holds the same float32 expert whatever the stored precision, a budget buys the same slots for
-every model, and what differs is what a miss costs: the bytes it moves and their expansion.
+holds the same expert in the compute dtype (`options.dtype`) whatever the stored precision, a
+budget buys the same slots for every model, and what differs is what a miss costs: the bytes it
+moves and their expansion.
 Quality comes from `prescient quality` JSONs (perplexity increase, KL, top-1 agreement against
 the uncompressed model, per dataset), copied beside each model's runs.
 

@@ -228,6 +228,8 @@ CASES = [
     ("generate: no transfer workers", generate("--transfer-workers", "0"), r"--transfer-workers: 0 must be at least 1"),
     ("generate: budget without a unit", generate("--budget", "48"), r"--budget: budget '48' names no unit"),
     ("generate: unknown store", generate("--store", "tape"), r"--store: invalid choice: 'tape'"),
+    ("generate: a compute dtype the runtime does not run", generate("--dtype", "float16"),
+     r"--dtype: invalid choice: 'float16' \(choose from 'float32', 'bfloat16'\)"),
     ("serve: no transfer workers", ["serve", "--model", "{model}", "--transfer-workers", "0"],
      r"--transfer-workers: 0 must be at least 1"),
     ("serve: port out of range", ["serve", "--model", "{model}", "--port", "70000"],

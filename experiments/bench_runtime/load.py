@@ -91,7 +91,7 @@ def _load_accelerate(job: Job, stack: ExitStack) -> nn.Module:
     device_map = _device_map(skeleton, {names[id(layer.experts)] for layer in find_moe_layers(skeleton)})
     folder = Path(tempfile.mkdtemp(prefix="accelerate-offload-", dir=job.work_dir))
     stack.callback(shutil.rmtree, folder, True)
-    model = model_class(config).from_pretrained(job.model_dir, dtype=torch.float32, device_map=device_map,
+    model = model_class(config).from_pretrained(job.model_dir, dtype=job.options.torch_dtype, device_map=device_map,
                                                 offload_folder=str(folder)).eval()
     if job.options.drop_page_cache:
         fds = [os.open(path, os.O_RDONLY) for path in sorted(folder.rglob("*")) if path.is_file()]
@@ -121,7 +121,7 @@ def load_job(job: Job, stack: ExitStack) -> tuple[nn.Module, Any, dict[str, Any]
     from prescient.traces import load_trace
 
     if job.kind == "all_resident":
-        model, layers = load_model(job.model_dir, dtype=torch.float32)
+        model, layers = load_model(job.model_dir, dtype=job.options.torch_dtype)
         return model, None, {"fingerprint": fingerprint_model(model, layers).to_dict()}
     if job.kind == "accelerate_disk":
         model = _load_accelerate(job, stack)

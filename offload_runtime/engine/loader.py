@@ -6,7 +6,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from cache import make_serving_policy
 from offload_runtime.engine.options import RuntimeOptions
@@ -41,7 +40,7 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
     model dropped without either stops them once garbage-collected.
     """
     options = RuntimeOptions.of(options, **settings)  # every option checked before any file is read
-    model, layers = load_without_experts(model_dir, dtype=torch.float32)  # experts stay on disk
+    model, layers = load_without_experts(model_dir, dtype=options.torch_dtype)  # experts stay on disk
     eviction = make_serving_policy(options.policy, layers[0].top_k)
     fingerprint = fingerprint_model(model, layers)
     if isinstance(predictor, ExpertPredictor):

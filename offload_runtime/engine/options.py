@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
+
 from cache import make_serving_policy
 from cache.timing import LinkTiming
 from predictor.base import PredictorError
@@ -23,6 +25,7 @@ from prescient.devices import check_device
 from prescient.errors import PrescientError
 
 STORES = ("disk", "host")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class OptionsError(PrescientError, ValueError):
@@ -46,7 +49,9 @@ class RuntimeOptions:
     layer and predicted token; None: the model's top-k), `link_timing` (hide-only prefetch: only
     copies that can end before their layer runs; None: as many as the slots allow),
     `next_token_min_chance` (cross-token prefetch of the next token's experts forecast at least
-    this likely; None: off)."""
+    this likely; None: off), `dtype` (what the model computes in, and so what a slot holds:
+    "float32", or "bfloat16", half the bytes per slot; experts stored in another precision are
+    converted or expanded into it as they arrive)."""
 
     policy: str = "lru"
     budget: Budget = Budget(0.5, "fraction")
@@ -57,6 +62,7 @@ class RuntimeOptions:
     prefetch_per_layer: int | None = None
     link_timing: LinkTiming | None = None
     next_token_min_chance: float | None = None
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str):
@@ -74,6 +80,8 @@ class RuntimeOptions:
             _whole("prefetch_per_layer", self.prefetch_per_layer, 1)
         if self.link_timing is not None and not isinstance(self.link_timing, LinkTiming):
             raise OptionsError(f"link_timing must be a cache.timing.LinkTiming, got {self.link_timing!r}")
+        if self.dtype not in DTYPES:
+            raise OptionsError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         chance = self.next_token_min_chance
         if chance is not None:
             if isinstance(chance, bool) or not isinstance(chance, (int, float)) or not 0.0 <= chance <= 1.0:
@@ -89,6 +97,10 @@ class RuntimeOptions:
             raise TypeError(f"give the runtime options whole or as keywords, not both ({', '.join(settings)})")
         return options
 
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
     @classmethod
     def names(cls) -> frozenset[str]:
         return frozenset(field.name for field in fields(cls))
@@ -99,4 +111,4 @@ class RuntimeOptions:
                 "drop_page_cache": self.drop_page_cache, "device": self.device,
                 "transfer_workers": self.transfer_workers, "prefetch_per_layer": self.prefetch_per_layer,
                 "link_timing": self.link_timing.to_dict() if self.link_timing is not None else None,
-                "next_token_min_chance": self.next_token_min_chance}
+                "next_token_min_chance": self.next_token_min_chance, "dtype": self.dtype}

@@ -5,6 +5,7 @@ offloading stays exact within a precision, and a miss moves the compressed bytes
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -188,3 +189,17 @@ def test_trace_of_a_compressed_model_carries_the_sources_fingerprint(quantized, 
     out = trace_model(quantized("mixtral", 8), f"json:{text_corpus}", tmp_path / "trace", split="train",
                       max_tokens=40, top_t=4, seq_len=16, batch_size=4)
     assert load_trace(out).manifest.fingerprint == fingerprint_model_dir(tiny_moe_dir("mixtral"))
+
+
+@pytest.mark.parametrize("bits", (None, 16, 4))
+def test_bfloat16_runtime_equals_the_model_in_bfloat16(bits, quantized, tiny_moe_dir):
+    """`dtype="bfloat16"`: slots hold bf16 experts (half a float32 slot's bytes), the model computes
+    in bf16, and generation equals the same model loaded whole in bf16."""
+    path = tiny_moe_dir("mixtral") if bits is None else quantized("mixtral", bits)
+    resident, _ = load_model(path, dtype=torch.bfloat16)
+    model = load_offloaded(path, policy="lru", budget="50%", dtype="bfloat16")
+    with model.offload_runtime as runtime:
+        assert torch.equal(greedy(model, path), greedy(resident, path))
+        assert all(buffer.dtype == torch.bfloat16 for buffer in runtime.pool.buffers.values())
+        assert runtime.store.expert_nbytes == 2 * sum(math.prod(s) for s in runtime.store.spec.shapes.values())
+        assert runtime.stats().loads > 0

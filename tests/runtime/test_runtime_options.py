@@ -21,6 +21,7 @@ from prescient.errors import CapacityError, PrescientError
     ({"transfer_workers": True}, OptionsError, r"transfer_workers must be a whole number"),
     ({"prefetch_per_layer": -2}, OptionsError, r"prefetch_per_layer must be at least 1, got -2"),
     ({"store": "tape"}, OptionsError, r"store must be one of disk, host, got 'tape'"),
+    ({"dtype": "float16"}, OptionsError, r"dtype must be one of float32, bfloat16, got 'float16'"),
     ({"drop_page_cache": "yes"}, OptionsError, r"drop_page_cache must be True or False"),
     ({"link_timing": {"layer_compute_s": 1.0}}, OptionsError, r"link_timing must be a cache.timing.LinkTiming"),
     ({"next_token_min_chance": 1.5}, PredictorError, r"must be in \[0, 1\], got 1.5"),
