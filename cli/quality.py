@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from offload_runtime.engine.options import DTYPES
 from cli.args import names, output_file, positive_int
 
 
@@ -18,6 +19,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--text-field", default="text")
     p.add_argument("--seq-len", type=positive_int, default=256)
     p.add_argument("--windows", type=positive_int, default=64, help="held-out windows per dataset")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                   help="what both models compute in (as `--dtype` of generate and serve)")
     p.add_argument("--json", type=output_file, required=True, help="results file")
     return p
 
@@ -26,7 +29,8 @@ def run(args: argparse.Namespace) -> None:
     from experiments.quality import run_quality
 
     result = run_quality(args.json, model_dir=args.model, reference_dir=args.reference, datasets=args.dataset,
-                         split=args.split, text_field=args.text_field, seq_len=args.seq_len, windows=args.windows)
+                         split=args.split, text_field=args.text_field, seq_len=args.seq_len, windows=args.windows,
+                         dtype=args.dtype)
     for name, figures in result["datasets"].items():
         print(f"{name}: perplexity {figures['perplexity']:.3f} (reference {figures['reference_perplexity']:.3f}, "
               f"{100 * figures['perplexity_increase']:+.2f}%), KL {figures['kl_nats']:.5f} nats, "

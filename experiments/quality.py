@@ -3,11 +3,12 @@ measures it, teacher-forced on held-out text: perplexity of the model and of its
 uncompressed model), the mean next-token KL divergence KL(reference ‖ model), and how often the
 two agree on the most likely next token.
 
-Both models compute in float32; a compressed model's experts are expanded as the runtime expands
-them, and offloading computes exactly what the resident model computes, so these figures hold
-for the model served at any budget.
+Both models compute in `dtype` (float32, or bfloat16 as `--dtype bfloat16` serves them); a
+compressed model's experts are expanded as the runtime expands them, and offloading computes
+exactly what the resident model computes, so these figures hold for the model served at any
+budget in that dtype.
 
-JSON: {model, reference, split, seq_len, windows, datasets: {SPEC: {tokens, perplexity,
+JSON: {model, reference, dtype, split, seq_len, windows, datasets: {SPEC: {tokens, perplexity,
 reference_perplexity, perplexity_increase, kl_nats, top1_agreement}}, fingerprint_match}.
 """
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from offload_runtime.engine.options import DTYPES
 from prescient.atomic import write_json_atomic
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_model, load_tokenizer
@@ -41,17 +43,18 @@ def compare_logits(model, reference, windows: torch.Tensor, batch_size: int = 8,
         tokens += targets.numel()
     ppl, ref_ppl = math.exp(nll / tokens), math.exp(ref_nll / tokens)
     return {"tokens": int(tokens), "perplexity": round(ppl, 4), "reference_perplexity": round(ref_ppl, 4),
-            "perplexity_increase": round(ppl / ref_ppl - 1, 5), "kl_nats": round(kl / tokens, 6),
+            "perplexity_increase": float(f"{ppl / ref_ppl - 1:.4g}"), "kl_nats": float(f"{kl / tokens:.4g}"),
             "top1_agreement": round(agree / tokens, 5)}
 
 
 def measure_quality(model_dir: str | Path, reference_dir: str | Path, datasets: tuple[str, ...],
                     split: str = "validation", text_field: str = "text", seq_len: int = 256, windows: int = 64,
-                    batch_size: int = 8) -> dict:
-    model, layers = load_model(model_dir, dtype=torch.float32)
-    reference, ref_layers = load_model(reference_dir, dtype=torch.float32)
+                    batch_size: int = 8, dtype: str = "float32") -> dict:
+    model, layers = load_model(model_dir, dtype=DTYPES[dtype])
+    reference, ref_layers = load_model(reference_dir, dtype=DTYPES[dtype])
     tokenizer = load_tokenizer(reference_dir)
-    result = {"model": str(model_dir), "reference": str(reference_dir), "split": split, "seq_len": seq_len,
+    result = {"model": str(model_dir), "reference": str(reference_dir), "dtype": dtype, "split": split,
+              "seq_len": seq_len,
               "windows": windows, "fingerprint_match": fingerprint_model(model, layers) == fingerprint_model(
                   reference, ref_layers), "datasets": {}}
     for dataset in datasets:

@@ -18,6 +18,7 @@ from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from experiments.quality import measure_quality
 from offload_runtime.compression.codec import expand_into, expand_weight, quantize_weight
 from offload_runtime.compression.scheme import CompressionError, weight_args
 from offload_runtime.compression.writer import quantize_model
@@ -203,3 +204,16 @@ def test_bfloat16_runtime_equals_the_model_in_bfloat16(bits, quantized, tiny_moe
         assert all(buffer.dtype == torch.bfloat16 for buffer in runtime.pool.buffers.values())
         assert runtime.store.expert_nbytes == 2 * sum(math.prod(s) for s in runtime.store.spec.shapes.values())
         assert runtime.stats().loads > 0
+
+
+def test_quality_of_a_model_against_itself_and_against_its_int4_copy(quantized, tiny_moe_dir, text_corpus):
+    source = tiny_moe_dir("mixtral")
+    same = measure_quality(source, source, (f"json:{text_corpus}",), split="train", seq_len=32, windows=4)
+    figures = same["datasets"][f"json:{text_corpus}"]
+    assert figures["kl_nats"] == 0 and figures["top1_agreement"] == 1 and figures["perplexity_increase"] == 0
+    int4 = measure_quality(quantized("mixtral", 4), source, (f"json:{text_corpus}",), split="train", seq_len=32,
+                           windows=4)
+    figures = int4["datasets"][f"json:{text_corpus}"]
+    assert int4["fingerprint_match"] and figures["tokens"] == 4 * 31
+    assert figures["kl_nats"] > 0 and figures["top1_agreement"] < 1
+    assert figures["perplexity"] != figures["reference_perplexity"]
