@@ -27,7 +27,7 @@ from statistics import mean, median
 from typing import Any
 
 from experiments.bench_runtime.bench import bench_runtime
-from experiments.bench_runtime.grid import RunSpec
+from experiments.bench_runtime.grid import BenchError, RunSpec
 from experiments.machine import machine_info
 from offload_runtime.engine.options import RuntimeOptions
 from prescient.atomic import write_json_atomic, write_results
@@ -97,10 +97,15 @@ def _per_token(values: list[float | None], tokens: list[int], unit: float) -> fl
 
 
 def _quality(path: str | None) -> dict[str, Any] | None:
+    """A `prescient quality` JSON's figures; a BenchError naming the file if it is not one."""
     if path is None:
         return None
-    measured = json.loads(Path(path).read_text())
-    return {"json": path, "reference": measured["reference"], "datasets": measured["datasets"]}
+    try:
+        measured = json.loads(Path(path).read_text())
+        return {"json": path, "reference": measured["reference"], "datasets": measured["datasets"]}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BenchError(f"--quality {path} is not a `prescient quality` JSON ({type(exc).__name__}: {exc}); "
+                         "write one with prescient quality --json") from None
 
 
 def _plot(result: dict[str, Any], path: str | Path) -> None:
