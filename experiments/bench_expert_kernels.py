@@ -70,7 +70,6 @@ def measure(model_dir: Path, threads: int) -> dict:
         for bits in (4, 8):
             args = weight_args(bits, group)
             parts = quantize_weight(weight, args)
-            parts["weight_shape"] = torch.tensor([rows, cols])
             into32, into16 = torch.empty(rows, cols), torch.empty(rows, cols, dtype=torch.bfloat16)
             figures = {"stored_bytes": sum(t.numel() * t.element_size() for n, t in parts.items() if n != "weight_shape"),
                        "expand_fp32_ms": _ms(lambda: expand_into(parts, args, into32)),

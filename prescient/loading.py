@@ -111,9 +111,9 @@ def load_without_experts(model_dir: str | Path, dtype: torch.dtype) -> tuple[Pre
     if any(id(tensor) not in checkpoint_name for tensor in wanted.values()):
         log.warning("%s: transformers converts more than the experts on loading; loading the whole model", path)
         return load_model(path, dtype=dtype)
-    files = {key: file for file in weights for key in _keys(file)}
+    files = {key: file for file in weights for key in tensor_keys(file)}
     for name, tensor in wanted.items():
-        key = next((k for k in _candidates(checkpoint_name[id(tensor)]) if k in files), None)
+        key = next((k for k in checkpoint_names(checkpoint_name[id(tensor)]) if k in files), None)
         if key is None:
             continue  # tied to another tensor, or a buffer the model computes itself: checked below
         with safe_open(str(files[key]), framework="pt") as handle:
@@ -146,20 +146,21 @@ def input_embedding_key(model_dir: str | Path) -> tuple[str, Path] | None:
         model = model_class(config).from_config(config)
     weight = model.get_input_embeddings().weight
     names = {name: weight for name, param in model.named_parameters(remove_duplicate=False) if param is weight}
-    files = {key: file for file in weight_files(path) for key in _keys(file)}
+    files = {key: file for file in weight_files(path) for key in tensor_keys(file)}
     for checkpoint_name in sorted(revert_weight_conversion(model, names), key=len):
-        key = next((k for k in _candidates(checkpoint_name) if k in files), None)
+        key = next((k for k in checkpoint_names(checkpoint_name) if k in files), None)
         if key is not None:
             return key, files[key]
     return None
 
 
-def _keys(file: Path) -> list[str]:
+def tensor_keys(file: Path) -> list[str]:
+    """The tensor names of one safetensors file."""
     with safe_open(str(file), framework="pt") as handle:
         return list(handle.keys())
 
 
-def _candidates(key: str) -> tuple[str, ...]:
+def checkpoint_names(key: str) -> tuple[str, ...]:
     """A checkpoint may name tensors with or without the base model's prefix."""
     return key, key.split(".", 1)[-1], f"model.{key}"
 

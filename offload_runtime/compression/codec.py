@@ -52,7 +52,7 @@ def expand_into(tensors: dict[str, torch.Tensor], args: QuantizationArgs, out: t
     8-bit level per byte, lowest bits first) and multiplied by their group's scale in the scale's
     dtype, as the library multiplies them."""
     if not (args.symmetric and args.num_bits in (4, 8) and args.strategy in ("group", "channel")):
-        return out.copy_(expand_weight(tensors, args))
+        return out.copy_(expand_weight({**tensors, "weight_shape": torch.tensor(out.shape)}, args))
     scale = tensors["weight_scale"]
     rows, cols = out.shape
     codes = tensors["weight_packed"].view(torch.uint8).view(rows, -1)

@@ -38,7 +38,7 @@ from offload_runtime.compression.scheme import BITS, CompressionError, config_di
 from prescient.arch import find_moe_layers
 from prescient.atomic import write_json_atomic
 from prescient.fingerprint import fingerprint_model
-from prescient.loading import check_model_dir, load_without_experts, model_class
+from prescient.loading import check_model_dir, checkpoint_names, load_without_experts, model_class, tensor_keys
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +65,10 @@ def expert_keys(model_dir: Path, files: list[Path]) -> dict[str, Path]:
     layers = find_moe_layers(model)
     ids = {id(param) for layer in layers for param in layer.experts.parameters()}
     experts = {name: t for name, t in model.state_dict(keep_vars=True).items() if id(t) in ids}
-    where = {key: path for path in files for key in _keys(path)}
+    where = {key: path for path in files for key in tensor_keys(path)}
     found = {}
     for name in revert_weight_conversion(model, experts):
-        key = next((k for k in (name, name.split(".", 1)[-1], f"model.{name}") if k in where), None)
+        key = next((k for k in checkpoint_names(name) if k in where), None)
         if key is None:
             raise CompressionError(f"{model_dir}: expert tensor {name} is in none of the weight files")
         found[key] = where[key]
@@ -96,8 +96,9 @@ def quantize_model(model_dir: str | Path, out: str | Path, bits: int, group_size
     if out.exists() and any(out.iterdir()):
         raise CompressionError(f"output directory {out} exists and is not empty; choose another --out or delete it")
     # the experts' weights, one 2-D tensor per expert and projection; their biases stay as they are
-    experts = {key: path for key, path in expert_keys(model_dir, files).items() if len(_shape(path, key)) != 1}
-    shapes = {key: _shape(path, key) for key, path in experts.items()}
+    located = expert_keys(model_dir, files)
+    shapes = {key: shape for key, path in located.items() if len(shape := _shape(path, key)) != 1}
+    experts = {key: located[key] for key in shapes}
     fused = [key for key, shape in shapes.items() if len(shape) != 2 or not key.endswith(".weight")]
     if fused:
         raise CompressionError(f"{model_dir}: expert tensor {fused[0]} has shape {list(shapes[fused[0]])}; quantize "
@@ -140,35 +141,38 @@ def _group_size(asked: int | None, shapes: dict[str, tuple[int, ...]]) -> int:
 def _write_shards(files: list[Path], experts: dict[str, Path], args, work: Path) -> dict[str, int]:
     """Every tensor of `files`, experts compressed, into shards of at most SHARD_BYTES, and the index."""
     shard: dict[str, torch.Tensor] = {}
+    held = 0  # bytes in `shard`
     weight_map: dict[str, str] = {}
     sizes = {"source_expert_bytes": 0, "expert_bytes": 0, "total_bytes": 0}
     names: list[str] = []
 
     def flush() -> None:
+        nonlocal held
         name = f"model-{len(names) + 1:05d}.safetensors"
         save_file(shard, str(work / name), metadata={"format": "pt"})
         names.append(name)
         weight_map.update({key: name for key in shard})
         shard.clear()
+        held = 0
 
-    keys = [(path, key) for path in files for key in _keys(path)]
+    keys = [(path, key) for path in files for key in tensor_keys(path)]
     with tqdm(total=len(experts), desc="quantising experts", unit="tensor", disable=None) as progress:
         for path, key in keys:
             with safe_open(str(path), framework="pt") as handle:
                 tensor = handle.get_tensor(key)
+            parts = {key: tensor}
             if key in experts:
                 sizes["source_expert_bytes"] += tensor.numel() * tensor.element_size()
                 parts = ({key: tensor.to(torch.bfloat16)} if args is None else
                          {f"{key[:-len('weight')]}{name}": part for name, part in quantize_weight(tensor, args).items()})
-                sizes["expert_bytes"] += sum(t.numel() * t.element_size() for t in parts.values())
-                progress.update()
-            else:
-                parts = {key: tensor}
-            held = sum(t.numel() * t.element_size() for t in shard.values())
             added = sum(t.numel() * t.element_size() for t in parts.values())
+            if key in experts:
+                sizes["expert_bytes"] += added
+                progress.update()
             if shard and held + added > SHARD_BYTES:
                 flush()
             shard.update(parts)
+            held += added
             sizes["total_bytes"] += added
     if shard:
         flush()
@@ -214,11 +218,6 @@ def _report(model_dir: Path, work: Path, bits: int, args, method: str, sizes: di
             "scale_dtype": "bfloat16" if args else None, **sizes,
             "expert_compression": round(sizes["source_expert_bytes"] / max(sizes["expert_bytes"], 1), 3),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-
-
-def _keys(path: Path) -> list[str]:
-    with safe_open(str(path), framework="pt") as handle:
-        return list(handle.keys())
 
 
 def _shape(path: Path, key: str) -> tuple[int, ...]:

@@ -50,7 +50,7 @@ from offload_runtime.compression.codec import check_parts, compressed_names, exp
 from offload_runtime.compression.scheme import PACKED_SUFFIX, CheckpointSchemes, CompressionError, WeightScheme
 from offload_runtime.engine.expert_layout import ExpertSpec, LayoutDeriver, Piece, PieceRead, StoreError, expert_spec
 from prescient.arch import MoELayer, find_moe_layers
-from prescient.loading import weight_files
+from prescient.loading import checkpoint_names, weight_files
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +282,7 @@ class ExpertStore:
 
     def _resolve(self, key: str) -> str | None:
         """The weight files' name for checkpoint key `key` (with or without the base model's prefix)."""
-        return next((c for c in (key, key.split(".", 1)[-1], f"model.{key}") if c in self._index), None)
+        return next((c for c in checkpoint_names(key) if c in self._index), None)
 
     def _locate(self, key: str) -> _Entry | None:
         found = self._resolve(key)
@@ -381,7 +381,6 @@ class ExpertStore:
         for name, entry in source.parts.items():
             parts[name] = torch.empty(entry.shape, dtype=entry.dtype)
             self._pread(entry.path, parts[name], entry.offset)
-        parts["weight_shape"] = torch.tensor(source.shape)
         whole = step.plain and step.offset == 0 and step.span == math.prod(source.shape)
         if whole and target.is_contiguous() and target.device.type == "cpu" and target.numel() == step.span:
             expand_into(parts, source.scheme.args, target.view(source.shape))
