@@ -46,9 +46,9 @@ def expand_weight(tensors: dict[str, torch.Tensor], args: QuantizationArgs) -> t
 
 def expand_into(tensors: dict[str, torch.Tensor], args: QuantizationArgs, out: torch.Tensor) -> torch.Tensor:
     """`expand_weight` written into `out` [out, in] (any float dtype): the same values. Symmetric
-    4- and 8-bit weights, what `prescient quantize` writes, take a path of their own, about 40x
-    faster than the library's general unpacking (1.3 ms against 55 ms for a 7424x192 int4 matrix,
-    one thread), since a miss pays for it: the levels are read byte-wise (two 4-bit levels or one
+    4- and 8-bit weights, what `prescient quantize` writes, take a path of their own, since a miss
+    pays for it (a prototype, not kept: 1.3 ms against the library's 55 ms for a 7424x192 int4
+    matrix on one thread; results/expert-kernels-bench.json keeps this path's 1.04-1.07 ms): the levels are read byte-wise (two 4-bit levels or one
     8-bit level per byte, lowest bits first) and multiplied by their group's scale in the scale's
     dtype, as the library multiplies them."""
     if not (args.symmetric and args.num_bits in (4, 8) and args.strategy in ("group", "channel")):
