@@ -42,7 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--hash-cost", default="auto",
                    help="predictor of hash_thread_cost; auto: sida if given, else skipped; off: skipped")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads per run (default: torch's)")
-    add_runtime_args(p, "store", "transfer_workers", "dtype")  # each run names its policy, budget and prefetch modes
+    add_runtime_args(p, "store", "transfer_workers", "dtype", "slot_format")  # each run names its policy, budget and prefetch modes
     p.add_argument("--keep-page-cache", action="store_true", help="disk store: leave read pages in the page cache")
     p.add_argument("--in-process", action="store_true", help="every run in this process (quick checks)")
     p.add_argument("--simulate", action="store_true",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from offload_runtime.engine.options import DTYPES
-from cli.args import add_results_args, budgets, named_paths, positive_int
+from cli.args import add_results_args, budgets, named_paths, names, positive_int
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -14,8 +14,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                                                        "beside their quality (JSON + PNG)")
     p.add_argument("--models", type=named_paths, required=True,
                    help="NAME=DIR,... in the order compared; the first is the uncompressed one speeds are "
-                        "divided by (e.g. fp32=runs/reference-bench,int4=runs/bench-int4)")
-    p.add_argument("--budgets", type=budgets, default="12.5%,25%,50%", help="expert memory, fractions of all experts")
+                        "divided by (e.g. bf16=runs/bench-w16,int4=runs/bench-w4; a directory may appear twice)")
+    p.add_argument("--packed", type=names, default=(),
+                   help="NAME,... of --models whose int4 experts stay packed in their slots (--slot-format packed; "
+                        "needs --dtype bfloat16)")
+    p.add_argument("--budgets", type=budgets, default="12.5%,25%,50%",
+                   help="expert memory: shares of the bytes the first model's experts take in slots; every model "
+                        "gets those bytes")
     p.add_argument("--repeats", type=positive_int, default=3, help="interleaved repeats (A B C A B C)")
     p.add_argument("--quality", type=named_paths, default={},
                    help="NAME=JSON,... `prescient quality` results shown beside NAME's runs")
@@ -43,8 +48,8 @@ def run(args: argparse.Namespace) -> None:
     texts = list(load_corpus(args.dataset, "validation")["text"][: 20 * (args.prompts + 1)])
     result = bench_compressed(args.models, texts, [fraction(b) for b in args.budgets], args.repeats, args.quality,
                               args.json, args.plot, new_tokens=args.new_tokens, timed_prompts=args.prompts,
-                              options=RuntimeOptions(drop_page_cache=True, dtype=args.dtype), sample_seed=args.sample,
-                              threads=args.threads)
+                              options=RuntimeOptions(drop_page_cache=True, dtype=args.dtype), packed=args.packed,
+                              sample_seed=args.sample, threads=args.threads)
     for name, rows in result["summary"].items():
         for label, row in rows.items():
             print(f"{name:<8} {label:<18} {row['tokens_per_s'] or 0:7.2f} tok/s  "

@@ -1,19 +1,22 @@
 """`prescient bench-compressed`: decode speed of one model stored at several precisions (the
 outputs of `prescient quantize`), interleaved with repeats, each beside its quality.
 
-    prescient bench-compressed --models fp32=DIR,bf16=DIR,int8=DIR,int4=DIR --budgets 12.5%,25%,50% \
-        --repeats 3 [--quality int8=Q.json,int4=Q.json] --json OUT.json --plot OUT.png
+    prescient bench-compressed --models bf16=DIR,int8=DIR,int4=DIR,int4-packed=DIR --packed int4-packed \
+        --budgets 12.5%,25%,50% --repeats 3 [--quality int8=Q.json,int4=Q.json] --json OUT.json --plot OUT.png
 
 Each repeat runs `prescient bench` (`experiments.bench_runtime.bench_runtime`, every run in a
 fresh process) on each model in turn — A B C A B C — with its all-resident baseline and on-demand
-LRU at each budget; the runtime expands a compressed expert into its slot on arrival, so a slot
-holds the same expert in the compute dtype (`options.dtype`) whatever the stored precision, a
-budget buys the same slots for every model, and what differs is what a miss costs: the bytes it
-moves and their expansion.
+LRU at each budget. A budget is a share of the first model's slot bytes (all its experts in
+slots), and every model gets those bytes: an expanded slot holds an expert in the compute dtype
+(`options.dtype`) whatever its stored precision, so expanded models buy the same slots and differ
+in what a miss costs (the bytes it moves and their expansion); the models named in `packed` keep
+int4 experts packed in their slots (`slot_format="packed"`) and buy ~3.5x the slots with the same
+bytes. Each run's record keeps the fraction of experts its bytes bought (`budget`) and the bytes
+(`budget_bytes`); its label names the requested share.
 Quality comes from `prescient quality` JSONs (perplexity increase, KL, top-1 agreement against
 the uncompressed model, per dataset), copied beside each model's runs.
 
-JSON: {settings, machine, models {NAME: {dir, expert_bytes, slot_bytes, quality}}, runs [the
+JSON: {settings, machine, models {NAME: {dir, slot_format, expert_bytes, slot_bytes, quality}}, runs [the
 bench records, each with model and repeat], summary {NAME: {LABEL: {tokens_per_s median, range,
 repeats, stall_ms_per_token, mb_moved_per_token, hit_rate, exact, vs_first_none_lru}}}, complete}.
 """
@@ -22,42 +25,61 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from statistics import mean, median
 from typing import Any
 
 from experiments.bench_runtime.bench import bench_runtime
 from experiments.bench_runtime.grid import BenchError, RunSpec
+from dataclasses import replace
+
 from experiments.machine import machine_info
 from offload_runtime.engine.options import RuntimeOptions
+from offload_runtime.engine.store import ExpertStore
 from prescient.atomic import write_json_atomic, write_results
+from prescient.loading import load_without_experts
 
 log = logging.getLogger(__name__)
 
 
 def bench_compressed(models: dict[str, str], texts: list[str], budgets: list[float], repeats: int,
                      quality: dict[str, str], json_path: str | Path, plot_path: str | Path | None = None,
-                     options: RuntimeOptions | None = None, **bench: Any) -> dict[str, Any]:
-    """Interleaved repeats of each model's bench; `bench` passes on to `bench_runtime`
-    (new_tokens, timed_prompts, sample_seed, threads, ...)."""
+                     options: RuntimeOptions | None = None, packed: tuple[str, ...] = (), **bench: Any) -> dict[str, Any]:
+    """Interleaved repeats of each model's bench; the models named in `packed` keep int4 experts
+    packed in slots; `bench` passes on to `bench_runtime` (new_tokens, timed_prompts, sample_seed,
+    threads, ...)."""
     options = options or RuntimeOptions(drop_page_cache=True)
-    runs = [RunSpec("none", "lru", budget) for budget in budgets]
+    unknown = sorted(set(packed) - set(models))
+    if unknown:
+        raise BenchError(f"--packed names {', '.join(unknown)}, which --models does not; name models of --models")
+    placed = {name: replace(options, slot_format="packed" if name in packed else "expanded") for name in models}
+    sizes = {name: _slot_sizes(path, placed[name]) for name, path in models.items()}
+    first_bytes = math.prod(sizes[next(iter(models))])  # all of the first model's experts in slots
     result: dict[str, Any] = {
-        "settings": {"budgets": budgets, "repeats": repeats, "options": options.to_json(),
+        "settings": {"budgets": budgets, "budgets_of": f"the slot bytes of all experts of {next(iter(models))}",
+                     "repeats": repeats, "options": options.to_json(), "packed": list(packed),
                      **{k: v for k, v in bench.items() if k != "threads"}},
         "machine": machine_info(bench.get("threads") or 1),
-        "models": {name: {"dir": path, "quality": _quality(quality.get(name))} for name, path in models.items()},
+        "models": {name: {"dir": path, "slot_format": placed[name].slot_format, "quality": _quality(quality.get(name))}
+                   for name, path in models.items()},
         "runs": [], "summary": {}, "complete": False,
     }
     for repeat in range(repeats):
         for name, path in models.items():
             log.info("repeat %d/%d: %s", repeat + 1, repeats, name)
+            slot_bytes, experts = sizes[name]
+            bought = {budget: min(experts, int(budget * first_bytes) // slot_bytes) for budget in budgets}
+            runs = [RunSpec("none", "lru", bought[budget] / experts) for budget in budgets]
             measured = bench_runtime(path, texts, predictors={"none": None}, runs=runs, baselines=("all_resident",),
-                                     options=options, **bench)
+                                     options=placed[name], **bench)
             model = measured["model"]
             result["models"][name].update(expert_bytes=model.get("expert_bytes"), slot_bytes=model.get("slot_bytes"))
-            for record in [measured["baselines"]["all_resident"], *measured["runs"]]:
-                result["runs"].append({"model": name, "repeat": repeat, **record})
+            result["runs"].append({"model": name, "repeat": repeat, **measured["baselines"]["all_resident"]})
+            for budget, record in zip(budgets, measured["runs"]):
+                result["runs"].append({"model": name, "repeat": repeat, **record,
+                                       "label": RunSpec("none", "lru", budget).label,
+                                       "budget_bytes": int(budget * first_bytes)})
             result["summary"] = summarise(result["runs"], list(models))
             write_json_atomic(json_path, result)
     result["complete"] = True
@@ -89,6 +111,13 @@ def summarise(records: list[dict[str, Any]], names: list[str]) -> dict[str, Any]
             base = out[first].get(label, {}).get("tokens_per_s")
             row[f"vs_{first}"] = row["tokens_per_s"] / base if row["tokens_per_s"] and base else None
     return out
+
+
+def _slot_sizes(path: str, options: RuntimeOptions) -> tuple[int, int]:
+    """One slot's bytes for the model at `path` under `options`, and its number of experts."""
+    model, layers = load_without_experts(path, dtype=options.torch_dtype)
+    with ExpertStore(path, model, layers, slot_format=options.slot_format) as store:
+        return store.expert_nbytes, store.num_layers * store.num_experts
 
 
 def _per_token(values: list[float | None], tokens: list[int], unit: float) -> float | None:

@@ -41,7 +41,7 @@ from experiments.machine import machine_info
 from experiments.timing_calibration import load_timing
 from offload_runtime.engine.options import RuntimeOptions
 from prescient.atomic import write_json_atomic
-from prescient.fingerprint import ModelFingerprint
+from prescient.fingerprint import ModelFingerprint, fingerprint_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -229,8 +229,18 @@ def _reference(execute: Executor, base: Job, trace_out: Path | None, keep: bool,
                result: dict[str, Any]) -> tuple[list[list[int]], ModelFingerprint]:
     """The all-resident run: the token ids every run is compared with, and the model's
     fingerprint; recorded as the all_resident baseline if `keep`. With `trace_out` it also
-    writes the router choices there (the oracle's trace)."""
-    ref = execute(replace(base, kind="all_resident", trace_out=str(trace_out) if trace_out is not None else None))
+    writes the router choices there (the oracle's trace). Packed slots compute with another
+    kernel than the model loaded whole: their all-resident run is the runtime with a slot for
+    every expert (loaded as first used), so exactness is checked within the placement."""
+    if base.options.slot_format == "packed":
+        if trace_out is not None:
+            raise BenchError("the oracle and --simulate read the all-resident model's trace, which packed slots do "
+                             "not write; bench them with --slot-format expanded")
+        ref = execute(replace(base, options=replace(base.options, budget=1.0, policy="lru")))
+        ref.pop("model_info", None)
+        ref["fingerprint"] = result["model"].get("fingerprint") or fingerprint_model_dir(base.model_dir).to_dict()
+    else:
+        ref = execute(replace(base, kind="all_resident", trace_out=str(trace_out) if trace_out is not None else None))
     reference = ref["token_ids"]
     fingerprint = ModelFingerprint.from_dict(ref.pop("fingerprint"))
     result["model"]["fingerprint"] = fingerprint.to_dict()  # a timing calibration checks it

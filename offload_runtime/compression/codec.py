@@ -55,17 +55,22 @@ def expand_into(tensors: dict[str, torch.Tensor], args: QuantizationArgs, out: t
         return out.copy_(expand_weight({**tensors, "weight_shape": torch.tensor(out.shape)}, args))
     scale = tensors["weight_scale"]
     rows, cols = out.shape
-    codes = tensors["weight_packed"].view(torch.uint8).view(rows, -1)
-    levels = torch.empty(rows, codes.shape[1] * 8 // args.num_bits, dtype=scale.dtype)
-    if args.num_bits == 4:
-        pairs = levels.view(rows, -1, 2)
-        pairs[..., 0].copy_(codes & 15)
-        pairs[..., 1].copy_(codes >> 4)
-    else:
-        levels.copy_(codes)
+    levels = unpack_codes(tensors["weight_packed"], args.num_bits, rows, cols).to(scale.dtype)
     levels -= 1 << (args.num_bits - 1)  # stored unsigned: level + 2^(bits-1)
-    levels = levels[:, :cols].reshape(rows, scale.shape[1], -1)
+    levels = levels.view(rows, scale.shape[1], -1)
     return out.copy_(levels.mul_(scale.unsqueeze(-1)).view(rows, cols))
+
+
+def unpack_codes(packed: torch.Tensor, num_bits: int, rows: int, cols: int) -> torch.Tensor:
+    """The stored unsigned codes (level + 2^(bits-1)) of a symmetric 4- or 8-bit `weight_packed`
+    [rows, words] as uint8 [rows, cols]: two 4-bit codes or one 8-bit code per byte, lowest bits first."""
+    codes = packed.view(torch.uint8).view(rows, -1)
+    if num_bits == 8:
+        return codes[:, :cols]
+    out = torch.empty(rows, codes.shape[1], 2, dtype=torch.uint8)
+    torch.bitwise_and(codes, 15, out=out[..., 0])
+    torch.bitwise_right_shift(codes, 4, out=out[..., 1])
+    return out.view(rows, -1)[:, :cols]
 
 
 def compressed_names(args: QuantizationArgs) -> tuple[str, ...]:

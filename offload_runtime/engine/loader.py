@@ -53,9 +53,10 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
         require_forecasts(predictor, f"cache policy {options.policy!r}")
     if options.next_token_min_chance is not None:
         require_forecasts(predictor, "cross-token prefetch")
-    expert_store = ExpertStore(model_dir, model, layers, mode=options.store, drop_page_cache=options.drop_page_cache)
+    expert_store = ExpertStore(model_dir, model, layers, mode=options.store, drop_page_cache=options.drop_page_cache,
+                               slot_format=options.slot_format)
     try:
-        pool = SlotPool.for_budget(expert_store.specs, layers[0].num_experts, layers[0].top_k, options.budget,
+        pool = SlotPool.for_budget(expert_store.slot_specs, layers[0].num_experts, layers[0].top_k, options.budget,
                                    options.device)
         model.offload_runtime = OffloadRuntime(model, layers, expert_store, pool, fingerprint, eviction, options,
                                                predictor=predictor)

@@ -19,6 +19,11 @@ router stays the model's own. Which module replaces a block goes by its adapter'
   S `expert_{s}` modules whose weights are slot s's views, and gets the one-hot over slots. A
   token has at most one expert, so the result is exact.
 
+With packed slots (int4 experts kept packed, `offload_runtime.compression.int4_kernel`), the
+fused twin's packed weight parameters are `PackedInt4Weights` over the slots' codes and scales,
+and the twin runs transformers' eager expert loop (its `F.linear` calls reach the int4 kernel);
+only fused experts run this way.
+
 When a layer selects more experts than slots exist (a long prefill under a small budget), or the
 runtime computes experts in arrival order (CGOPipe), the experts run in groups given by the
 runtime's `parts`, each group on its own tokens, and the outputs are combined as the model
@@ -27,6 +32,7 @@ combines them.
 
 from __future__ import annotations
 
+import copy as shallow
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Protocol
@@ -34,6 +40,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from offload_runtime.compression.scheme import CompressionError
+from offload_runtime.compression.int4_kernel import SCALES_SUFFIX, PackedInt4Weights, PackedMatrixSpec
 from offload_runtime.engine.expert_layout import expert_spec
 from offload_runtime.engine.slots import SlotPool
 from prescient.arch import MoELayer
@@ -89,13 +97,23 @@ class _Offloaded(nn.Module):
         return f"layer={self.layer}, num_experts={self.num_experts}, offloaded"
 
 
-def _fused_twin(layer: MoELayer, buffers: dict[str, torch.Tensor], num_slots: int) -> nn.Module:
+def _fused_twin(layer: MoELayer, buffers: dict[str, torch.Tensor], num_slots: int,
+                packed: dict[str, PackedMatrixSpec]) -> nn.Module:
     """The experts module over slot buffers: each parameter is its [S, ...] buffer (shaped as
     the module holds it), and each attribute that counts experts now counts slots: the expert
-    count becomes S and the router's choice count S + the weightless experts (ids remapped alike)."""
+    count becomes S and the router's choice count S + the weightless experts (ids remapped alike).
+    A parameter in `packed` is a `PackedInt4Weights` instead, and the twin runs the eager loop."""
     experts = layer.experts
     spec, _ = expert_spec(layer)
-    copy = twin(experts, {name: spec.as_module_tensor(name, buffers[name]) for name in spec.shapes})
+    copy = twin(experts, {name: spec.as_module_tensor(name, buffers[name]) for name in spec.shapes
+                          if name not in packed})
+    if packed:
+        for name, matrix in packed.items():
+            del copy._parameters[name]
+            copy.__dict__[name] = PackedInt4Weights(buffers[name], buffers[name + SCALES_SUFFIX], matrix)
+        if hasattr(experts, "config"):  # transformers' grouped/batched kernels index the [S, ...] tensors themselves
+            copy.config = shallow.copy(experts.config)
+            copy.config._experts_implementation = "eager"
     weightless = layer.num_choices - layer.num_experts
     for attr, value in vars(experts).items():
         if "expert" in attr and isinstance(value, int) and not isinstance(value, bool):
@@ -111,8 +129,9 @@ class OffloadedExperts(_Offloaded):
     weightless experts (at or above the expert count: LongCat-Flash's zero experts) pass to the
     twin after the slots, where its own code computes them without weights."""
 
-    def __init__(self, layer: MoELayer, buffers: dict[str, torch.Tensor], runtime: ExpertSlots) -> None:
-        slot_twin = _fused_twin(layer, buffers, runtime.pool.num_slots)
+    def __init__(self, layer: MoELayer, buffers: dict[str, torch.Tensor], runtime: ExpertSlots,
+                 packed: dict[str, PackedMatrixSpec] | None = None) -> None:
+        slot_twin = _fused_twin(layer, buffers, runtime.pool.num_slots, packed or {})
         super().__init__(layer, set(expert_spec(layer)[0].shapes), buffers, slot_twin, runtime)
         self._weightless = torch.arange(layer.num_choices - layer.num_experts) + runtime.pool.num_slots
 
@@ -211,11 +230,18 @@ OFFLOADED: dict[str, type[_Offloaded]] = {"fused": OffloadedExperts, "dense": Of
                                           "switch": OffloadedSwitchExperts}
 
 
-def offload_experts(layer: MoELayer, buffers: dict[str, torch.Tensor], runtime: ExpertSlots) -> nn.Module:
-    """The module that replaces `layer.experts`, chosen by `layer.adapter.name`."""
+def offload_experts(layer: MoELayer, buffers: dict[str, torch.Tensor], runtime: ExpertSlots,
+                    packed: dict[str, PackedMatrixSpec] | None = None) -> nn.Module:
+    """The module that replaces `layer.experts`, chosen by `layer.adapter.name`; `packed` (the
+    store's packed weight parameters) only for fused experts."""
     try:
         cls = OFFLOADED[layer.adapter.name]
     except KeyError:
         raise NotImplementedError(f"no offloaded experts module for {layer.adapter.name!r} blocks "
                                   f"({layer.name}); known kinds: {', '.join(OFFLOADED)}") from None
+    if packed:
+        if cls is not OffloadedExperts:
+            raise CompressionError(f"{layer.name}: packed int4 slots run fused experts only, not {layer.adapter.name!r} "
+                                   "blocks; serve with --slot-format expanded")
+        return cls(layer, buffers, runtime, packed)
     return cls(layer, buffers, runtime)

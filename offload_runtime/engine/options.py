@@ -25,6 +25,7 @@ from prescient.devices import check_device
 from prescient.errors import PrescientError
 
 STORES = ("disk", "host")
+SLOT_FORMATS = ("expanded", "packed")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -51,7 +52,10 @@ class RuntimeOptions:
     `next_token_min_chance` (cross-token prefetch of the next token's experts forecast at least
     this likely; None: off), `dtype` (what the model computes in, and so what a slot holds:
     "float32", or "bfloat16", half the bytes per slot; experts stored in another precision are
-    converted or expanded into it as they arrive)."""
+    converted or expanded into it as they arrive), `slot_format` ("expanded": a slot holds an
+    expert in `dtype` whatever its stored precision; "packed": an int4-stored expert stays int4 in
+    its slot, about 3.5x more experts per byte than bf16, and computes with torch's int4 CPU
+    kernel, which needs `dtype="bfloat16"`)."""
 
     policy: str = "lru"
     budget: Budget = Budget(0.5, "fraction")
@@ -63,6 +67,7 @@ class RuntimeOptions:
     link_timing: LinkTiming | None = None
     next_token_min_chance: float | None = None
     dtype: str = "float32"
+    slot_format: str = "expanded"
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str):
@@ -82,6 +87,11 @@ class RuntimeOptions:
             raise OptionsError(f"link_timing must be a cache.timing.LinkTiming, got {self.link_timing!r}")
         if self.dtype not in DTYPES:
             raise OptionsError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.slot_format not in SLOT_FORMATS:
+            raise OptionsError(f"slot_format must be one of {', '.join(SLOT_FORMATS)}, got {self.slot_format!r}")
+        if self.slot_format == "packed" and (self.dtype != "bfloat16" or self.device != "cpu"):
+            raise OptionsError("packed slots compute with torch's int4 CPU kernel, on bfloat16 activations: use "
+                               f"dtype bfloat16 and device cpu (got {self.dtype} on {self.device})")
         chance = self.next_token_min_chance
         if chance is not None:
             if isinstance(chance, bool) or not isinstance(chance, (int, float)) or not 0.0 <= chance <= 1.0:
@@ -111,4 +121,5 @@ class RuntimeOptions:
                 "drop_page_cache": self.drop_page_cache, "device": self.device,
                 "transfer_workers": self.transfer_workers, "prefetch_per_layer": self.prefetch_per_layer,
                 "link_timing": self.link_timing.to_dict() if self.link_timing is not None else None,
-                "next_token_min_chance": self.next_token_min_chance, "dtype": self.dtype}
+                "next_token_min_chance": self.next_token_min_chance, "dtype": self.dtype,
+                "slot_format": self.slot_format}

@@ -95,7 +95,7 @@ class OffloadRuntime:
         self.on_predictor_error = "raise"  # or "demand": log, count, and go on without the predictor
         self.predictor_failures = 0
         for layer in layers:  # the resident expert tensors are dropped with the old module
-            layer.block.experts = layer.experts = offload_experts(layer, pool.buffers, self)
+            layer.block.experts = layer.experts = offload_experts(layer, pool.buffers, self, packed=store.packed)
         self._handles = [stack.module.register_forward_pre_hook(self._on_forward(stream, stack.layers),
                                                                 with_kwargs=True)
                          for stream, stack in enumerate(moe_stacks(model, layers))]

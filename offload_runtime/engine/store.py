@@ -9,9 +9,11 @@ destination when the box is contiguous (a slot, a pinned buffer). We read with p
 
 Compressed experts (a compressed-tensors `pack-quantized` checkpoint, `prescient quantize`'s or
 a user's): a piece whose checkpoint weight is stored as `<module>.weight_packed` (+ scale, shape,
-zero point) is read as those parts, the bytes that cross the link (`stored_nbytes`), and expanded
-on arrival into the slot in the model's dtype (`offload_runtime.compression.codec`). Scales and
-shapes are checked once when the store opens. Experts stored in another float dtype than the
+zero point) is read as those parts, the bytes that cross the link (`stored_nbytes`), and on
+arrival either expanded into the slot in the model's dtype (`offload_runtime.compression.codec`),
+or, with `slot_format="packed"` (symmetric int4, group-wise), re-arranged into torch's int4
+kernel layout so that the slot stays int4 (`offload_runtime.compression.int4_kernel`; `slot_specs`
+and `packed` say what a slot then holds). Scales and shapes are checked once when the store opens. Experts stored in another float dtype than the
 model's (a bf16 copy served in float32) are converted as they are read.
 
 Modes:
@@ -46,7 +48,8 @@ from torch import nn
 from tqdm import tqdm
 
 from cache.policy import Key
-from offload_runtime.compression.codec import check_parts, compressed_names, expand_into
+from offload_runtime.compression.codec import check_parts, compressed_names, expand_into, unpack_codes
+from offload_runtime.compression.int4_kernel import KERNEL_DTYPE, SCALES_SUFFIX, PackedMatrixSpec, pack_for_kernel
 from offload_runtime.compression.scheme import PACKED_SUFFIX, CheckpointSchemes, CompressionError, WeightScheme
 from offload_runtime.engine.expert_layout import ExpertSpec, LayoutDeriver, Piece, PieceRead, StoreError, expert_spec
 from prescient.arch import MoELayer, find_moe_layers
@@ -172,9 +175,12 @@ class ExpertStore:
         mode: Literal["disk", "host"] = "disk",
         drop_page_cache: bool = False,
         pin: bool | None = None,
+        slot_format: Literal["expanded", "packed"] = "expanded",
     ) -> None:
         if mode not in ("disk", "host"):
             raise StoreError(f"unknown store mode {mode!r}; use 'disk' or 'host'")
+        if slot_format not in ("expanded", "packed"):
+            raise StoreError(f"unknown slot format {slot_format!r}; use 'expanded' or 'packed'")
         self.model_dir = Path(model_dir)
         # the layers are read here and not kept: the transfer threads hold the store, and must not
         # keep the model alive (a runtime dropped unclosed is then collected and stops them)
@@ -195,6 +201,9 @@ class ExpertStore:
             self.specs.append(spec)
             self._plans.append(self._plan_layer(layouts, layer, spec, fused))
         self._stored = [[_stored_nbytes(steps) for steps in layer_plans] for layer_plans in self._plans]
+        # what a slot holds: the expert as the module holds it, or its weights packed for the int4 kernel
+        self.packed: dict[str, PackedMatrixSpec] = self._packed_matrices() if slot_format == "packed" else {}
+        self.slot_specs = [_packed_spec(spec, self.packed) for spec in self.specs] if self.packed else self.specs
         paths = {path for layer_plans in self._plans for steps in layer_plans for step in steps
                  for path in _files(step)}
         self._fds = {path: os.open(path, os.O_RDONLY) for path in paths}
@@ -207,25 +216,28 @@ class ExpertStore:
 
     @property
     def spec(self) -> ExpertSpec:
-        """The one expert spec of every layer; a StoreError if layers differ."""
-        if any(s != self.specs[0] for s in self.specs):
-            raise StoreError(f"the MoE layers' experts differ in shape or dtype: {sorted(set(map(str, self.specs)))}")
-        return self.specs[0]
+        """The one slot spec of every layer; a StoreError if layers differ."""
+        specs = self.slot_specs
+        if any(s != specs[0] for s in specs):
+            raise StoreError(f"the MoE layers' experts differ in shape or dtype: {sorted(set(map(str, specs)))}")
+        return specs[0]
 
     @property
     def expert_nbytes(self) -> int:
+        """The bytes one slot holds."""
         return self.spec.nbytes
 
     @property
     def total_nbytes(self) -> int:
-        return sum(spec.nbytes for spec in self.specs) * self.num_experts
+        """The bytes all experts take in slots."""
+        return sum(spec.nbytes for spec in self.slot_specs) * self.num_experts
 
     def stored_nbytes(self, key: Key) -> int:
         """The bytes one read of expert `key` takes from the files: what crosses the link
         (compressed bytes for a compressed checkpoint, where `expert_nbytes` is a slot's); in
-        host mode, the expanded expert that each read copies."""
+        host mode, the slot's bytes that each read copies."""
         layer, expert = self._check(key)
-        return self.specs[layer].nbytes if self._host is not None else self._stored[layer][expert]
+        return self.slot_specs[layer].nbytes if self._host is not None else self._stored[layer][expert]
 
     @property
     def compressed(self) -> bool:
@@ -234,9 +246,10 @@ class ExpertStore:
 
     def read(self, key: Key, out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Expert `key`'s tensors, one per parameter name of the experts module, each shaped like
-        that parameter's [e] slice. With `out` (e.g. a slot's views) they are written there."""
+        that parameter's [e] slice (packed slots: the tensors of `slot_specs`). With `out` (e.g. a
+        slot's views) they are written there."""
         layer, expert = self._check(key)
-        spec = self.specs[layer]
+        spec = self.slot_specs[layer]
         if out is None:
             out = {name: torch.empty(shape, dtype=spec.dtypes[name]) for name, shape in spec.shapes.items()}
         out = dict(out)
@@ -244,9 +257,8 @@ class ExpertStore:
             for name, tensor in out.items():
                 tensor.copy_(self._host[layer][name][expert])
             return out
+        self._fill(layer, expert, out)
         steps = self._plans[layer][expert]
-        for step in steps:
-            self._read_step(step, out[step.param])
         if self.drop_page_cache:
             for path in {path for step in steps for path in _files(step)}:
                 os.posix_fadvise(self._fds[path], 0, 0, os.POSIX_FADV_DONTNEED)
@@ -360,6 +372,70 @@ class ExpertStore:
             plans.append(steps)
         return plans
 
+    def _fill(self, layer: int, expert: int, out: Mapping[str, torch.Tensor]) -> None:
+        """Read expert (layer, expert) from the files into `out`, the tensors of a slot."""
+        steps = self._plans[layer][expert]
+        if not self.packed:
+            for step in steps:
+                self._read_step(step, out[step.param])
+            return
+        for step in steps:
+            if step.param not in self.packed:
+                self._read_step(step, out[step.param])
+        for param, matrix in self.packed.items():
+            codes = torch.empty(matrix.out_features, matrix.in_features, dtype=torch.uint8)
+            scale = torch.empty(matrix.out_features, matrix.in_features // matrix.group, dtype=KERNEL_DTYPE)
+            for step in (s for s in steps if s.param == param):  # whole rows of a compressed weight
+                parts = self._read_parts(step.compressed)
+                first = step.offset // step.dtype.itemsize // matrix.in_features
+                rows = slice(first, first + step.size[0])
+                codes[step.dst[0]] = unpack_codes(parts["weight_packed"], 4, *step.compressed.shape)[rows]
+                scale[step.dst[0]] = parts["weight_scale"][rows]
+            pack_for_kernel(codes, scale, out[param], out[param + SCALES_SUFFIX])
+
+    def _packed_matrices(self) -> dict[str, PackedMatrixSpec]:
+        """Per weight parameter stored compressed, the matrix a packed slot holds; a
+        CompressionError naming the first weight the int4 kernel cannot run as stored."""
+        matrices: dict[str, PackedMatrixSpec] = {}
+        for layer, (spec, layer_plans) in enumerate(zip(self.specs, self._plans)):
+            for step in (s for steps in layer_plans for s in steps):
+                where = f"layer {layer}: expert parameter {step.param}"
+                if step.compressed is None:
+                    if any(s.param == step.param and s.compressed for steps in layer_plans for s in steps):
+                        raise CompressionError(f"{where} is stored partly compressed; packed slots need all of it")
+                    continue
+                args, shape = step.compressed.scheme.args, spec.shapes[step.param]
+                if not (args.num_bits == 4 and args.symmetric and args.strategy == "group"):
+                    raise CompressionError(f"{where} is stored as {args.num_bits}-bit {args.strategy}-wise "
+                                           f"{'symmetric' if args.symmetric else 'asymmetric'} weights; packed slots "
+                                           "hold symmetric group-wise int4 (prescient quantize --bits 4); serve this "
+                                           "checkpoint with --slot-format expanded")
+                in_features = step.compressed.shape[1]
+                whole_rows = (len(shape) == 2 and step.order == (0, 1) and step.stride == (in_features, 1)
+                              and step.size[1] == in_features == shape[1] and step.dst[1] == slice(0, shape[1], 1)
+                              and step.dst[0].step in (None, 1) and (step.offset // step.dtype.itemsize) % in_features == 0)
+                if not whole_rows:
+                    raise CompressionError(f"{where} {list(shape)} is not laid out as the compressed [out, in] weights' "
+                                           "rows (a transposed or fused-in-another-way expert); serve it with "
+                                           "--slot-format expanded")
+                matrix = PackedMatrixSpec(shape[0], shape[1], args.group_size)
+                matrix.check(where)
+                if matrices.setdefault(step.param, matrix) != matrix:
+                    raise CompressionError(f"{where} is grouped as {matrix}, other experts as {matrices[step.param]}; "
+                                           "packed slots need one layout per parameter")
+        if not matrices:
+            raise CompressionError(f"{self.model_dir} stores no expert compressed; packed slots hold int4 experts "
+                                   "(write them with prescient quantize --bits 4)")
+        return matrices
+
+    def _read_parts(self, source: _Compressed) -> dict[str, torch.Tensor]:
+        """A compressed weight's parts as stored (the bytes that cross the link)."""
+        parts = {}
+        for name, entry in source.parts.items():
+            parts[name] = torch.empty(entry.shape, dtype=entry.dtype)
+            self._pread(entry.path, parts[name], entry.offset)
+        return parts
+
     def _read_step(self, step: _Step, tensor: torch.Tensor) -> None:
         target = tensor[step.dst]
         if step.compressed is not None:
@@ -377,10 +453,7 @@ class ExpertStore:
         """Read a compressed weight's parts (the bytes that cross the link) and expand them into
         `target`: in place when the step is the whole weight, else through a buffer of its shape."""
         source = step.compressed
-        parts = {}
-        for name, entry in source.parts.items():
-            parts[name] = torch.empty(entry.shape, dtype=entry.dtype)
-            self._pread(entry.path, parts[name], entry.offset)
+        parts = self._read_parts(source)
         whole = step.plain and step.offset == 0 and step.span == math.prod(source.shape)
         if whole and target.is_contiguous() and target.device.type == "cpu" and target.numel() == step.span:
             expand_into(parts, source.scheme.args, target.view(source.shape))
@@ -407,11 +480,10 @@ class ExpertStore:
             raise StoreError(f"reading weight file {path} failed ({exc})") from exc
 
     def _load_host(self, pin: bool) -> None:
-        self._host = [spec.empty(self.num_experts, pin=pin) for spec in self.specs]
+        self._host = [spec.empty(self.num_experts, pin=pin) for spec in self.slot_specs]
         keys = [(layer, expert) for layer in range(self.num_layers) for expert in range(self.num_experts)]
         for layer, expert in tqdm(keys, desc="experts → host memory", unit="expert", disable=None):
-            for step in self._plans[layer][expert]:
-                self._read_step(step, self._host[layer][step.param][expert])
+            self._fill(layer, expert, {name: buffer[expert] for name, buffer in self._host[layer].items()})
         if self.drop_page_cache:
             for fd in self._fds.values():
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -428,6 +500,18 @@ def _model_config(model_dir: Path) -> dict:
 def _packed(key: str) -> str:
     """The packed tensor's key of checkpoint weight `key` (`<module>.weight` → `<module>.weight_packed`)."""
     return key[: -len("weight")] + PACKED_SUFFIX if key.endswith(".weight") else f"{key}.{PACKED_SUFFIX}"
+
+
+def _packed_spec(spec: ExpertSpec, packed: dict[str, PackedMatrixSpec]) -> ExpertSpec:
+    """A packed slot's tensors: each packed parameter's codes and scales_zeros, the rest as the module holds them."""
+    shapes, dtypes = {}, {}
+    for name, shape in spec.shapes.items():
+        if name in packed:
+            shapes[name], shapes[name + SCALES_SUFFIX] = packed[name].shapes()
+            dtypes[name], dtypes[name + SCALES_SUFFIX] = torch.uint8, KERNEL_DTYPE
+        else:
+            shapes[name], dtypes[name] = shape, spec.dtypes[name]
+    return ExpertSpec(shapes, dtypes)
 
 
 def _files(step: _Step) -> set[Path]:

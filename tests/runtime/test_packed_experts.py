@@ -1,0 +1,125 @@
+"""Packed slots: int4 experts stay int4 in the fast tier and compute with torch's int4 CPU kernel.
+
+Exact within the placement (offloaded at a budget that forces misses = the same placement with
+every expert resident), within bf16 rounding of the same int4 weights expanded, a slot holds the
+packed bytes (so a byte budget buys ~3.5x the bf16 slots), and what the kernel cannot run is
+refused in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload_runtime.compression.codec import quantize_weight, unpack_codes
+from offload_runtime.compression.int4_kernel import (PackedInt4Weights, PackedMatrixSpec, _arrange, _block_rows,
+                                                     pack_for_kernel)
+from offload_runtime.compression.scheme import CompressionError, weight_args
+from offload_runtime.compression.writer import quantize_model
+from offload_runtime.engine.loader import load_offloaded
+from offload_runtime.engine.options import OptionsError, RuntimeOptions
+from prescient.arch_zoo import save_tiny_model
+from prescient.loading import load_tokenizer
+from tests.conftest import tiny_test_config
+
+PROMPT = "def f(x):\n    return x"
+# the tests' tiny configs with experts at least 32 wide, the kernel's smallest group
+WIDER = {"mixtral": {}, "qwen3_moe": {"moe_intermediate_size": 32}, "olmoe": {"intermediate_size": 32}}
+
+
+@pytest.fixture(scope="module")
+def int4_model(tiny_tokenizer, tmp_path_factory):
+    """`int4_model(arch, group)`: a tiny `arch` model (experts 32 wide) quantised to int4."""
+    built: dict[tuple[str, int], Path] = {}
+
+    def get(arch: str, group: int = 32) -> Path:
+        if (arch, group) not in built:
+            root = tmp_path_factory.mktemp(f"{arch}-packed")
+            config = tiny_test_config(arch, tiny_tokenizer)
+            for name, value in WIDER[arch].items():
+                setattr(config, name, value)
+            source = save_tiny_model(config, root / "source", seed=1, tokenizer=tiny_tokenizer)
+            quantize_model(source, root / "w4", 4, group_size=group)
+            built[arch, group] = root / "w4"
+        return built[arch, group]
+
+    return get
+
+
+def run(path: Path, tokens: int = 8, **options) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """Greedy tokens and the prompt's logits through the runtime, and its stats."""
+    model = load_offloaded(path, options=RuntimeOptions(dtype="bfloat16", **options))
+    ids = load_tokenizer(path)(PROMPT, return_tensors="pt").input_ids
+    with model.offload_runtime as runtime, torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                             pad_token_id=model.config.pad_token_id)
+        logits = model(ids).logits.float()
+        return out, logits, runtime
+
+
+@pytest.mark.parametrize("arch", list(WIDER))
+def test_packed_offloading_is_exact_and_close_to_the_expanded_weights(arch, int4_model):
+    path = int4_model(arch)
+    resident, resident_logits, _ = run(path, budget=1.0, slot_format="packed")
+    offloaded, _, runtime = run(path, budget="25%", slot_format="packed")
+    assert torch.equal(offloaded, resident)
+    stats = runtime.stats()
+    assert stats.loads > 0 and stats.bytes_moved == stats.loads * runtime.store.stored_nbytes((0, 0))
+    assert all(b.dtype in (torch.uint8, torch.bfloat16) for b in runtime.pool.buffers.values())
+    # the same int4 weights expanded to bf16 and multiplied by transformers' own kernels
+    _, expanded_logits, expanded = run(path, budget=1.0, slot_format="expanded")
+    assert (expanded_logits - resident_logits).abs().max() <= 2e-2 * expanded_logits.abs().max()
+    # a slot holds the codes and scales: under a third of the expanded bf16 slot
+    assert runtime.store.expert_nbytes < expanded.store.expert_nbytes / 3
+
+
+def test_a_byte_budget_buys_slots_of_packed_bytes(int4_model):
+    path = int4_model("mixtral")
+    _, _, expanded = run(path, tokens=1, budget=1.0, slot_format="expanded")
+    budget = 4 * expanded.store.expert_nbytes  # four bf16 experts' bytes, of 16 experts
+    _, _, packed = run(path, tokens=1, budget=f"{budget}B", slot_format="packed")
+    assert packed.pool.num_slots == budget // packed.store.expert_nbytes >= 3 * 4
+    assert packed.pool.nbytes <= budget
+
+
+@pytest.mark.parametrize("rows, cols", [(128, 64), (64, 96), (192, 32)])
+def test_our_arrangement_of_codes_is_torchs_packed_layout(rows, cols):
+    block = _block_rows()
+    if block is None:
+        pytest.skip("this CPU's int4 layout is not the one we arrange; torch's converter is used instead")
+    codes = torch.randint(0, 16, (rows, cols), dtype=torch.int32, generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(_arrange(codes.to(torch.uint8), block), torch._convert_weight_to_int4pack_for_cpu(codes, 1))
+
+
+@pytest.mark.parametrize("rows", (64, 48))  # a whole number of blocks, and not (torch's converter)
+def test_kernel_on_packed_codes_equals_a_linear_on_the_expanded_weight(rows):
+    torch.manual_seed(0)
+    weight, args = torch.randn(rows, 128) * 0.05, weight_args(4, 32)
+    parts = quantize_weight(weight, args)
+    codes = unpack_codes(parts["weight_packed"], 4, rows, 128)
+    spec = PackedMatrixSpec(rows, 128, 32)
+    packed_shape, scales_shape = spec.shapes()
+    packed, scales = torch.empty(1, *packed_shape, dtype=torch.uint8), torch.empty(1, *scales_shape, dtype=torch.bfloat16)
+    pack_for_kernel(codes, parts["weight_scale"], packed[0], scales[0])
+    expanded = (codes.float() - 8).view(rows, 4, 32) * parts["weight_scale"].float().unsqueeze(-1)
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    out = torch.nn.functional.linear(x, PackedInt4Weights(packed, scales, spec)[0])
+    expected = x.float() @ expanded.view(rows, 128).t()
+    assert out.dtype == torch.bfloat16 and out.shape == (3, rows)
+    assert (out.float() - expected).abs().max() <= 1e-2 * expected.abs().max()
+
+
+def test_what_packed_slots_cannot_run_is_refused_in_one_line(int4_model, tiny_moe_dir, tmp_path):
+    with pytest.raises(OptionsError, match="dtype bfloat16 and device cpu"):
+        RuntimeOptions(slot_format="packed")
+    with pytest.raises(OptionsError, match="slot_format must be one of expanded, packed"):
+        RuntimeOptions(slot_format="int4", dtype="bfloat16")
+    with pytest.raises(CompressionError, match="stores no expert compressed"):
+        load_offloaded(tiny_moe_dir("mixtral"), dtype="bfloat16", slot_format="packed")
+    quantize_model(tiny_moe_dir("mixtral"), tmp_path / "w8", 8)
+    with pytest.raises(CompressionError, match="8-bit group-wise symmetric weights; packed slots hold"):
+        load_offloaded(tmp_path / "w8", dtype="bfloat16", slot_format="packed")
+    quantize_model(tiny_moe_dir("mixtral"), tmp_path / "g16", 4, group_size=16)
+    with pytest.raises(CompressionError, match="takes groups of 32, 64, 128, 256 along the input dimension, not 16"):
+        load_offloaded(tmp_path / "g16", dtype="bfloat16", slot_format="packed")
