@@ -9,9 +9,9 @@ kernel operand by re-arranging its codes, never by rounding anything again.
 
 The packed layout is the CPU's run-time layout, not a file format: with AVX-512 torch packs rows
 in blocks of 64, code of row i in the low nibble and of row i + 32 in the high one, k-major
-within the block. We re-arrange codes that way directly (a permute, ~10x cheaper than torch's
-converter) when a probe checked at first use shows this torch packs that way on this CPU, and
-otherwise hand the codes to torch's own converter.
+within the block. We re-arrange the stored bytes (two codes of one row per byte, lowest first) that
+way directly, a few byte-wise operations, when a probe checked at first use shows this torch
+packs that way on this CPU, and otherwise hand the unpacked codes to torch's own converter.
 
 A slot of a packed expert holds, per weight parameter P [N, K] of the experts module, `P`
 (packed codes) and `P` + SCALES_SUFFIX (scales_zeros). `PackedInt4Weights` stands in for P's
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from offload_runtime.compression.codec import unpack_codes
 from offload_runtime.compression.scheme import CompressionError
 
 SCALES_SUFFIX = "_scales_zeros"
@@ -57,33 +58,39 @@ class PackedMatrixSpec:
 
 @functools.cache
 def _block_rows() -> int | None:
-    """The row block of torch's CPU packed layout as we re-arrange codes (64 or 32 rows), if a
-    random probe packed that way equals torch's converter on this CPU; None: use the converter."""
+    """The row block of torch's CPU packed layout as we re-arrange bytes (64 or 32 rows), if a
+    random probe arranged that way equals torch's converter on this CPU; None: use the converter."""
     generator = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=generator)
-    expected = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+    stored = torch.randint(0, 256, (128, 32), dtype=torch.uint8, generator=generator)
+    expected = torch._convert_weight_to_int4pack_for_cpu(unpack_codes(stored, 4, 128, 64).to(torch.int32), 1)
     for rows in (64, 32):
-        if torch.equal(_arrange(codes.to(torch.uint8), rows), expected):
+        if torch.equal(_arrange(stored, rows), expected):
             return rows
     return None
 
 
-def _arrange(codes: torch.Tensor, rows: int) -> torch.Tensor:
-    """uint8 codes [N, K] (N a multiple of `rows`) in blocks of `rows` rows, row i's code in the low
-    nibble and row i + rows/2's in the high one, k-major within the block: [N, K/2] bytes."""
-    n, k = codes.shape
-    blocks = codes.view(n // rows, 2, rows // 2, k).transpose(2, 3)
-    return torch.bitwise_or(blocks[:, 0], blocks[:, 1] << 4).reshape(n, k // 2)
+def _arrange(stored: torch.Tensor, rows: int) -> torch.Tensor:
+    """Stored bytes [N, K/2] (codes of columns 2j and 2j+1 of a row in byte j, lowest first; N a
+    multiple of `rows`) in blocks of `rows` rows, row i's code in the low nibble and row
+    i + rows/2's in the high one, k-major within the block: [N, K/2] bytes."""
+    n, half = stored.shape
+    low, high = stored.view(n // rows, 2, rows // 2, half).unbind(1)  # each [blocks, rows/2, K/2]
+    out = torch.empty(n // rows, half, 2, rows // 2, dtype=torch.uint8)
+    out[:, :, 0] = torch.bitwise_or(low & 15, (high & 15) << 4).transpose(1, 2)  # even columns
+    out[:, :, 1] = torch.bitwise_or(low >> 4, high & 0xF0).transpose(1, 2)  # odd columns
+    return out.view(n, half)
 
 
-def pack_for_kernel(codes: torch.Tensor, scale: torch.Tensor, packed: torch.Tensor,
+def pack_for_kernel(stored: torch.Tensor, scale: torch.Tensor, packed: torch.Tensor,
                     scales_zeros: torch.Tensor) -> None:
-    """Write unsigned int4 codes [N, K] (uint8) and group scales [N, K/group] into a slot's
-    `packed` [N, K/2] and `scales_zeros` [K/group, N, 2]."""
+    """Write an int4 weight [N, K] as compressed-tensors stores it (uint8 [N, K/2], two unsigned
+    codes per byte, lowest first) and its group scales [N, K/group] into a slot's `packed`
+    [N, K/2] and `scales_zeros` [K/group, N, 2]."""
     rows = _block_rows()
-    if rows is not None and codes.shape[0] % rows == 0:
-        packed.copy_(_arrange(codes, rows))
+    if rows is not None and stored.shape[0] % rows == 0:
+        packed.copy_(_arrange(stored, rows))
     else:
+        codes = unpack_codes(stored, 4, stored.shape[0], 2 * stored.shape[1])
         packed.copy_(torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
     scales_zeros[..., 0].copy_(scale.t())
     scales_zeros[..., 1].zero_()

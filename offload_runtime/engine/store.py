@@ -48,7 +48,7 @@ from torch import nn
 from tqdm import tqdm
 
 from cache.policy import Key
-from offload_runtime.compression.codec import check_parts, compressed_names, expand_into, unpack_codes
+from offload_runtime.compression.codec import check_parts, compressed_names, expand_into
 from offload_runtime.compression.int4_kernel import KERNEL_DTYPE, SCALES_SUFFIX, PackedMatrixSpec, pack_for_kernel
 from offload_runtime.compression.scheme import PACKED_SUFFIX, CheckpointSchemes, CompressionError, WeightScheme
 from offload_runtime.engine.expert_layout import ExpertSpec, LayoutDeriver, Piece, PieceRead, StoreError, expert_spec
@@ -383,15 +383,15 @@ class ExpertStore:
             if step.param not in self.packed:
                 self._read_step(step, out[step.param])
         for param, matrix in self.packed.items():
-            codes = torch.empty(matrix.out_features, matrix.in_features, dtype=torch.uint8)
+            stored = torch.empty(matrix.out_features, matrix.in_features // 2, dtype=torch.uint8)
             scale = torch.empty(matrix.out_features, matrix.in_features // matrix.group, dtype=KERNEL_DTYPE)
             for step in (s for s in steps if s.param == param):  # whole rows of a compressed weight
                 parts = self._read_parts(step.compressed)
                 first = step.offset // step.dtype.itemsize // matrix.in_features
                 rows = slice(first, first + step.size[0])
-                codes[step.dst[0]] = unpack_codes(parts["weight_packed"], 4, *step.compressed.shape)[rows]
+                stored[step.dst[0]] = parts["weight_packed"].view(torch.uint8)[rows]
                 scale[step.dst[0]] = parts["weight_scale"][rows]
-            pack_for_kernel(codes, scale, out[param], out[param + SCALES_SUFFIX])
+            pack_for_kernel(stored, scale, out[param], out[param + SCALES_SUFFIX])
 
     def _packed_matrices(self) -> dict[str, PackedMatrixSpec]:
         """Per weight parameter stored compressed, the matrix a packed slot holds; a

@@ -88,8 +88,9 @@ def test_our_arrangement_of_codes_is_torchs_packed_layout(rows, cols):
     block = _block_rows()
     if block is None:
         pytest.skip("this CPU's int4 layout is not the one we arrange; torch's converter is used instead")
-    codes = torch.randint(0, 16, (rows, cols), dtype=torch.int32, generator=torch.Generator().manual_seed(rows))
-    assert torch.equal(_arrange(codes.to(torch.uint8), block), torch._convert_weight_to_int4pack_for_cpu(codes, 1))
+    stored = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(rows))
+    codes = unpack_codes(stored, 4, rows, cols).to(torch.int32)
+    assert torch.equal(_arrange(stored, block), torch._convert_weight_to_int4pack_for_cpu(codes, 1))
 
 
 @pytest.mark.parametrize("rows", (64, 48))  # a whole number of blocks, and not (torch's converter)
@@ -101,7 +102,7 @@ def test_kernel_on_packed_codes_equals_a_linear_on_the_expanded_weight(rows):
     spec = PackedMatrixSpec(rows, 128, 32)
     packed_shape, scales_shape = spec.shapes()
     packed, scales = torch.empty(1, *packed_shape, dtype=torch.uint8), torch.empty(1, *scales_shape, dtype=torch.bfloat16)
-    pack_for_kernel(codes, parts["weight_scale"], packed[0], scales[0])
+    pack_for_kernel(parts["weight_packed"].view(torch.uint8), parts["weight_scale"], packed[0], scales[0])
     expanded = (codes.float() - 8).view(rows, 4, 32) * parts["weight_scale"].float().unsqueeze(-1)
     x = torch.randn(3, 128).to(torch.bfloat16)
     out = torch.nn.functional.linear(x, PackedInt4Weights(packed, scales, spec)[0])
