@@ -185,9 +185,9 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
             help="what the model computes in and a slot holds (bfloat16: half the bytes per expert slot)"),
         "slot_format": lambda p: p.add_argument(
             "--slot-format", choices=SLOT_FORMATS, default="expanded",
-            help="expanded: a slot holds an expert in --dtype whatever its stored precision; packed: int4-stored "
-                 "experts stay int4 in their slots (~3.5x more per byte than bf16), computed by torch's int4 CPU "
-                 "kernel (needs --dtype bfloat16)"),
+            help="expanded: a slot holds an expert in --dtype whatever its stored precision; packed: int4 (int8) "
+                 "experts stay int4 (int8) in their slots, ~3.5x (2x) more per byte than bf16, computed by torch's "
+                 "weight-only CPU kernels (needs --dtype bfloat16)"),
         "transfer_workers": lambda p: p.add_argument(
             "--transfer-workers", type=positive_int, default=1, help="expert copies that run at once"),
         "hide_only": lambda p: p.add_argument(

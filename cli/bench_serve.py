@@ -27,7 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--predictors", type=served_predictors, default={"none": None},
                    help="server settings to compare: none (no predictor) and NAME=ARTIFACT, e.g. "
                         "none,sida=runs/demo/predictor/sida")
-    add_runtime_args(p, "policy", "budget", "drop_page_cache")  # the servers' runtime options
+    add_runtime_args(p, "policy", "budget", "drop_page_cache", "dtype", "slot_format")  # the servers' runtime options
     p.add_argument("--clients", type=positive_ints, default=(1, 4, 16, 64), help="concurrency levels")
     p.add_argument("--rounds", type=positive_int, default=2, help="requests per client at each level")
     p.add_argument("--max-requests", type=positive_int, default=64, help="at most this many requests per level")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from offload_runtime.engine.options import DTYPES
+from offload_runtime.engine.options import DTYPES, SLOT_FORMATS
 from cli.args import names, output_file, positive_int
 
 
@@ -21,6 +21,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--windows", type=positive_int, default=64, help="held-out windows per dataset")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                    help="what both models compute in (as `--dtype` of generate and serve)")
+    p.add_argument("--slot-format", choices=SLOT_FORMATS, default="expanded",
+                   help="packed: the model's int4 experts computed by torch's int4 kernel through the runtime, as "
+                        "`--slot-format packed` serves them (needs --dtype bfloat16)")
     p.add_argument("--json", type=output_file, required=True, help="results file")
     return p
 
@@ -30,7 +33,7 @@ def run(args: argparse.Namespace) -> None:
 
     result = run_quality(args.json, model_dir=args.model, reference_dir=args.reference, datasets=args.dataset,
                          split=args.split, text_field=args.text_field, seq_len=args.seq_len, windows=args.windows,
-                         dtype=args.dtype)
+                         dtype=args.dtype, slot_format=args.slot_format)
     for name, figures in result["datasets"].items():
         print(f"{name}: perplexity {figures['perplexity']:.3f} (reference {figures['reference_perplexity']:.3f}, "
               f"{100 * figures['perplexity_increase']:+.2f}%), KL {figures['kl_nats']:.5f} nats, "

@@ -8,15 +8,21 @@ import argparse
 from cli.args import output_dir, positive_int
 
 
+def group_size(text: str) -> int | str:
+    """A positive group size, or 'channel'."""
+    return text if text == "channel" else positive_int(text)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("quantize", help="store a model's routed experts at 4 or 8 bits (compressed-tensors "
                                                "pack-quantized) or in bfloat16")
     p.add_argument("--model", required=True, help="Hugging Face model directory (uncompressed)")
     p.add_argument("--bits", type=int, required=True, choices=(4, 8, 16),
                    help="4 or 8: group-wise symmetric integers; 16: a bfloat16 copy of the experts")
-    p.add_argument("--group-size", type=positive_int, default=None,
+    p.add_argument("--group-size", type=group_size, default=None,
                    help="weights per scale along a row (default: the largest of 128, 64, 32, 16 that divides "
-                        "every expert's input dimension)")
+                        "every expert's input dimension), or 'channel': one scale per row (what --slot-format "
+                        "packed runs at 8 bits)")
     p.add_argument("--method", default="rtn", choices=("rtn",),
                    help="rtn: round to the nearest level of each group's min/max grid")
     p.add_argument("--out", type=output_dir, required=True, help="new model directory (must not exist or be empty)")

@@ -185,7 +185,8 @@ def serve_flags(options: RuntimeOptions) -> list[str]:
     if options.link_timing is not None or options.prefetch_per_layer is not None:
         raise ValueError("a `prescient serve` process takes no link timing object nor prefetch_per_layer")
     flags = ["--policy", options.policy, "--budget", str(options.budget), "--store", options.store,
-             "--device", options.device, "--transfer-workers", str(options.transfer_workers)]
+             "--device", options.device, "--transfer-workers", str(options.transfer_workers),
+             "--dtype", options.dtype, "--slot-format", options.slot_format]
     flags += ["--drop-page-cache"] if options.drop_page_cache else []
     chance = options.next_token_min_chance
     return flags + (["--next-token", "--next-token-min-chance", str(chance)] if chance is not None else [])

@@ -6,9 +6,11 @@ two agree on the most likely next token.
 Both models compute in `dtype` (float32, or bfloat16 as `--dtype bfloat16` serves them); a
 compressed model's experts are expanded as the runtime expands them, and offloading computes
 exactly what the resident model computes, so these figures hold for the model served at any
-budget in that dtype.
+budget in that dtype. With `slot_format="packed"` (int4 experts computed by torch's int4 kernel
+from packed slots, in bfloat16) the model runs through the runtime with a slot for every expert,
+since that kernel is not what transformers computes with.
 
-JSON: {model, reference, dtype, split, seq_len, windows, datasets: {SPEC: {tokens, perplexity,
+JSON: {model, reference, dtype, slot_format, split, seq_len, windows, datasets: {SPEC: {tokens, perplexity,
 reference_perplexity, perplexity_increase, kl_nats, top1_agreement}}, fingerprint_match}.
 """
 
@@ -21,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from offload_runtime.engine.options import DTYPES
+from offload_runtime.engine.loader import load_offloaded
+from offload_runtime.engine.options import DTYPES, RuntimeOptions
 from prescient.atomic import write_json_atomic
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_model, load_tokenizer
@@ -49,17 +52,26 @@ def compare_logits(model, reference, windows: torch.Tensor, batch_size: int = 8,
 
 def measure_quality(model_dir: str | Path, reference_dir: str | Path, datasets: tuple[str, ...],
                     split: str = "validation", text_field: str = "text", seq_len: int = 256, windows: int = 64,
-                    batch_size: int = 8, dtype: str = "float32") -> dict:
-    model, layers = load_model(model_dir, dtype=DTYPES[dtype])
+                    batch_size: int = 8, dtype: str = "float32", slot_format: str = "expanded") -> dict:
+    options = RuntimeOptions(budget=1.0, dtype=dtype, slot_format=slot_format)  # checks the pair
     reference, ref_layers = load_model(reference_dir, dtype=DTYPES[dtype])
+    if slot_format == "packed":
+        model = load_offloaded(model_dir, options=options)
+        fingerprint = model.offload_runtime.fingerprint
+    else:
+        model, layers = load_model(model_dir, dtype=DTYPES[dtype])
+        fingerprint = fingerprint_model(model, layers)
     tokenizer = load_tokenizer(reference_dir)
-    result = {"model": str(model_dir), "reference": str(reference_dir), "dtype": dtype, "split": split,
-              "seq_len": seq_len,
-              "windows": windows, "fingerprint_match": fingerprint_model(model, layers) == fingerprint_model(
-                  reference, ref_layers), "datasets": {}}
-    for dataset in datasets:
-        held_out = corpus_windows(tokenizer, dataset, split, text_field, seq_len, windows)
-        result["datasets"][dataset] = compare_logits(model, reference, held_out, batch_size, desc=dataset)
+    result = {"model": str(model_dir), "reference": str(reference_dir), "dtype": dtype, "slot_format": slot_format,
+              "split": split, "seq_len": seq_len, "windows": windows,
+              "fingerprint_match": fingerprint == fingerprint_model(reference, ref_layers), "datasets": {}}
+    try:
+        for dataset in datasets:
+            held_out = corpus_windows(tokenizer, dataset, split, text_field, seq_len, windows)
+            result["datasets"][dataset] = compare_logits(model, reference, held_out, batch_size, desc=dataset)
+    finally:
+        if slot_format == "packed":
+            model.offload_runtime.close()
     return result
 
 

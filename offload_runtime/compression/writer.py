@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 SHARD_BYTES = 256 * 2**20
 GROUP_SIZES = (128, 64, 32, 16)  # the default: the largest that divides every expert's input dimension
+CHANNEL = "channel"  # --group-size channel: one scale per output row
 REPORT = "quantize.json"
 
 
@@ -75,12 +76,13 @@ def expert_keys(model_dir: Path, files: list[Path]) -> dict[str, Path]:
     return found
 
 
-def quantize_model(model_dir: str | Path, out: str | Path, bits: int, group_size: int | None = None,
+def quantize_model(model_dir: str | Path, out: str | Path, bits: int, group_size: int | str | None = None,
                    method: str = "rtn") -> dict:
     """Write `model_dir` with its routed experts at `bits` (4, 8: group-wise symmetric integers
     rounded to nearest; 16: bfloat16) to `out`; returns the report also written as
     `out/quantize.json`. `group_size` None takes the largest of 128, 64, 32, 16 that divides every
-    expert's input dimension. Bad input (an unsupported bit width, a group size that does not
+    expert's input dimension; "channel" gives each output row one scale (what torch's int8 kernel
+    runs from packed slots). Bad input (an unsupported bit width, a group size that does not
     divide, an already compressed model, an existing `out`) is a CompressionError before any
     file is written."""
     start = time.perf_counter()
@@ -125,8 +127,11 @@ def quantize_model(model_dir: str | Path, out: str | Path, bits: int, group_size
     return report
 
 
-def _group_size(asked: int | None, shapes: dict[str, tuple[int, ...]]) -> int:
+def _group_size(asked: int | str | None, shapes: dict[str, tuple[int, ...]]) -> int | None:
+    """The group size to write (None: one scale per output channel)."""
     inputs = sorted({shape[1] for shape in shapes.values()})
+    if asked == CHANNEL:
+        return None
     if asked is not None:
         if asked < 1 or any(n % asked for n in inputs):
             raise CompressionError(f"--group-size {asked} does not divide the experts' input dimensions {inputs}")
@@ -214,7 +219,8 @@ def _report(model_dir: Path, work: Path, bits: int, args, method: str, sizes: di
         raise CompressionError(f"the compressed model's fingerprint {written} differs from the source's {source}; "
                                "a tensor outside the experts changed")
     return {"source": str(model_dir), "fingerprint": source.to_dict(), "bits": bits, "method": method if args else None,
-            "group_size": args.group_size if args is not None else None, "symmetric": True if args else None,
+            "group_size": args.group_size if args is not None else None,
+            "strategy": args.strategy if args is not None else None, "symmetric": True if args else None,
             "scale_dtype": "bfloat16" if args else None, **sizes,
             "expert_compression": round(sizes["source_expert_bytes"] / max(sizes["expert_bytes"], 1), 3),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

@@ -19,9 +19,9 @@ router stays the model's own. Which module replaces a block goes by its adapter'
   S `expert_{s}` modules whose weights are slot s's views, and gets the one-hot over slots. A
   token has at most one expert, so the result is exact.
 
-With packed slots (int4 experts kept packed, `offload_runtime.compression.int4_kernel`), the
-fused twin's packed weight parameters are `PackedInt4Weights` over the slots' codes and scales,
-and the twin runs transformers' eager expert loop (its `F.linear` calls reach the int4 kernel);
+With packed slots (int4 or int8 experts kept compressed, `offload_runtime.compression.kernels`),
+the fused twin's packed weight parameters are `PackedWeights` over the slots' codes and scales,
+and the twin runs transformers' eager expert loop (its `F.linear` calls reach the kernels);
 only fused experts run this way.
 
 When a layer selects more experts than slots exist (a long prefill under a small budget), or the
@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from offload_runtime.compression.scheme import CompressionError
-from offload_runtime.compression.int4_kernel import SCALES_SUFFIX, PackedInt4Weights, PackedMatrixSpec
+from offload_runtime.compression.kernels import SCALES_SUFFIX, PackedMatrixSpec, PackedWeights
 from offload_runtime.engine.expert_layout import expert_spec
 from offload_runtime.engine.slots import SlotPool
 from prescient.arch import MoELayer
@@ -102,7 +102,7 @@ def _fused_twin(layer: MoELayer, buffers: dict[str, torch.Tensor], num_slots: in
     """The experts module over slot buffers: each parameter is its [S, ...] buffer (shaped as
     the module holds it), and each attribute that counts experts now counts slots: the expert
     count becomes S and the router's choice count S + the weightless experts (ids remapped alike).
-    A parameter in `packed` is a `PackedInt4Weights` instead, and the twin runs the eager loop."""
+    A parameter in `packed` is a `PackedWeights` instead, and the twin runs the eager loop."""
     experts = layer.experts
     spec, _ = expert_spec(layer)
     copy = twin(experts, {name: spec.as_module_tensor(name, buffers[name]) for name in spec.shapes
@@ -110,7 +110,7 @@ def _fused_twin(layer: MoELayer, buffers: dict[str, torch.Tensor], num_slots: in
     if packed:
         for name, matrix in packed.items():
             del copy._parameters[name]
-            copy.__dict__[name] = PackedInt4Weights(buffers[name], buffers[name + SCALES_SUFFIX], matrix)
+            copy.__dict__[name] = PackedWeights(buffers[name], buffers[name + SCALES_SUFFIX], matrix)
         if hasattr(experts, "config"):  # transformers' grouped/batched kernels index the [S, ...] tensors themselves
             copy.config = shallow.copy(experts.config)
             copy.config._experts_implementation = "eager"
@@ -241,7 +241,7 @@ def offload_experts(layer: MoELayer, buffers: dict[str, torch.Tensor], runtime: 
                                   f"({layer.name}); known kinds: {', '.join(OFFLOADED)}") from None
     if packed:
         if cls is not OffloadedExperts:
-            raise CompressionError(f"{layer.name}: packed int4 slots run fused experts only, not {layer.adapter.name!r} "
+            raise CompressionError(f"{layer.name}: packed slots run fused experts only, not {layer.adapter.name!r} "
                                    "blocks; serve with --slot-format expanded")
         return cls(layer, buffers, runtime, packed)
     return cls(layer, buffers, runtime)

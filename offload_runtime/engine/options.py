@@ -53,9 +53,10 @@ class RuntimeOptions:
     this likely; None: off), `dtype` (what the model computes in, and so what a slot holds:
     "float32", or "bfloat16", half the bytes per slot; experts stored in another precision are
     converted or expanded into it as they arrive), `slot_format` ("expanded": a slot holds an
-    expert in `dtype` whatever its stored precision; "packed": an int4-stored expert stays int4 in
-    its slot, about 3.5x more experts per byte than bf16, and computes with torch's int4 CPU
-    kernel, which needs `dtype="bfloat16"`)."""
+    expert in `dtype` whatever its stored precision; "packed": an int4-stored expert (in groups)
+    stays int4 in its slot, about 3.5x more experts per byte than bf16, an int8-stored one (per
+    channel) int8, 2x, and each computes with torch's weight-only CPU kernel, which needs
+    `dtype="bfloat16"`)."""
 
     policy: str = "lru"
     budget: Budget = Budget(0.5, "fraction")
@@ -90,7 +91,7 @@ class RuntimeOptions:
         if self.slot_format not in SLOT_FORMATS:
             raise OptionsError(f"slot_format must be one of {', '.join(SLOT_FORMATS)}, got {self.slot_format!r}")
         if self.slot_format == "packed" and (self.dtype != "bfloat16" or self.device != "cpu"):
-            raise OptionsError("packed slots compute with torch's int4 CPU kernel, on bfloat16 activations: use "
+            raise OptionsError("packed slots compute with torch's int4/int8 CPU kernels, on bfloat16 activations: use "
                                f"dtype bfloat16 and device cpu (got {self.dtype} on {self.device})")
         chance = self.next_token_min_chance
         if chance is not None:

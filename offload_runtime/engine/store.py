@@ -11,9 +11,9 @@ Compressed experts (a compressed-tensors `pack-quantized` checkpoint, `prescient
 a user's): a piece whose checkpoint weight is stored as `<module>.weight_packed` (+ scale, shape,
 zero point) is read as those parts, the bytes that cross the link (`stored_nbytes`), and on
 arrival either expanded into the slot in the model's dtype (`offload_runtime.compression.codec`),
-or, with `slot_format="packed"` (symmetric int4, group-wise), re-arranged into torch's int4
-kernel layout so that the slot stays int4 (`offload_runtime.compression.int4_kernel`; `slot_specs`
-and `packed` say what a slot then holds). Scales and shapes are checked once when the store opens. Experts stored in another float dtype than the
+or, with `slot_format="packed"` (symmetric int4 in groups, int8 per channel), re-arranged into
+the operands of torch's weight-only kernels so that the slot stays compressed
+(`offload_runtime.compression.kernels`; `slot_specs` and `packed` say what a slot then holds). Scales and shapes are checked once when the store opens. Experts stored in another float dtype than the
 model's (a bf16 copy served in float32) are converted as they are read.
 
 Modes:
@@ -49,7 +49,8 @@ from tqdm import tqdm
 
 from cache.policy import Key
 from offload_runtime.compression.codec import check_parts, compressed_names, expand_into
-from offload_runtime.compression.int4_kernel import KERNEL_DTYPE, SCALES_SUFFIX, PackedMatrixSpec, pack_for_kernel
+from offload_runtime.compression.kernels import (KERNEL_DTYPE, SCALES_SUFFIX, PackedMatrixSpec, kernel_matrix,
+                                                 pack_for_kernel)
 from offload_runtime.compression.scheme import PACKED_SUFFIX, CheckpointSchemes, CompressionError, WeightScheme
 from offload_runtime.engine.expert_layout import ExpertSpec, LayoutDeriver, Piece, PieceRead, StoreError, expert_spec
 from prescient.arch import MoELayer, find_moe_layers
@@ -201,7 +202,7 @@ class ExpertStore:
             self.specs.append(spec)
             self._plans.append(self._plan_layer(layouts, layer, spec, fused))
         self._stored = [[_stored_nbytes(steps) for steps in layer_plans] for layer_plans in self._plans]
-        # what a slot holds: the expert as the module holds it, or its weights packed for the int4 kernel
+        # what a slot holds: the expert as the module holds it, or its weights packed for the kernels
         self.packed: dict[str, PackedMatrixSpec] = self._packed_matrices() if slot_format == "packed" else {}
         self.slot_specs = [_packed_spec(spec, self.packed) for spec in self.specs] if self.packed else self.specs
         paths = {path for layer_plans in self._plans for steps in layer_plans for step in steps
@@ -383,19 +384,20 @@ class ExpertStore:
             if step.param not in self.packed:
                 self._read_step(step, out[step.param])
         for param, matrix in self.packed.items():
-            stored = torch.empty(matrix.out_features, matrix.in_features // 2, dtype=torch.uint8)
-            scale = torch.empty(matrix.out_features, matrix.in_features // matrix.group, dtype=KERNEL_DTYPE)
+            stored = torch.empty(matrix.out_features, matrix.in_features * matrix.bits // 8, dtype=torch.uint8)
+            scale = torch.empty(matrix.out_features, matrix.in_features // (matrix.group or matrix.in_features),
+                                dtype=KERNEL_DTYPE)
             for step in (s for s in steps if s.param == param):  # whole rows of a compressed weight
                 parts = self._read_parts(step.compressed)
                 first = step.offset // step.dtype.itemsize // matrix.in_features
                 rows = slice(first, first + step.size[0])
                 stored[step.dst[0]] = parts["weight_packed"].view(torch.uint8)[rows]
                 scale[step.dst[0]] = parts["weight_scale"][rows]
-            pack_for_kernel(stored, scale, out[param], out[param + SCALES_SUFFIX])
+            pack_for_kernel(matrix, stored, scale, out[param], out[param + SCALES_SUFFIX])
 
     def _packed_matrices(self) -> dict[str, PackedMatrixSpec]:
         """Per weight parameter stored compressed, the matrix a packed slot holds; a
-        CompressionError naming the first weight the int4 kernel cannot run as stored."""
+        CompressionError naming the first weight no kernel can run as stored."""
         matrices: dict[str, PackedMatrixSpec] = {}
         for layer, (spec, layer_plans) in enumerate(zip(self.specs, self._plans)):
             for step in (s for steps in layer_plans for s in steps):
@@ -405,11 +407,7 @@ class ExpertStore:
                         raise CompressionError(f"{where} is stored partly compressed; packed slots need all of it")
                     continue
                 args, shape = step.compressed.scheme.args, spec.shapes[step.param]
-                if not (args.num_bits == 4 and args.symmetric and args.strategy == "group"):
-                    raise CompressionError(f"{where} is stored as {args.num_bits}-bit {args.strategy}-wise "
-                                           f"{'symmetric' if args.symmetric else 'asymmetric'} weights; packed slots "
-                                           "hold symmetric group-wise int4 (prescient quantize --bits 4); serve this "
-                                           "checkpoint with --slot-format expanded")
+                matrix = kernel_matrix(args.num_bits, args.symmetric, args.strategy, args.group_size, shape, where)
                 in_features = step.compressed.shape[1]
                 whole_rows = (len(shape) == 2 and step.order == (0, 1) and step.stride == (in_features, 1)
                               and step.size[1] == in_features == shape[1] and step.dst[1] == slice(0, shape[1], 1)
@@ -418,14 +416,12 @@ class ExpertStore:
                     raise CompressionError(f"{where} {list(shape)} is not laid out as the compressed [out, in] weights' "
                                            "rows (a transposed or fused-in-another-way expert); serve it with "
                                            "--slot-format expanded")
-                matrix = PackedMatrixSpec(shape[0], shape[1], args.group_size)
-                matrix.check(where)
                 if matrices.setdefault(step.param, matrix) != matrix:
                     raise CompressionError(f"{where} is grouped as {matrix}, other experts as {matrices[step.param]}; "
                                            "packed slots need one layout per parameter")
         if not matrices:
-            raise CompressionError(f"{self.model_dir} stores no expert compressed; packed slots hold int4 experts "
-                                   "(write them with prescient quantize --bits 4)")
+            raise CompressionError(f"{self.model_dir} stores no expert compressed; packed slots hold int4 or int8 "
+                                   "experts (write them with prescient quantize --bits 4)")
         return matrices
 
     def _read_parts(self, source: _Compressed) -> dict[str, torch.Tensor]:
@@ -507,8 +503,8 @@ def _packed_spec(spec: ExpertSpec, packed: dict[str, PackedMatrixSpec]) -> Exper
     shapes, dtypes = {}, {}
     for name, shape in spec.shapes.items():
         if name in packed:
-            shapes[name], shapes[name + SCALES_SUFFIX] = packed[name].shapes()
-            dtypes[name], dtypes[name + SCALES_SUFFIX] = torch.uint8, KERNEL_DTYPE
+            for suffix, (shape, dtype) in packed[name].slot_tensors().items():
+                shapes[name + suffix], dtypes[name + suffix] = shape, dtype
         else:
             shapes[name], dtypes[name] = shape, spec.dtypes[name]
     return ExpertSpec(shapes, dtypes)

@@ -1,9 +1,10 @@
-"""Packed slots: int4 experts stay int4 in the fast tier and compute with torch's int4 CPU kernel.
+"""Packed slots: int4 (int8) experts stay int4 (int8) in the fast tier and compute with torch's
+weight-only CPU kernels.
 
 Exact within the placement (offloaded at a budget that forces misses = the same placement with
 every expert resident), within bf16 rounding of the same int4 weights expanded, a slot holds the
-packed bytes (so a byte budget buys ~3.5x the bf16 slots), and what the kernel cannot run is
-refused in one line."""
+packed bytes (so a byte budget buys ~3.5x (2x) the bf16 slots), and what no kernel runs is refused
+in one line."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ import pytest
 import torch
 
 from offload_runtime.compression.codec import quantize_weight, unpack_codes
-from offload_runtime.compression.int4_kernel import (PackedInt4Weights, PackedMatrixSpec, _arrange, _block_rows,
-                                                     pack_for_kernel)
+from offload_runtime.compression.kernels import PackedMatrixSpec, PackedWeights, _arrange, _block_rows, pack_for_kernel
 from offload_runtime.compression.scheme import CompressionError, weight_args
 from offload_runtime.compression.writer import quantize_model
 from offload_runtime.engine.loader import load_offloaded
@@ -30,19 +30,20 @@ WIDER = {"mixtral": {}, "qwen3_moe": {"moe_intermediate_size": 32}, "olmoe": {"i
 
 @pytest.fixture(scope="module")
 def int4_model(tiny_tokenizer, tmp_path_factory):
-    """`int4_model(arch, group)`: a tiny `arch` model (experts 32 wide) quantised to int4."""
+    """`int4_model(arch, bits=4)`: a tiny `arch` model (experts 32 wide) quantised to int4 in
+    groups of 32, or to int8 per channel."""
     built: dict[tuple[str, int], Path] = {}
 
-    def get(arch: str, group: int = 32) -> Path:
-        if (arch, group) not in built:
-            root = tmp_path_factory.mktemp(f"{arch}-packed")
+    def get(arch: str, bits: int = 4) -> Path:
+        if (arch, bits) not in built:
+            root = tmp_path_factory.mktemp(f"{arch}-w{bits}-packed")
             config = tiny_test_config(arch, tiny_tokenizer)
             for name, value in WIDER[arch].items():
                 setattr(config, name, value)
             source = save_tiny_model(config, root / "source", seed=1, tokenizer=tiny_tokenizer)
-            quantize_model(source, root / "w4", 4, group_size=group)
-            built[arch, group] = root / "w4"
-        return built[arch, group]
+            quantize_model(source, root / "model", bits, group_size=32 if bits == 4 else "channel")
+            built[arch, bits] = root / "model"
+        return built[arch, bits]
 
     return get
 
@@ -58,20 +59,20 @@ def run(path: Path, tokens: int = 8, **options) -> tuple[torch.Tensor, torch.Ten
         return out, logits, runtime
 
 
-@pytest.mark.parametrize("arch", list(WIDER))
-def test_packed_offloading_is_exact_and_close_to_the_expanded_weights(arch, int4_model):
-    path = int4_model(arch)
+@pytest.mark.parametrize("arch, bits", [(arch, 4) for arch in WIDER] + [("mixtral", 8), ("qwen3_moe", 8)])
+def test_packed_offloading_is_exact_and_close_to_the_expanded_weights(arch, bits, int4_model):
+    path = int4_model(arch, bits)
     resident, resident_logits, _ = run(path, budget=1.0, slot_format="packed")
     offloaded, _, runtime = run(path, budget="25%", slot_format="packed")
     assert torch.equal(offloaded, resident)
     stats = runtime.stats()
     assert stats.loads > 0 and stats.bytes_moved == stats.loads * runtime.store.stored_nbytes((0, 0))
-    assert all(b.dtype in (torch.uint8, torch.bfloat16) for b in runtime.pool.buffers.values())
+    assert {b.dtype for b in runtime.pool.buffers.values()} == {torch.uint8 if bits == 4 else torch.int8, torch.bfloat16}
     # the same int4 weights expanded to bf16 and multiplied by transformers' own kernels
     _, expanded_logits, expanded = run(path, budget=1.0, slot_format="expanded")
     assert (expanded_logits - resident_logits).abs().max() <= 2e-2 * expanded_logits.abs().max()
-    # a slot holds the codes and scales: under a third of the expanded bf16 slot
-    assert runtime.store.expert_nbytes < expanded.store.expert_nbytes / 3
+    # a slot holds the codes and scales: under a third (int8: about half) of the expanded bf16 slot
+    assert runtime.store.expert_nbytes < expanded.store.expert_nbytes / {4: 3, 8: 1.8}[bits]
 
 
 def test_a_byte_budget_buys_slots_of_packed_bytes(int4_model):
@@ -93,19 +94,21 @@ def test_our_arrangement_of_codes_is_torchs_packed_layout(rows, cols):
     assert torch.equal(_arrange(stored, block), torch._convert_weight_to_int4pack_for_cpu(codes, 1))
 
 
-@pytest.mark.parametrize("rows", (64, 48))  # a whole number of blocks, and not (torch's converter)
-def test_kernel_on_packed_codes_equals_a_linear_on_the_expanded_weight(rows):
+@pytest.mark.parametrize("bits, rows", [(4, 64), (4, 48), (8, 48)])  # int4: whole blocks, and not (torch's converter)
+def test_kernel_on_packed_codes_equals_a_linear_on_the_expanded_weight(bits, rows):
     torch.manual_seed(0)
-    weight, args = torch.randn(rows, 128) * 0.05, weight_args(4, 32)
+    group = 32 if bits == 4 else None
+    weight, args = torch.randn(rows, 128) * 0.05, weight_args(bits, group)
     parts = quantize_weight(weight, args)
-    codes = unpack_codes(parts["weight_packed"], 4, rows, 128)
-    spec = PackedMatrixSpec(rows, 128, 32)
-    packed_shape, scales_shape = spec.shapes()
-    packed, scales = torch.empty(1, *packed_shape, dtype=torch.uint8), torch.empty(1, *scales_shape, dtype=torch.bfloat16)
-    pack_for_kernel(parts["weight_packed"].view(torch.uint8), parts["weight_scale"], packed[0], scales[0])
-    expanded = (codes.float() - 8).view(rows, 4, 32) * parts["weight_scale"].float().unsqueeze(-1)
+    codes = unpack_codes(parts["weight_packed"], bits, rows, 128)
+    spec = PackedMatrixSpec(bits, rows, 128, group)
+    slot = {suffix: torch.empty(1, *shape, dtype=dtype) for suffix, (shape, dtype) in spec.slot_tensors().items()}
+    codes_slot, scales_slot = slot.values()
+    pack_for_kernel(spec, parts["weight_packed"].view(torch.uint8), parts["weight_scale"], codes_slot[0], scales_slot[0])
+    levels = codes.float() - 2 ** (bits - 1)
+    expanded = levels.view(rows, -1, group or 128) * parts["weight_scale"].float().unsqueeze(-1)
     x = torch.randn(3, 128).to(torch.bfloat16)
-    out = torch.nn.functional.linear(x, PackedInt4Weights(packed, scales, spec)[0])
+    out = torch.nn.functional.linear(x, PackedWeights(codes_slot, scales_slot, spec)[0])
     expected = x.float() @ expanded.view(rows, 128).t()
     assert out.dtype == torch.bfloat16 and out.shape == (3, rows)
     assert (out.float() - expected).abs().max() <= 1e-2 * expected.abs().max()
@@ -119,7 +122,7 @@ def test_what_packed_slots_cannot_run_is_refused_in_one_line(int4_model, tiny_mo
     with pytest.raises(CompressionError, match="stores no expert compressed"):
         load_offloaded(tiny_moe_dir("mixtral"), dtype="bfloat16", slot_format="packed")
     quantize_model(tiny_moe_dir("mixtral"), tmp_path / "w8", 8)
-    with pytest.raises(CompressionError, match="8-bit group-wise symmetric weights; packed slots hold"):
+    with pytest.raises(CompressionError, match="8-bit group-wise symmetric weights; packed slots hold symmetric int4"):
         load_offloaded(tmp_path / "w8", dtype="bfloat16", slot_format="packed")
     quantize_model(tiny_moe_dir("mixtral"), tmp_path / "g16", 4, group_size=16)
     with pytest.raises(CompressionError, match="takes groups of 32, 64, 128, 256 along the input dimension, not 16"):
