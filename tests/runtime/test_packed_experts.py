@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from experiments.bench_compressed import bench_compressed
+from experiments.bench_runtime.grid import BenchError
 from offload_runtime.compression.codec import quantize_weight, unpack_codes
 from offload_runtime.compression.kernels import PackedMatrixSpec, PackedWeights, _arrange, _block_rows, pack_for_kernel
 from offload_runtime.compression.scheme import CompressionError, weight_args
@@ -127,3 +129,24 @@ def test_what_packed_slots_cannot_run_is_refused_in_one_line(int4_model, tiny_mo
     quantize_model(tiny_moe_dir("mixtral"), tmp_path / "g16", 4, group_size=16)
     with pytest.raises(CompressionError, match="takes groups of 32, 64, 128, 256 along the input dimension, not 16"):
         load_offloaded(tmp_path / "g16", dtype="bfloat16", slot_format="packed")
+
+
+def test_bench_compressed_gives_every_model_the_first_models_slot_bytes(int4_model, tmp_path):
+    """bf16 and int4 expanded buy the same slots with a budget; int4 packed buys ~3x as many with
+    the same bytes; labels name the requested share, so rows compare across models; every run exact."""
+    int4 = int4_model("mixtral")
+    bf16 = tmp_path / "w16"
+    quantize_model(int4.parent / "source", bf16, 16)
+    texts = [PROMPT * 4] * 3
+    result = bench_compressed({"bf16": str(bf16), "int4": str(int4), "int4-packed": str(int4)}, texts, [0.25], 1, {},
+                              tmp_path / "bench.json", options=RuntimeOptions(dtype="bfloat16"),
+                              packed=("int4-packed",), new_tokens=3, timed_prompts=1, prompt_tokens=6, isolate=False)
+    runs = {r["model"]: r for r in result["runs"] if r["label"] == "none+lru@0.25"}
+    assert len({r["budget_bytes"] for r in runs.values()}) == 1
+    assert runs["bf16"]["budget"] == runs["int4"]["budget"] == 0.25
+    assert runs["int4-packed"]["budget"] >= 3 * 0.25
+    assert all(r["exact"] for r in result["runs"]) and result["complete"]
+    assert result["models"]["int4-packed"]["slot_format"] == "packed"
+    assert set(result["summary"]["int4-packed"]) == {"all_resident", "none+lru@0.25"}
+    with pytest.raises(BenchError, match="--packed names int8"):
+        bench_compressed({"bf16": str(bf16)}, texts, [0.25], 1, {}, tmp_path / "no.json", packed=("int8",))
