@@ -13,8 +13,9 @@ zero point) is read as those parts, the bytes that cross the link (`stored_nbyte
 arrival either expanded into the slot in the model's dtype (`offload_runtime.compression.codec`),
 or, with `slot_format="packed"` (symmetric int4 in groups, int8 per channel), re-arranged into
 the operands of torch's weight-only kernels so that the slot stays compressed
-(`offload_runtime.compression.kernels`; `slot_specs` and `packed` say what a slot then holds). Scales and shapes are checked once when the store opens. Experts stored in another float dtype than the
-model's (a bf16 copy served in float32) are converted as they are read.
+(`offload_runtime.compression.kernels`; `slot_specs` and `packed` say what a slot then holds).
+Scales and shapes are checked once when the store opens. Experts stored in another float dtype
+than the model's (a bf16 copy served in float32) are converted as they are read.
 
 Modes:
 - `disk`: every `read` reads the file. With `drop_page_cache=True` the store calls
@@ -400,10 +401,12 @@ class ExpertStore:
         CompressionError naming the first weight no kernel can run as stored."""
         matrices: dict[str, PackedMatrixSpec] = {}
         for layer, (spec, layer_plans) in enumerate(zip(self.specs, self._plans)):
-            for step in (s for steps in layer_plans for s in steps):
+            steps = [s for expert_steps in layer_plans for s in expert_steps]
+            compressed = {s.param for s in steps if s.compressed is not None}
+            for step in steps:
                 where = f"layer {layer}: expert parameter {step.param}"
                 if step.compressed is None:
-                    if any(s.param == step.param and s.compressed for steps in layer_plans for s in steps):
+                    if step.param in compressed:
                         raise CompressionError(f"{where} is stored partly compressed; packed slots need all of it")
                     continue
                 args, shape = step.compressed.scheme.args, spec.shapes[step.param]
