@@ -2,10 +2,13 @@
 
     DIR/model                 the tiny reference MoE (Hugging Face directory + reference.json)
     DIR/traces/{train,validation}  router traces of stdlib-code
-    DIR/predictor/sida.*      the SiDA hash function (causal), trained with `prescient train`
-    DIR/evaluate.{json,png}   predictor recall on the held-out trace
-    DIR/compare-caches.{json,png}  cache policies with and without SiDA prefetch
-    DIR/generate.json         greedy generation through the offloading runtime, with its stats
+    DIR/hardware.json         this machine measured (`prescient profile-hw`): the simulator's clock
+    DIR/predictor/sida.*      the SiDA hash function (causal) with forecast heads for the next
+                              HORIZON tokens, trained with `prescient train`
+    DIR/evaluate.{json,png}   predictor recall on the held-out trace, per forecast horizon too
+    DIR/compare-caches.{json,png}  cache policies with and without SiDA prefetch, learned eviction
+                              among them, time-true on this machine's profile
+    DIR/generate.json         greedy generation through the offloading runtime with learned eviction
 
 Each step calls the library function behind the `prescient` command a user would run, and is
 skipped when its output is already there, so a second run is quick.
@@ -22,9 +25,12 @@ from pathlib import Path
 from experiments.compare_caches import compare_caches, plot_compare_caches
 from experiments.evaluate import evaluate_predictors
 from experiments.evaluate_plot import plot_evaluation
+from experiments.timing_calibration import load_timing
 from offload_runtime.engine.generate import generate_offloaded
 from offload_runtime.engine.options import RuntimeOptions
+from offload_runtime.planning.hardware import measure_profile
 from prescient.atomic import write_json_atomic, write_results
+from prescient.traces import read_manifest
 from training.predictor_cli import train_predictor
 from training.reference_model import build_reference_model
 from training.tracing import trace_model
@@ -36,13 +42,15 @@ DATASET = "stdlib-code"
 TRACE_TOKENS = {"train": 300_000, "validation": 30_000}
 TRAIN_LIMIT = "00:00:05:00"  # SiDA training wall-clock cap (dd:hh:mm:ss); the reference model takes ~7 of the 15 minutes
 PROMPT = "def read_config(path):\n    "
+HORIZON = 2  # forecast heads: the experts of the next two tokens, what learned eviction ranks by
+POLICIES = ("lru", "lfu", "fifo", "mrs", "static", "belady", "learned-belady")
 
 
 def demo_steps(out: Path) -> list[tuple[str, Path | None, Callable[[], object]]]:
     """(name, output that marks it done, action) per step; steps whose command resumes or
     reuses its own output have no marker."""
     model, traces, sida = out / "model", out / "traces", out / "predictor" / "sida"
-    train, val = traces / "train", traces / "validation"
+    train, val, hardware = traces / "train", traces / "validation", out / "hardware.json"
     steps: list[tuple[str, Path | None, Callable[[], object]]] = [
         ("reference model", None, lambda: build_reference_model("tiny", model)),
     ]
@@ -53,29 +61,41 @@ def demo_steps(out: Path) -> list[tuple[str, Path | None, Callable[[], object]]]
     # early stopping and checkpoint choice see a held-out tenth of the train trace, never the
     # validation trace the evaluation step reports on
     steps += [
+        ("profile this machine", hardware, lambda: measure_profile(out).save(hardware)),
         ("train SiDA predictor", sida.with_suffix(".json"), lambda: train_predictor(
             CONFIGS / "predictor" / "sida.yaml", train, sida, **{
                 "trainer.default_root_dir": out / "predictor", "trainer.logger.init_args.save_dir": out / "predictor",
-                "trainer.max_time": TRAIN_LIMIT})),
+                "trainer.max_time": TRAIN_LIMIT, "model.horizon": HORIZON})),
         ("evaluate predictors", out / "evaluate.json", lambda: write_results(
             evaluate_predictors(val, {"sida": sida, **dict.fromkeys(("corr", "token", "freq", "lookahead", "oracle"))},
                                 model_dir=model, train_trace=train),
             out / "evaluate.json", out / "evaluate.png", plot_evaluation)),
         ("compare cache policies", out / "compare-caches.json", lambda: write_results(
-            compare_caches(val, ("lru", "lfu", "fifo", "mrs", "static", "belady"), (0.25, 0.5), (1, 8),
-                           predictor=sida, train_trace=train),
+            timed_cache_comparison(val, train, sida, model, hardware),
             out / "compare-caches.json", out / "compare-caches.png", plot_compare_caches)),
         ("generate through the offloading runtime", out / "generate.json", lambda: show_generation(
-            generate_offloaded(model, PROMPT, 48, predictor=sida, options=RuntimeOptions(policy="mrs", budget=0.5)),
+            generate_offloaded(model, PROMPT, 48, predictor=sida,
+                               options=RuntimeOptions(policy="learned-belady", budget=0.5)),
             out / "generate.json")),
     ]
     return steps
 
 
+def timed_cache_comparison(val: Path, train: Path, sida: Path, model: Path, hardware: Path) -> dict:
+    """`prescient compare-caches --timing DIR/hardware.json --model-config DIR/model`: every policy
+    replayed on the simulator's clock of this machine (per-layer compute, expert bytes, disk
+    bytes/s), so prefetch pays for the bytes it moves, as it does in the runtime."""
+    calibration = load_timing(hardware, model_config=model, fingerprint=read_manifest(val).fingerprint)
+    result = compare_caches(val, POLICIES, (0.25, 0.5), (1, 8), predictor=sida, train_trace=train,
+                            timing=calibration.timing)
+    result["timing_calibration"] = calibration.to_dict()
+    return result
+
+
 def show_generation(record: dict, path: Path) -> None:
     """Write the generation record and print the prompt with its completion."""
     write_results(record, path)
-    log.info("greedy completion through the offloading runtime (%.1f tokens/s):\n%s%s",
+    log.info("greedy completion through the offloading runtime, learned eviction (%.1f tokens/s):\n%s%s",
              record["tokens_per_s"] or 0.0, record["prompt"], record["text"])
 
 

@@ -42,6 +42,24 @@ class BatchPolicyError(PrescientError):
     """A policy is malformed or asks for a processor the hardware does not have."""
 
 
+def _compressed_bytes_per_param(quantization: dict | None, hidden: int, intermediate: int,
+                                source: str) -> float | None:
+    """Bytes a compressed-tensors weight-only scheme stores per expert weight: its codes, and a
+    2-byte scale per group (per channel: per row of gate and up [intermediate, hidden] and of down
+    [hidden, intermediate]); None for an uncompressed config. The first config group is taken as
+    the experts'."""
+    if not quantization:
+        return None
+    try:
+        weights = next(iter(quantization["config_groups"].values()))["weights"]
+        if weights.get("group_size"):
+            return weights["num_bits"] / 8 + 2 / weights["group_size"]
+        return weights["num_bits"] / 8 + 2 * (2 * intermediate + hidden) / (3 * hidden * intermediate)
+    except (KeyError, TypeError, StopIteration, AttributeError):
+        raise ModelSpecError(f"{source}: quantization_config has no config group with weight arguments "
+                             "(num_bits, group_size)") from None
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The shapes the HRM needs; `intermediate_size` is one routed expert's."""
@@ -59,6 +77,7 @@ class ModelSpec:
     bytes_per_param: int = 4
     shared_intermediate_size: int = 0  # an always-on shared expert (Qwen2-MoE, DeepSeek)
     tie_word_embeddings: bool = False
+    expert_bytes_per_param: float | None = None  # routed experts stored compressed; None: bytes_per_param
 
     @classmethod
     def from_config(cls, path: str | Path) -> ModelSpec:
@@ -99,12 +118,16 @@ class ModelSpec:
             num_experts=need("num_local_experts", "num_experts", "n_routed_experts"),
             top_k=need("num_experts_per_tok"), vocab_size=need("vocab_size"), bytes_per_param=_DTYPE_BYTES[dtype],
             shared_intermediate_size=shared, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            expert_bytes_per_param=_compressed_bytes_per_param(config.get("quantization_config"), hidden, expert_size,
+                                                               source),
         )
 
     @property
     def expert_bytes(self) -> int:
-        """One gated expert: gate, up and down, each hidden × intermediate."""
-        return 3 * self.hidden_size * self.intermediate_size * self.bytes_per_param
+        """One gated expert: gate, up and down, each hidden × intermediate (as stored: compressed
+        experts count their codes and scales)."""
+        per_param = self.expert_bytes_per_param or self.bytes_per_param
+        return round(3 * self.hidden_size * self.intermediate_size * per_param)
 
     @property
     def layer_expert_bytes(self) -> int:

@@ -141,3 +141,21 @@ def test_spec_errors(tmp_path):
         ModelSpec.from_dict({**json.loads((MIXTRAL / "config.json").read_text()), "torch_dtype": "float13"})
     with pytest.raises(ModelSpecError, match="no model config"):
         ModelSpec.from_config(tmp_path)
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (8, None)])
+def test_a_compressed_checkpoints_experts_count_their_stored_bytes(bits, group, tiny_moe_dir, tmp_path):
+    """A `prescient quantize` output: the HRM's expert bytes are the codes and scales the store
+    reads (within the few bytes of each weight's stored shape)."""
+    from offload_runtime.compression.writer import quantize_model
+    from offload_runtime.engine.store import ExpertStore
+    from prescient.loading import load_without_experts
+
+    out = tmp_path / "model"
+    quantize_model(tiny_moe_dir("mixtral"), out, bits, group_size=group or "channel")
+    spec = ModelSpec.from_config(out)
+    model, layers = load_without_experts(out)
+    with ExpertStore(out, model, layers) as store:
+        stored = store.stored_nbytes((0, 0))
+    assert stored - 3 * 2 * 8 <= spec.expert_bytes <= stored  # weight_shape: two int64 per matrix
+    assert spec.expert_bytes < ModelSpec.from_config(tiny_moe_dir("mixtral")).expert_bytes / (7 if bits == 4 else 3)
