@@ -7,10 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from offload_runtime.compression.writer import quantize_model
+from offload_runtime.engine.store import ExpertStore
 from offload_runtime.planning.hardware import HardwareProfile, Processor
 from offload_runtime.planning.hrm import (ModelSpec, ModelSpecError, Op, Policy, BatchPolicyError, Workload, decode_ops, estimate,
                                  expected_experts, head_op, predict, roofline, stage_time)
+from prescient.loading import load_without_experts
 
 MIXTRAL = Path(__file__).resolve().parents[2] / "configs" / "models" / "mixtral-8x7b"
 
@@ -147,14 +151,10 @@ def test_spec_errors(tmp_path):
 def test_a_compressed_checkpoints_experts_count_their_stored_bytes(bits, group, tiny_moe_dir, tmp_path):
     """A `prescient quantize` output: the HRM's expert bytes are the codes and scales the store
     reads (within the few bytes of each weight's stored shape)."""
-    from offload_runtime.compression.writer import quantize_model
-    from offload_runtime.engine.store import ExpertStore
-    from prescient.loading import load_without_experts
-
     out = tmp_path / "model"
     quantize_model(tiny_moe_dir("mixtral"), out, bits, group_size=group or "channel")
     spec = ModelSpec.from_config(out)
-    model, layers = load_without_experts(out)
+    model, layers = load_without_experts(out, dtype=torch.float32)
     with ExpertStore(out, model, layers) as store:
         stored = store.stored_nbytes((0, 0))
     assert stored - 3 * 2 * 8 <= spec.expert_bytes <= stored  # weight_shape: two int64 per matrix
