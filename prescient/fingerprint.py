@@ -93,6 +93,14 @@ def fingerprint_model(model: nn.Module, layers: list[MoELayer] | None = None) ->
     )
 
 
+def loaded_fingerprint(model_dir: str | Path, model: nn.Module, layers: list[MoELayer],
+                       dtype: torch.dtype) -> ModelFingerprint:
+    """The fingerprint of the model saved in `model_dir`, which `model` is, loaded in `dtype`.
+    Fingerprints hash the float32 reading (traces and predictors are built from it); a model
+    loaded in another dtype holds other bytes, so its fingerprint is read from the directory."""
+    return fingerprint_model(model, layers) if dtype == torch.float32 else fingerprint_model_dir(model_dir)
+
+
 def fingerprint_model_dir(model_dir: str | Path) -> ModelFingerprint:
     """The fingerprint of the model saved in `model_dir` (read without its routed experts, as the
     offloading runtime reads it)."""

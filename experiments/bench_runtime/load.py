@@ -116,13 +116,14 @@ def load_job(job: Job, stack: ExitStack) -> tuple[nn.Module, Any, dict[str, Any]
     from predictor.artifact import load_predictor
     from predictor.baselines import OraclePredictor
     from prescient.arch import find_moe_layers
-    from prescient.fingerprint import fingerprint_model
+    from prescient.fingerprint import loaded_fingerprint
     from prescient.loading import load_model
     from prescient.traces import load_trace
 
     if job.kind == "all_resident":
         model, layers = load_model(job.model_dir, dtype=job.options.torch_dtype)
-        return model, None, {"fingerprint": fingerprint_model(model, layers).to_dict()}
+        fingerprint = loaded_fingerprint(job.model_dir, model, layers, job.options.torch_dtype)
+        return model, None, {"fingerprint": fingerprint.to_dict()}
     if job.kind == "accelerate_disk":
         model = _load_accelerate(job, stack)
         return model, None, {"offloaded_modules": len(find_moe_layers(model))}

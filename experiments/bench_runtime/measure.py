@@ -95,7 +95,7 @@ def _record_routes(model: nn.Module, job: Job, out: Path) -> list[list[int]]:
     of every forward as a trace (one sequence per prompt: the prompt, then the fed new tokens);
     returns the timed prompts' new tokens."""
     from prescient.arch import find_moe_layers
-    from prescient.fingerprint import fingerprint_model
+    from prescient.fingerprint import loaded_fingerprint
     from prescient.traces import TraceManifest, TraceWriter
     from training.router_hooks import RouterRecorder
     from training.tracing import rows_of_batch
@@ -124,7 +124,8 @@ def _record_routes(model: nn.Module, job: Job, out: Path) -> list[list[int]]:
                 columns.append(rows)
     finally:
         handle.remove()
-    manifest = TraceManifest(fingerprint_model(model, layers), "bench-generation", "bench", top_t,
+    fingerprint = loaded_fingerprint(job.model_dir, model, layers, job.options.torch_dtype)
+    manifest = TraceManifest(fingerprint, "bench-generation", "bench", top_t,
                              settings={"prompt_tokens": [len(p) for p, _ in sequences],
                                        "new_tokens": [n for _, n in sequences]})
     writer = TraceWriter(out, manifest)

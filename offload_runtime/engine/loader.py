@@ -15,7 +15,7 @@ from offload_runtime.engine.store import ExpertStore
 from predictor.artifact import check_tracing_convention, load_predictor
 from predictor.base import ExpertPredictor, PredictorError
 from prescient.arch import is_encoder_decoder
-from prescient.fingerprint import fingerprint_model
+from prescient.fingerprint import loaded_fingerprint
 from prescient.loading import load_without_experts
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
     options = RuntimeOptions.of(options, **settings)  # every option checked before any file is read
     model, layers = load_without_experts(model_dir, dtype=options.torch_dtype)  # experts stay on disk
     eviction = make_serving_policy(options.policy, layers[0].top_k)
-    fingerprint = fingerprint_model(model, layers)
+    fingerprint = loaded_fingerprint(model_dir, model, layers, options.torch_dtype)
     if isinstance(predictor, ExpertPredictor):
         fingerprint.require_same(predictor.meta.fingerprint, f"predictor {predictor.kind!r}")
     elif predictor is not None:

@@ -204,6 +204,8 @@ def test_bfloat16_runtime_equals_the_model_in_bfloat16(bits, quantized, tiny_moe
         assert all(buffer.dtype == torch.bfloat16 for buffer in runtime.pool.buffers.values())
         assert runtime.store.expert_nbytes == 2 * sum(math.prod(s) for s in runtime.store.spec.shapes.values())
         assert runtime.stats().loads > 0
+        # predictors and traces are built on the float32 reading; a bf16 runtime is still that model
+        assert runtime.fingerprint == fingerprint_model_dir(path)
 
 
 def test_quality_of_a_model_against_itself_and_against_its_int4_copy(quantized, tiny_moe_dir, text_corpus):
