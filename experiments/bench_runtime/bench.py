@@ -222,7 +222,8 @@ def _settings(runs: list[RunSpec], predictors: dict[str, str | None], options: R
     return {"budgets": sorted({r.budget for r in runs}), "policies": sorted({r.policy for r in runs}),
             "predictors": {k: v and str(v) for k, v in predictors.items()}, **given,
             "transfer_workers": options.transfer_workers, "store": options.store,
-            "drop_page_cache": options.drop_page_cache, "headline_budget": HEADLINE_BUDGET, "link_timing": None}
+            "drop_page_cache": options.drop_page_cache, "dtype": options.dtype, "slot_format": options.slot_format,
+            "headline_budget": HEADLINE_BUDGET, "link_timing": None}
 
 
 def _reference(execute: Executor, base: Job, trace_out: Path | None, keep: bool,
