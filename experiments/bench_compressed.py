@@ -10,8 +10,8 @@ LRU at each budget. A budget is a share of the first model's slot bytes (all its
 slots), and every model gets those bytes: an expanded slot holds an expert in the compute dtype
 (`options.dtype`) whatever its stored precision, so expanded models buy the same slots and differ
 in what a miss costs (the bytes it moves and their expansion); the models named in `packed` keep
-int4 experts packed in their slots (`slot_format="packed"`) and buy ~3.5x the slots with the same
-bytes. Each run's record keeps the fraction of experts its bytes bought (`budget`) and the bytes
+their experts compressed in their slots (`slot_format="packed"`: int4 in groups, int8 per
+channel) and buy ~3.5x (~2x) the slots with the same bytes. Each run's record keeps the fraction of experts its bytes bought (`budget`) and the bytes
 (`budget_bytes`); its label names the requested share.
 Quality comes from `prescient quality` JSONs (perplexity increase, KL, top-1 agreement against
 the uncompressed model, per dataset), copied beside each model's runs.
@@ -26,14 +26,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import replace
 from pathlib import Path
 from statistics import mean, median
 from typing import Any
 
 from experiments.bench_runtime.bench import bench_runtime
 from experiments.bench_runtime.grid import BenchError, RunSpec
-from dataclasses import replace
-
 from experiments.machine import machine_info
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.store import ExpertStore
@@ -46,7 +45,7 @@ log = logging.getLogger(__name__)
 def bench_compressed(models: dict[str, str], texts: list[str], budgets: list[float], repeats: int,
                      quality: dict[str, str], json_path: str | Path, plot_path: str | Path | None = None,
                      options: RuntimeOptions | None = None, packed: tuple[str, ...] = (), **bench: Any) -> dict[str, Any]:
-    """Interleaved repeats of each model's bench; the models named in `packed` keep int4 experts
+    """Interleaved repeats of each model's bench; the models named in `packed` keep their experts
     packed in slots; `bench` passes on to `bench_runtime` (new_tokens, timed_prompts, sample_seed,
     threads, ...)."""
     options = options or RuntimeOptions(drop_page_cache=True)

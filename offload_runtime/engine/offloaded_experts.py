@@ -40,8 +40,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from offload_runtime.compression.scheme import CompressionError
 from offload_runtime.compression.kernels import SCALES_SUFFIX, PackedMatrixSpec, PackedWeights
+from offload_runtime.compression.scheme import CompressionError
 from offload_runtime.engine.expert_layout import expert_spec
 from offload_runtime.engine.slots import SlotPool
 from prescient.arch import MoELayer
