@@ -12,12 +12,17 @@ log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("generate", help="generate text with experts offloaded (greedy), print runtime stats")
+    p = subparsers.add_parser("generate", help="generate text with experts offloaded (greedy, or seeded sampling), "
+                                               "print runtime stats")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--predictor", default=None, help="predictor artifact (NAME, NAME.json or NAME.safetensors)")
     add_runtime_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
+    p.add_argument("--sample", type=int, default=None, metavar="SEED",
+                   help="sampled decoding seeded by SEED (default: greedy)")
+    p.add_argument("--temperature", type=float, default=None, help="with --sample: the temperature (default 1.0)")
+    p.add_argument("--top-p", type=float, default=None, help="with --sample: nucleus sampling's mass (default 1.0)")
     p.add_argument("--json", type=output_file, default=None, metavar="OUT",
                    help="write ids, text, stats and settings here")
     return p
@@ -25,11 +30,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> dict:
     """Generate, print, write `--json`; returns the JSON record."""
-    from offload_runtime.engine.generate import generate_offloaded
+    from offload_runtime.engine.generate import GenerationError, Sampling, generate_offloaded
     from prescient.atomic import write_results
 
+    shape = {name: value for name, value in (("temperature", args.temperature), ("top_p", args.top_p))
+             if value is not None}
+    if shape and args.sample is None:
+        raise GenerationError("--temperature and --top-p shape sampled decoding: give --sample SEED too")
+    sampling = None if args.sample is None else Sampling(args.sample, **shape)
     record = generate_offloaded(args.model, args.prompt, args.max_new_tokens, predictor=args.predictor,
-                                options=runtime_options(args))
+                                options=runtime_options(args), sampling=sampling)
     print(record["text"])
     print(summary(record))
     if args.json:

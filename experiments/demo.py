@@ -8,7 +8,8 @@
     DIR/evaluate.{json,png}   predictor recall on the held-out trace, per forecast horizon too
     DIR/compare-caches.{json,png}  cache policies with and without SiDA prefetch, learned eviction
                               among them, time-true on this machine's profile
-    DIR/generate.json         greedy generation through the offloading runtime with learned eviction
+    DIR/generate.json         generation through the offloading runtime with learned eviction, sampled
+                              (seeded: SAMPLING) so that a small model's text does not loop
 
 Each step calls the library function behind the `prescient` command a user would run, and is
 skipped when its output is already there, so a second run is quick.
@@ -26,7 +27,7 @@ from experiments.compare_caches import compare_caches, plot_compare_caches
 from experiments.evaluate import evaluate_predictors
 from experiments.evaluate_plot import plot_evaluation
 from experiments.timing_calibration import load_timing
-from offload_runtime.engine.generate import generate_offloaded
+from offload_runtime.engine.generate import Sampling, generate_offloaded
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.planning.hardware import measure_profile
 from prescient.atomic import write_json_atomic, write_results
@@ -44,6 +45,9 @@ TRAIN_LIMIT = "00:00:05:00"  # SiDA training wall-clock cap (dd:hh:mm:ss); the r
 PROMPT = "def read_config(path):\n    "
 HORIZON = 2  # forecast heads: the experts of the next two tokens, what learned eviction ranks by
 POLICIES = ("lru", "lfu", "fifo", "mrs", "static", "belady", "learned-belady")
+# greedy decoding of the tiny model loops ('#' lines); seeded nucleus sampling reads as code, and
+# draws the same tokens through the runtime as from the plain model (offloading is exact)
+SAMPLING = Sampling(seed=0, temperature=0.7, top_p=0.9)
 
 
 def demo_steps(out: Path) -> list[tuple[str, Path | None, Callable[[], object]]]:
@@ -74,7 +78,7 @@ def demo_steps(out: Path) -> list[tuple[str, Path | None, Callable[[], object]]]
             timed_cache_comparison(val, train, sida, model, hardware),
             out / "compare-caches.json", out / "compare-caches.png", plot_compare_caches)),
         ("generate through the offloading runtime", out / "generate.json", lambda: show_generation(
-            generate_offloaded(model, PROMPT, 48, predictor=sida,
+            generate_offloaded(model, PROMPT, 48, predictor=sida, sampling=SAMPLING,
                                options=RuntimeOptions(policy="learned-belady", budget=0.5)),
             out / "generate.json")),
     ]
@@ -95,7 +99,8 @@ def timed_cache_comparison(val: Path, train: Path, sida: Path, model: Path, hard
 def show_generation(record: dict, path: Path) -> None:
     """Write the generation record and print the prompt with its completion."""
     write_results(record, path)
-    log.info("greedy completion through the offloading runtime, learned eviction (%.1f tokens/s):\n%s%s",
+    log.info("completion through the offloading runtime, learned eviction, sampled (seed %d, temperature %g, "
+             "top-p %g; %.1f tokens/s):\n%s%s", SAMPLING.seed, SAMPLING.temperature, SAMPLING.top_p,
              record["tokens_per_s"] or 0.0, record["prompt"], record["text"])
 
 

@@ -1,9 +1,11 @@
-"""Greedy generation through the offloading runtime, with its statistics and timings: what
-`prescient generate` prints and the demo records."""
+"""Generation through the offloading runtime, greedy or seeded sampling, with its statistics and
+timings: what `prescient generate` prints and the demo records."""
 
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,25 @@ class _Clock:
 
 
 class GenerationError(PrescientError):
-    """A generation request the model cannot serve: an empty prompt, or one beyond its context."""
+    """A generation request the model cannot serve: an empty prompt, one beyond its context, or
+    sampling settings out of range."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Seeded sampling: torch's `seed`, then nucleus sampling at `temperature` (> 0) from the
+    smallest set of tokens holding `top_p` (in (0, 1]) of the probability. The same seed through
+    the runtime draws the same tokens as the plain model, since offloading computes the same logits."""
+
+    seed: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise GenerationError(f"temperature {self.temperature} is not a positive number; give e.g. 0.7")
+        if not 0 < self.top_p <= 1:
+            raise GenerationError(f"top_p {self.top_p} is not in (0, 1]; give e.g. 0.9")
 
 
 def check_prompt(prompt_tokens: int, max_new_tokens: int, model_dir: Path) -> None:
@@ -46,10 +66,10 @@ def check_prompt(prompt_tokens: int, max_new_tokens: int, model_dir: Path) -> No
 
 def generate_offloaded(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, *,
                        predictor: str | Path | None = None, options: RuntimeOptions | None = None,
-                       **settings: Any) -> dict[str, Any]:
-    """Generate greedily with the experts offloaded (`load_offloaded`'s options, whole or as
-    keywords); the record holds the settings (every option), the new token ids and text, the
-    runtime's statistics, prefill seconds and decode tokens/s."""
+                       sampling: Sampling | None = None, **settings: Any) -> dict[str, Any]:
+    """Generate with the experts offloaded (`load_offloaded`'s options, whole or as keywords),
+    greedily or with `sampling`; the record holds the settings (every option, the decoding), the
+    new token ids and text, the runtime's statistics, prefill seconds and decode tokens/s."""
     import torch
 
     from offload_runtime.engine.loader import load_offloaded
@@ -64,9 +84,13 @@ def generate_offloaded(model_dir: str | Path, prompt: str, max_new_tokens: int =
     with model.offload_runtime as runtime:
         inputs = inputs.to(options.device)
         clock = _Clock()
+        decoding: dict[str, Any] = {"do_sample": False}
+        if sampling is not None:
+            torch.manual_seed(sampling.seed)
+            decoding = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p}
         with torch.inference_mode():
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, streamer=clock,
-                                 pad_token_id=tokenizer.pad_token_id)
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, streamer=clock,
+                                 pad_token_id=tokenizer.pad_token_id, **decoding)
         stats = runtime.stats()
     # a decoder's output repeats the prompt; an encoder-decoder's starts with the decoder start token
     first = 1 if model.config.is_encoder_decoder else inputs["input_ids"].shape[1]
@@ -76,7 +100,8 @@ def generate_offloaded(model_dir: str | Path, prompt: str, max_new_tokens: int =
     decode_s = clock.times[len(token_ids)] - clock.times[1] if len(token_ids) > 1 else None
     return {
         "settings": {"model": str(model_dir), "predictor": predictor and str(predictor),
-                     "max_new_tokens": max_new_tokens, **options.to_json()},
+                     "max_new_tokens": max_new_tokens, **options.to_json(),
+                     "decoding": "greedy" if sampling is None else {"sampled": asdict(sampling)}},
         "prompt": prompt,
         "token_ids": token_ids,
         "text": tokenizer.decode(token_ids, skip_special_tokens=True),

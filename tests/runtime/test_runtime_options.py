@@ -6,13 +6,15 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from cache.timing import LinkTiming
-from offload_runtime.engine.generate import generate_offloaded
+from offload_runtime.engine.generate import GenerationError, Sampling, generate_offloaded
 from offload_runtime.engine.options import OptionsError, RuntimeOptions
 from predictor.base import PredictorError
 from prescient.budget import Budget
 from prescient.errors import CapacityError, PrescientError
+from prescient.loading import load_model, load_tokenizer
 
 
 @pytest.mark.parametrize(("fields", "error", "message"), [
@@ -60,3 +62,23 @@ def test_generate_records_every_option(tiny_moe_dir):
     options = RuntimeOptions(policy="fifo", budget="6slots", transfer_workers=2)
     record = generate_offloaded(tiny_moe_dir("mixtral"), "def f(x):", 2, options=options)
     assert {k: record["settings"][k] for k in RuntimeOptions.names()} == options.to_json()
+
+
+def test_seeded_sampling_through_the_runtime_draws_the_plain_models_tokens(tiny_moe_dir):
+    """Offloading computes the same logits, so the same seed samples the same tokens; the record says how it decoded."""
+    path = tiny_moe_dir("mixtral")
+    sampling = Sampling(seed=3, temperature=0.7, top_p=0.9)
+    record = generate_offloaded(path, "def f(x):", 12, sampling=sampling, budget="25%")
+    model = load_model(path, dtype=torch.float32)[0]
+    ids = load_tokenizer(path)("def f(x):", return_tensors="pt").input_ids
+    torch.manual_seed(3)
+    with torch.inference_mode():
+        plain = model.generate(ids, max_new_tokens=12, do_sample=True, temperature=0.7, top_p=0.9,
+                               pad_token_id=model.config.pad_token_id)
+    assert record["token_ids"] == plain[0, ids.shape[1]:].tolist()
+    assert record["settings"]["decoding"] == {"sampled": {"seed": 3, "temperature": 0.7, "top_p": 0.9}}
+    assert generate_offloaded(path, "def f(x):", 2)["settings"]["decoding"] == "greedy"
+    with pytest.raises(GenerationError, match="temperature 0 is not a positive number"):
+        Sampling(seed=0, temperature=0)
+    with pytest.raises(GenerationError, match=r"top_p 1.5 is not in \(0, 1\]"):
+        Sampling(seed=0, top_p=1.5)
