@@ -132,19 +132,12 @@ class PackedWeights:
     def __getitem__(self, slot: int | torch.Tensor) -> "PackedMatrix":
         return PackedMatrix(self.codes[slot], self.scales[slot], self.spec)
 
-    def __len__(self) -> int:
-        return self.codes.shape[0]
-
 
 class PackedMatrix:
     """One slot's packed matrix [N, K]; `F.linear(x, it)` is x @ W.T on bf16 activations."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, spec: PackedMatrixSpec) -> None:
         self.codes, self.scales, self.spec = codes, scales, spec
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.spec.out_features, self.spec.in_features))
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != KERNEL_DTYPE:
