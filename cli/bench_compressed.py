@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from offload_runtime.engine.options import DTYPES
-from cli.args import add_results_args, budgets, named_paths, names, positive_int
+from cli.args import add_results_args, budgets, named_paths, names, positive_int, serving_policy
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -16,8 +16,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="NAME=DIR,... in the order compared; the first is the uncompressed one speeds are "
                         "divided by (e.g. bf16=runs/bench-w16,int4=runs/bench-w4; a directory may appear twice)")
     p.add_argument("--packed", type=names, default=(),
-                   help="NAME,... of --models whose int4 experts stay packed in their slots (--slot-format packed; "
+                   help="NAME,... of --models whose experts stay compressed in their slots (--slot-format packed; "
                         "needs --dtype bfloat16)")
+    p.add_argument("--predictor", type=named_paths, default={},
+                   help="NAME=ARTIFACT: beside on-demand LRU, each budget also runs this predictor with --policy")
+    p.add_argument("--policy", type=serving_policy, default="mrs", help="the policy the --predictor runs with")
     p.add_argument("--budgets", type=budgets, default="12.5%,25%,50%",
                    help="expert memory: shares of the bytes the first model's experts take in slots; every model "
                         "gets those bytes")
@@ -49,6 +52,7 @@ def run(args: argparse.Namespace) -> None:
     result = bench_compressed(args.models, texts, [fraction(b) for b in args.budgets], args.repeats, args.quality,
                               args.json, args.plot, new_tokens=args.new_tokens, timed_prompts=args.prompts,
                               options=RuntimeOptions(drop_page_cache=True, dtype=args.dtype), packed=args.packed,
+                              predictor=(*next(iter(args.predictor.items())), args.policy) if args.predictor else None,
                               sample_seed=args.sample, threads=args.threads)
     for name, rows in result["summary"].items():
         for label, row in rows.items():

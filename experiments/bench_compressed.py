@@ -6,7 +6,7 @@ outputs of `prescient quantize`), interleaved with repeats, each beside its qual
 
 Each repeat runs `prescient bench` (`experiments.bench_runtime.bench_runtime`, every run in a
 fresh process) on each model in turn — A B C A B C — with its all-resident baseline and on-demand
-LRU at each budget. A budget is a share of the first model's slot bytes (all its experts in
+LRU at each budget, and with `predictor` (name, artifact, policy) that predictor's prefetching too. A budget is a share of the first model's slot bytes (all its experts in
 slots), and every model gets those bytes: an expanded slot holds an expert in the compute dtype
 (`options.dtype`) whatever its stored precision, so expanded models buy the same slots and differ
 in what a miss costs (the bytes it moves and their expansion); the models named in `packed` keep
@@ -44,11 +44,14 @@ log = logging.getLogger(__name__)
 
 def bench_compressed(models: dict[str, str], texts: list[str], budgets: list[float], repeats: int,
                      quality: dict[str, str], json_path: str | Path, plot_path: str | Path | None = None,
-                     options: RuntimeOptions | None = None, packed: tuple[str, ...] = (), **bench: Any) -> dict[str, Any]:
+                     options: RuntimeOptions | None = None, packed: tuple[str, ...] = (),
+                     predictor: tuple[str, str, str] | None = None, **bench: Any) -> dict[str, Any]:
     """Interleaved repeats of each model's bench; the models named in `packed` keep their experts
     packed in slots; `bench` passes on to `bench_runtime` (new_tokens, timed_prompts, sample_seed,
     threads, ...)."""
     options = options or RuntimeOptions(drop_page_cache=True)
+    kinds = [("none", "lru")] + ([] if predictor is None else [(predictor[0], predictor[2])])
+    predictors = {"none": None, **({} if predictor is None else {predictor[0]: predictor[1]})}
     unknown = sorted(set(packed) - set(models))
     if unknown:
         raise BenchError(f"--packed names {', '.join(unknown)}, which --models does not; name models of --models")
@@ -58,6 +61,7 @@ def bench_compressed(models: dict[str, str], texts: list[str], budgets: list[flo
     result: dict[str, Any] = {
         "settings": {"budgets": budgets, "budgets_of": f"the slot bytes of all experts of {next(iter(models))}",
                      "repeats": repeats, "options": options.to_json(), "packed": list(packed),
+                     "predictor": list(predictor) if predictor else None,
                      **{k: v for k, v in bench.items() if k != "threads"}},
         "machine": machine_info(bench.get("threads") or 1),
         "models": {name: {"dir": path, "slot_format": placed[name].slot_format, "quality": _quality(quality.get(name))}
@@ -69,16 +73,16 @@ def bench_compressed(models: dict[str, str], texts: list[str], budgets: list[flo
             log.info("repeat %d/%d: %s", repeat + 1, repeats, name)
             slot_bytes, experts = sizes[name]
             bought = {budget: min(experts, int(budget * first_bytes) // slot_bytes) for budget in budgets}
-            runs = [RunSpec("none", "lru", bought[budget] / experts) for budget in budgets]
-            measured = bench_runtime(path, texts, predictors={"none": None}, runs=runs, baselines=("all_resident",),
+            asked = [RunSpec(kind, policy, budget) for budget in budgets for kind, policy in kinds]
+            runs = [RunSpec(spec.predictor, spec.policy, bought[spec.budget] / experts) for spec in asked]
+            measured = bench_runtime(path, texts, predictors=predictors, runs=runs, baselines=("all_resident",),
                                      options=placed[name], **bench)
             model = measured["model"]
             result["models"][name].update(expert_bytes=model.get("expert_bytes"), slot_bytes=model.get("slot_bytes"))
             result["runs"].append({"model": name, "repeat": repeat, **measured["baselines"]["all_resident"]})
-            for budget, record in zip(budgets, measured["runs"]):
-                result["runs"].append({"model": name, "repeat": repeat, **record,
-                                       "label": RunSpec("none", "lru", budget).label,
-                                       "budget_bytes": int(budget * first_bytes)})
+            for spec, record in zip(asked, measured["runs"]):
+                result["runs"].append({"model": name, "repeat": repeat, **record, "label": spec.label,
+                                       "budget_bytes": int(spec.budget * first_bytes)})
             result["summary"] = summarise(result["runs"], list(models))
             write_json_atomic(json_path, result)
     result["complete"] = True
@@ -137,35 +141,42 @@ def _quality(path: str | None) -> dict[str, Any] | None:
 
 
 def _plot(result: dict[str, Any], path: str | Path) -> None:
-    """Tokens/s against perplexity increase (mean over datasets), a panel per budget; bars show
-    the repeats' range."""
+    """Tokens/s against perplexity increase (mean over datasets), a panel per budget (circles:
+    on-demand LRU, squares: the predictor's runs); bars show the repeats' range."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     budgets = result["settings"]["budgets"]
-    fig, axes = plt.subplots(1, len(budgets) + 1, figsize=(4.2 * (len(budgets) + 1), 3.8))
-    labels = ["all_resident"] + [RunSpec("none", "lru", b).label for b in budgets]
-    for ax, label in zip(axes, labels):
-        for name, info in result["models"].items():
-            row = result["summary"].get(name, {}).get(label)
-            if not row or row["tokens_per_s"] is None:
-                continue
+    predictor = result["settings"].get("predictor")
+    kinds = [("none", "lru", "o")] + ([(predictor[0], predictor[2], "s")] if predictor else [])
+    panels = [("all resident", [("all_resident", "o")])] + [
+        (f"{100 * b:g}% of the first model's slot bytes", [(RunSpec(k, p, b).label, m) for k, p, m in kinds])
+        for b in budgets]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
+    for ax, (title, labels) in zip(axes, panels):
+        for index, (name, info) in enumerate(result["models"].items()):
             quality = info.get("quality")
             increase = (100 * mean(d["perplexity_increase"] for d in quality["datasets"].values())
                         if quality else 0.0)
-            low, high = row["tokens_per_s_range"]
-            ax.errorbar([increase], [row["tokens_per_s"]], yerr=[[row["tokens_per_s"] - low], [high - row["tokens_per_s"]]],
-                        fmt="o", capsize=3, label=name)
-            ax.annotate(name, (increase, row["tokens_per_s"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        ax.set_title(label)
+            for label, marker in labels:
+                row = result["summary"].get(name, {}).get(label)
+                if not row or row["tokens_per_s"] is None:
+                    continue
+                low, high = row["tokens_per_s_range"]
+                ax.errorbar([increase], [row["tokens_per_s"]], yerr=[[row["tokens_per_s"] - low],
+                                                                     [high - row["tokens_per_s"]]],
+                            fmt=marker, color=f"C{index}", capsize=3, label=f"{name} {label.split('@')[0]}")
+                ax.annotate(name, (increase, row["tokens_per_s"]), textcoords="offset points", xytext=(4, 4),
+                            fontsize=8)
+        ax.set_title(title, fontsize=9)
         ax.set_xlabel("perplexity increase (%)")
         ax.grid(alpha=0.3)
     for ax in axes:
         ax.set_ylim(bottom=0)
     axes[0].set_ylabel("decode tokens/s (median of repeats)")
-    axes[-1].legend(fontsize=8)
+    axes[-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

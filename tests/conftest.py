@@ -17,14 +17,17 @@ from __future__ import annotations
 import json
 import sysconfig
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import transformers as tf
 
+from predictor import PredictorMeta, SiDAHash, SiDAPredictor, SiDASizes, read_token_embeddings, save_predictor
 from prescient.arch_zoo import save_tiny_model
+from prescient.fingerprint import fingerprint_model
+from prescient.loading import load_model
 from training.tokenizer import train_byte_level_bpe
 
 TOKENIZER_VOCAB = 320  # the 256-byte alphabet, 2 special tokens and a few merges
@@ -148,3 +151,14 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def random_sida(model_dir: Path, out: Path) -> Path:
+    """An untrained causal SiDA hash function for the model, saved as an artifact."""
+    model, layers = load_model(model_dir, dtype=torch.float32)
+    fingerprint = fingerprint_model(model, layers)
+    sizes = SiDASizes(compress_dim=8, hidden_dim=16, attn_window=8)
+    torch.manual_seed(0)
+    hash_fn = SiDAHash.from_embedding(read_token_embeddings(model_dir), len(layers), fingerprint.n_experts, sizes)
+    meta = PredictorMeta("sida", fingerprint, asdict(sizes))
+    return save_predictor(SiDAPredictor(hash_fn, meta), out / "sida")

@@ -6,21 +6,19 @@ checkpoints, threads and files."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from cli import bench as bench_cli
 from experiments.bench_runtime import bench
 from experiments.bench_runtime.grid import (BASELINES, BenchError, RunSpec, check_grid, default_grid, full_grid,
                                             parse_runs)
-from predictor import PredictorMeta, SiDAHash, SiDAPredictor, SiDASizes, read_token_embeddings, save_predictor
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_model
+from tests.conftest import random_sida
 from training.tracing import trace_model
 
 RECORD_FIELDS = {"label", "tokens_per_s", "peak_rss_mb", "exact", "decode_tokens", "decode_seconds",
@@ -31,17 +29,6 @@ RUN_FIELDS = RECORD_FIELDS | {"budget", "predictor", "policy", "hit_rate", "stal
 
 def corpus_texts(text_corpus) -> list[str]:
     return [json.loads(line)["text"] for line in text_corpus.read_text().splitlines()]
-
-
-def random_sida(model_dir: Path, out: Path) -> Path:
-    """An untrained causal SiDA hash function for the model, saved as an artifact."""
-    model, layers = load_model(model_dir, dtype=torch.float32)
-    fingerprint = fingerprint_model(model, layers)
-    sizes = SiDASizes(compress_dim=8, hidden_dim=16, attn_window=8)
-    torch.manual_seed(0)
-    hash_fn = SiDAHash.from_embedding(read_token_embeddings(model_dir), len(layers), fingerprint.n_experts, sizes)
-    meta = PredictorMeta("sida", fingerprint, dataclasses.asdict(sizes))
-    return save_predictor(SiDAPredictor(hash_fn, meta), out / "sida")
 
 
 def test_grids_and_their_checks():

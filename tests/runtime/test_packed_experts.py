@@ -23,7 +23,7 @@ from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.options import OptionsError, RuntimeOptions
 from prescient.arch_zoo import save_tiny_model
 from prescient.loading import load_tokenizer
-from tests.conftest import tiny_test_config
+from tests.conftest import random_sida, tiny_test_config
 
 PROMPT = "def f(x):\n    return x"
 # the tests' tiny configs with experts at least 32 wide, the kernel's smallest group
@@ -138,15 +138,20 @@ def test_bench_compressed_gives_every_model_the_first_models_slot_bytes(int4_mod
     bf16 = tmp_path / "w16"
     quantize_model(int4.parent / "source", bf16, 16)
     texts = [PROMPT * 4] * 3
+    sida = random_sida(int4.parent / "source", tmp_path)
     result = bench_compressed({"bf16": str(bf16), "int4": str(int4), "int4-packed": str(int4)}, texts, [0.25], 1, {},
                               tmp_path / "bench.json", options=RuntimeOptions(dtype="bfloat16"),
-                              packed=("int4-packed",), new_tokens=3, timed_prompts=1, prompt_tokens=6, isolate=False)
+                              packed=("int4-packed",), predictor=("sida", str(sida), "mrs"), new_tokens=3,
+                              timed_prompts=1, prompt_tokens=6, isolate=False)
     runs = {r["model"]: r for r in result["runs"] if r["label"] == "none+lru@0.25"}
+    predicted = {r["model"]: r for r in result["runs"] if r["label"] == "sida+mrs@0.25"}
+    assert predicted.keys() == runs.keys() and all(r["stats"]["prefetch_inserts"] > 0 for r in predicted.values())
+    assert predicted["int4-packed"]["budget"] == runs["int4-packed"]["budget"]
     assert len({r["budget_bytes"] for r in runs.values()}) == 1
     assert runs["bf16"]["budget"] == runs["int4"]["budget"] == 0.25
     assert runs["int4-packed"]["budget"] >= 3 * 0.25
     assert all(r["exact"] for r in result["runs"]) and result["complete"]
     assert result["models"]["int4-packed"]["slot_format"] == "packed"
-    assert set(result["summary"]["int4-packed"]) == {"all_resident", "none+lru@0.25"}
+    assert set(result["summary"]["int4-packed"]) == {"all_resident", "none+lru@0.25", "sida+mrs@0.25"}
     with pytest.raises(BenchError, match="--packed names int8"):
         bench_compressed({"bf16": str(bf16)}, texts, [0.25], 1, {}, tmp_path / "no.json", packed=("int8",))
