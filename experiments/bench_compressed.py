@@ -92,7 +92,8 @@ def bench_compressed(models: dict[str, str], texts: list[str], budgets: list[flo
 
 def summarise(records: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
     """Per model and run label: medians over the repeats, the spread of tokens/s, and speed over
-    the first model's (the uncompressed one's) on-demand LRU at the same budget."""
+    the first model's (the uncompressed one's) on-demand LRU at the same budget (all-resident runs:
+    over its all-resident run)."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in records:
         groups.setdefault((r["model"], r["label"]), []).append(r)
@@ -111,7 +112,8 @@ def summarise(records: list[dict[str, Any]], names: list[str]) -> dict[str, Any]
     first = names[0]
     for name in names:
         for label, row in out[name].items():
-            base = out[first].get(label, {}).get("tokens_per_s")
+            lru = label if "@" not in label else RunSpec("none", "lru", float(label.split("@")[1])).label
+            base = out[first].get(lru, {}).get("tokens_per_s")
             row[f"vs_{first}"] = row["tokens_per_s"] / base if row["tokens_per_s"] and base else None
     return out
 
