@@ -153,12 +153,13 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
-def random_sida(model_dir: Path, out: Path) -> Path:
-    """An untrained causal SiDA hash function for the model, saved as an artifact."""
+def random_sida(model_dir: Path, out: Path, horizon: int = 0) -> Path:
+    """An untrained causal SiDA hash function for the model (with `horizon` forecast heads), saved as an artifact."""
     model, layers = load_model(model_dir, dtype=torch.float32)
     fingerprint = fingerprint_model(model, layers)
     sizes = SiDASizes(compress_dim=8, hidden_dim=16, attn_window=8)
     torch.manual_seed(0)
-    hash_fn = SiDAHash.from_embedding(read_token_embeddings(model_dir), len(layers), fingerprint.n_experts, sizes)
-    meta = PredictorMeta("sida", fingerprint, asdict(sizes))
+    hash_fn = SiDAHash.from_embedding(read_token_embeddings(model_dir), len(layers), fingerprint.n_experts, sizes,
+                                      horizon)
+    meta = PredictorMeta("sida", fingerprint, {**asdict(sizes), "horizon": horizon})
     return save_predictor(SiDAPredictor(hash_fn, meta), out / "sida")
