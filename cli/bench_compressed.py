@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from offload_runtime.engine.options import DTYPES
-from cli.args import add_results_args, budgets, named_paths, names, positive_int, serving_policy
+from cli.args import add_results_args, add_runtime_args, budgets, named_paths, names, positive_int, serving_policy
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -32,8 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--sample", type=int, default=0, metavar="SEED",
                    help="sampled decoding seeded per prompt by SEED (as `prescient bench --sample`)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per run")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
-                   help="what the models compute in and a slot holds (every model alike)")
+    add_runtime_args(p, "dtype")  # every model alike; --packed sets each model's slot format
     p.add_argument("--dataset", default="stdlib-code", help="corpus the prompts come from")
     add_results_args(p)
     return p

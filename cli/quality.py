@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from offload_runtime.engine.options import DTYPES, SLOT_FORMATS
-from cli.args import names, output_file, positive_int
+from cli.args import add_runtime_args, names, output_file, positive_int
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -19,11 +18,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--text-field", default="text")
     p.add_argument("--seq-len", type=positive_int, default=256)
     p.add_argument("--windows", type=positive_int, default=64, help="held-out windows per dataset")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
-                   help="what both models compute in (as `--dtype` of generate and serve)")
-    p.add_argument("--slot-format", choices=SLOT_FORMATS, default="expanded",
-                   help="packed: the model's int4 experts computed by torch's int4 kernel through the runtime, as "
-                        "`--slot-format packed` serves them (needs --dtype bfloat16)")
+    add_runtime_args(p, "dtype", "slot_format")  # both models compute in --dtype; packed: through the runtime
     p.add_argument("--json", type=output_file, required=True, help="results file")
     return p
 

@@ -239,7 +239,7 @@ def _reference(execute: Executor, base: Job, trace_out: Path | None, keep: bool,
                              "not write; bench them with --slot-format expanded")
         ref = execute(replace(base, options=replace(base.options, budget=1.0, policy="lru")))
         ref.pop("model_info", None)
-        ref["fingerprint"] = result["model"].get("fingerprint") or fingerprint_model_dir(base.model_dir).to_dict()
+        ref["fingerprint"] = fingerprint_model_dir(base.model_dir).to_dict()
     else:
         ref = execute(replace(base, kind="all_resident", trace_out=str(trace_out) if trace_out is not None else None))
     reference = ref["token_ids"]
