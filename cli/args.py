@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
+from cache.tiered import PRECISION_RULES
 from offload_runtime.engine.options import DTYPES, SLOT_FORMATS, STORES, RuntimeOptions
 from prescient.atomic import check_folder, resolve_output
 from prescient.budget import Budget
@@ -188,6 +189,18 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
             help="expanded: a slot holds an expert in --dtype whatever its stored precision; packed: int4 (int8) "
                  "experts stay int4 (int8) in their slots, ~3.5x (2x) more per byte than bf16, computed by torch's "
                  "weight-only CPU kernels (needs --dtype bfloat16)"),
+        "fine_model": lambda p: p.add_argument(
+            "--fine-model", metavar="DIR",
+            help="mixed precision: the same model with experts stored finer (e.g. prescient quantize --bits 8 "
+                 "--group-size channel beside --bits 4); each expert loaded takes its fine or its coarse copy by "
+                 "--precision-rule (needs --slot-format packed)"),
+        "fine_share": lambda p: p.add_argument(
+            "--fine-share", type=float, default=0.25, help="with --fine-model: the budget's share in fine slots"),
+        "precision_rule": lambda p: p.add_argument(
+            "--precision-rule", choices=PRECISION_RULES, default="forecast",
+            help="with --fine-model: which experts get the fine copy: forecast (the predictor's chance that coming "
+                 "tokens use it; needs a --predictor with forecast heads), router (its router weight), hotness (its "
+                 "use count so far)"),
         "transfer_workers": lambda p: p.add_argument(
             "--transfer-workers", type=positive_int, default=1, help="expert copies that run at once"),
         "hide_only": lambda p: p.add_argument(

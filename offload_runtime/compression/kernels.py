@@ -27,6 +27,7 @@ protocol, so the model's own expert code runs unchanged.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass
 
@@ -124,13 +125,19 @@ def pack_for_kernel(matrix: PackedMatrixSpec, stored: torch.Tensor, scale: torch
 
 class PackedWeights:
     """The [S, N, K] weight parameter of an experts module over S packed slots; `weights[slot]`
-    is one slot's matrix, which `F.linear` multiplies with the kernel."""
+    is one slot's matrix, which `F.linear` multiplies with the kernel. The slots may come in
+    tiers of different formats (mixed precision: int8 slots, then int4 ones), each tier its
+    `(codes, scales, spec)`, numbered one tier after another."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, spec: PackedMatrixSpec) -> None:
-        self.codes, self.scales, self.spec = codes, scales, spec
+    def __init__(self, tiers: list[tuple[torch.Tensor, torch.Tensor, PackedMatrixSpec]]) -> None:
+        self.tiers = tiers
+        self.starts = [sum(len(codes) for codes, _, _ in tiers[:i]) for i in range(len(tiers))]
 
     def __getitem__(self, slot: int | torch.Tensor) -> "PackedMatrix":
-        return PackedMatrix(self.codes[slot], self.scales[slot], self.spec)
+        slot = int(slot)
+        tier = bisect.bisect_right(self.starts, slot) - 1
+        codes, scales, spec = self.tiers[tier]
+        return PackedMatrix(codes[slot - self.starts[tier]], scales[slot - self.starts[tier]], spec)
 
 
 class PackedMatrix:

@@ -10,12 +10,13 @@ from typing import Any
 from cache import make_serving_policy
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.runtime import OffloadRuntime
-from offload_runtime.engine.slots import SlotPool
+from offload_runtime.compression.scheme import CompressionError
+from offload_runtime.engine.slots import SlotPool, TieredSlotPool
 from offload_runtime.engine.store import ExpertStore
 from predictor.artifact import check_tracing_convention, load_predictor
 from predictor.base import ExpertPredictor, PredictorError
 from prescient.arch import is_encoder_decoder
-from prescient.fingerprint import loaded_fingerprint
+from prescient.fingerprint import ModelFingerprint, fingerprint_model_dir, loaded_fingerprint
 from prescient.loading import load_without_experts
 
 log = logging.getLogger(__name__)
@@ -53,15 +54,24 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
         require_forecasts(predictor, f"cache policy {options.policy!r}")
     if options.next_token_min_chance is not None:
         require_forecasts(predictor, "cross-token prefetch")
-    expert_store = ExpertStore(model_dir, model, layers, mode=options.store, drop_page_cache=options.drop_page_cache,
-                               slot_format=options.slot_format)
+    if options.fine_model is not None and options.precision_rule == "forecast":
+        require_forecasts(predictor, "the forecast precision rule")
+    stores = []  # closed here if the runtime is not made
     try:
-        pool = SlotPool.for_budget(expert_store.slot_specs, layers[0].num_experts, layers[0].top_k, options.budget,
-                                   options.device)
-        model.offload_runtime = OffloadRuntime(model, layers, expert_store, pool, fingerprint, eviction, options,
-                                               predictor=predictor)
+        stores.append(ExpertStore(model_dir, model, layers, mode=options.store,
+                                  drop_page_cache=options.drop_page_cache, slot_format=options.slot_format))
+        if options.fine_model is None:
+            pool = SlotPool.for_budget(stores[0].slot_specs, layers[0].num_experts, layers[0].top_k, options.budget,
+                                       options.device)
+        else:
+            stores.append(_fine_store(options, fingerprint, model, layers, stores[0]))
+            pool = TieredSlotPool.for_budget(stores[1].slot_specs, stores[0].slot_specs, layers[0].num_experts,
+                                             layers[0].top_k, options.budget, options.fine_share, options.device)
+        model.offload_runtime = OffloadRuntime(model, layers, stores[0], pool, fingerprint, eviction, options,
+                                               predictor=predictor, fine_store=stores[1] if len(stores) > 1 else None)
     except BaseException:
-        expert_store.close()
+        for store in stores:
+            store.close()
         raise
     # What stays resident (attention, routers, norms, shared experts) moves to the device; on the
     # fallback path (a full load) this also copies it out of the memory-mapped checkpoint, so the
@@ -71,6 +81,24 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
     log.info("offloaded %d MoE layers: %d of %d experts fit the budget (%.1f MiB of slots)", len(layers),
              pool.num_slots, len(layers) * layers[0].num_experts, pool.nbytes / 2**20)
     return model
+
+
+def _fine_store(options: RuntimeOptions, fingerprint: ModelFingerprint, model, layers,
+                coarse: ExpertStore) -> ExpertStore:
+    """Mixed precision's fine copies: the store of `options.fine_model`, which must be the same
+    model (its non-expert weights fingerprinted alike) with every packed expert parameter of
+    `coarse` packed too."""
+    fine_dir = Path(options.fine_model)
+    if not (fine_dir / "config.json").is_file():
+        raise FileNotFoundError(f"fine model {fine_dir} is not a model directory (no config.json)")
+    fingerprint.require_same(fingerprint_model_dir(fine_dir), f"fine model {fine_dir}")
+    fine = ExpertStore(fine_dir, model, layers, mode=options.store, drop_page_cache=options.drop_page_cache,
+                       slot_format=options.slot_format)
+    if fine.packed.keys() != coarse.packed.keys() or set(coarse.spec.shapes) != set(fine.spec.shapes):
+        fine.close()
+        raise CompressionError(f"fine model {fine_dir} packs {sorted(fine.packed)}, the model {sorted(coarse.packed)}: "
+                               "mixed precision needs every expert matrix packed in both")
+    return fine
 
 
 def require_forecasts(predictor: ExpertPredictor | None, needed_by: str) -> None:

@@ -22,7 +22,8 @@ router stays the model's own. Which module replaces a block goes by its adapter'
 With packed slots (int4 or int8 experts kept compressed, `offload_runtime.compression.kernels`),
 the fused twin's packed weight parameters are `PackedWeights` over the slots' codes and scales,
 and the twin runs transformers' eager expert loop (its `F.linear` calls reach the kernels);
-only fused experts run this way.
+only fused experts run this way. Mixed precision's slots come in two tiers (`PackedTier`s: int8
+slots, then int4 ones), each expert parameter a `PackedWeights` over both.
 
 When a layer selects more experts than slots exist (a long prefill under a small budget), or the
 runtime computes experts in arrival order (CGOPipe), the experts run in groups given by the
@@ -97,20 +98,26 @@ class _Offloaded(nn.Module):
         return f"layer={self.layer}, num_experts={self.num_experts}, offloaded"
 
 
+PackedTier = tuple[dict[str, torch.Tensor], dict[str, PackedMatrixSpec]]  # a tier's slot buffers and matrices
+
+
 def _fused_twin(layer: MoELayer, buffers: dict[str, torch.Tensor], num_slots: int,
-                packed: dict[str, PackedMatrixSpec]) -> nn.Module:
+                packed: list[PackedTier]) -> nn.Module:
     """The experts module over slot buffers: each parameter is its [S, ...] buffer (shaped as
     the module holds it), and each attribute that counts experts now counts slots: the expert
     count becomes S and the router's choice count S + the weightless experts (ids remapped alike).
-    A parameter in `packed` is a `PackedWeights` instead, and the twin runs the eager loop."""
+    A parameter packed in the slots is a `PackedWeights` over every tier's instead, and the twin
+    runs the eager loop."""
     experts = layer.experts
     spec, _ = expert_spec(layer)
+    matrices = packed[0][1] if packed else {}
     copy = twin(experts, {name: spec.as_module_tensor(name, buffers[name]) for name in spec.shapes
-                          if name not in packed})
+                          if name not in matrices})
     if packed:
-        for name, matrix in packed.items():
+        for name in matrices:
             del copy._parameters[name]
-            copy.__dict__[name] = PackedWeights(buffers[name], buffers[name + SCALES_SUFFIX], matrix)
+            copy.__dict__[name] = PackedWeights([(tier[name], tier[name + SCALES_SUFFIX], specs[name])
+                                                 for tier, specs in packed])
         if hasattr(experts, "config"):  # transformers' grouped/batched kernels index the [S, ...] tensors themselves
             copy.config = shallow.copy(experts.config)
             copy.config._experts_implementation = "eager"
@@ -130,8 +137,8 @@ class OffloadedExperts(_Offloaded):
     twin after the slots, where its own code computes them without weights."""
 
     def __init__(self, layer: MoELayer, buffers: dict[str, torch.Tensor], runtime: ExpertSlots,
-                 packed: dict[str, PackedMatrixSpec] | None = None) -> None:
-        slot_twin = _fused_twin(layer, buffers, runtime.pool.num_slots, packed or {})
+                 packed: list[PackedTier] | None = None) -> None:
+        slot_twin = _fused_twin(layer, buffers, runtime.pool.num_slots, packed or [])
         super().__init__(layer, set(expert_spec(layer)[0].shapes), buffers, slot_twin, runtime)
         self._weightless = torch.arange(layer.num_choices - layer.num_experts) + runtime.pool.num_slots
 
@@ -231,9 +238,10 @@ OFFLOADED: dict[str, type[_Offloaded]] = {"fused": OffloadedExperts, "dense": Of
 
 
 def offload_experts(layer: MoELayer, buffers: dict[str, torch.Tensor], runtime: ExpertSlots,
-                    packed: dict[str, PackedMatrixSpec] | None = None) -> nn.Module:
-    """The module that replaces `layer.experts`, chosen by `layer.adapter.name`; `packed` (the
-    store's packed weight parameters) only for fused experts."""
+                    packed: list[PackedTier] | None = None) -> nn.Module:
+    """The module that replaces `layer.experts`, chosen by `layer.adapter.name`; `packed` (per
+    tier of packed slots, its buffers and the store's packed weight parameters) only for fused
+    experts."""
     try:
         cls = OFFLOADED[layer.adapter.name]
     except KeyError:

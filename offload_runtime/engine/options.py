@@ -12,12 +12,14 @@ device, `PredictorError` for the next-token chance, `OptionsError` for the rest)
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from cache import make_serving_policy
+from cache.tiered import PRECISION_RULES
 from cache.timing import LinkTiming
 from predictor.base import PredictorError
 from prescient.budget import Budget
@@ -56,7 +58,11 @@ class RuntimeOptions:
     expert in `dtype` whatever its stored precision; "packed": an int4-stored expert (in groups)
     stays int4 in its slot, about 3.5x more experts per byte than bf16, an int8-stored one (per
     channel) int8, 2x, and each computes with torch's weight-only CPU kernel, which needs
-    `dtype="bfloat16"`)."""
+    `dtype="bfloat16"`); `fine_model` (mixed precision: a directory of the same model whose experts
+    are stored finer, e.g. int8 per channel beside this model's int4; needs packed slots; None:
+    off), `fine_share` (the share of the budget's bytes in fine slots), `precision_rule` (what
+    picks a loaded expert's copy: "forecast", the predictor's chance that coming tokens use it;
+    "router", its router weight; "hotness", its use count so far; see `cache.tiered`)."""
 
     policy: str = "lru"
     budget: Budget = Budget(0.5, "fraction")
@@ -69,6 +75,9 @@ class RuntimeOptions:
     next_token_min_chance: float | None = None
     dtype: str = "float32"
     slot_format: str = "expanded"
+    fine_model: str | None = None
+    fine_share: float = 0.25
+    precision_rule: str = "forecast"
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str):
@@ -93,6 +102,19 @@ class RuntimeOptions:
         if self.slot_format == "packed" and (self.dtype != "bfloat16" or self.device != "cpu"):
             raise OptionsError("packed slots compute with torch's int4/int8 CPU kernels, on bfloat16 activations: use "
                                f"dtype bfloat16 and device cpu (got {self.dtype} on {self.device})")
+        if self.fine_model is not None:
+            if not isinstance(self.fine_model, (str, os.PathLike)):
+                raise OptionsError(f"fine_model must be a model directory, got {self.fine_model!r}")
+            object.__setattr__(self, "fine_model", str(self.fine_model))
+            if self.slot_format != "packed":
+                raise OptionsError("mixed precision (a fine model) keeps both copies packed in their slots: "
+                                   "use slot_format packed (--slot-format packed --dtype bfloat16)")
+        share = self.fine_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 < share < 1.0:
+            raise OptionsError(f"fine_share must be a share of the budget in (0, 1), got {share!r}")
+        if self.precision_rule not in PRECISION_RULES:
+            raise OptionsError(f"precision_rule must be one of {', '.join(PRECISION_RULES)}, "
+                               f"got {self.precision_rule!r}")
         chance = self.next_token_min_chance
         if chance is not None:
             if isinstance(chance, bool) or not isinstance(chance, (int, float)) or not 0.0 <= chance <= 1.0:
@@ -123,4 +145,5 @@ class RuntimeOptions:
                 "transfer_workers": self.transfer_workers, "prefetch_per_layer": self.prefetch_per_layer,
                 "link_timing": self.link_timing.to_dict() if self.link_timing is not None else None,
                 "next_token_min_chance": self.next_token_min_chance, "dtype": self.dtype,
-                "slot_format": self.slot_format}
+                "slot_format": self.slot_format, "fine_model": self.fine_model, "fine_share": self.fine_share,
+                "precision_rule": self.precision_rule}

@@ -35,12 +35,13 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from cache import EvictionPolicy, ExpertCache, Key
+from cache import EvictionPolicy, ExpertCache, Key, make_serving_policy
+from cache.tiered import tiered_cache
 from offload_runtime.engine.hash_builder import HashBuilder, HashBuilderError
 from offload_runtime.engine.offloaded_experts import offload_experts
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.prefetch import Prefetcher
-from offload_runtime.engine.slots import SlotPool
+from offload_runtime.engine.slots import SlotPool, TieredSlotPool
 from offload_runtime.engine.store import ExpertStore
 from offload_runtime.engine.transfer import Ticket, TransferEngine
 from predictor.base import ExpertPredictor
@@ -71,22 +72,30 @@ class RuntimeStats:
     slots: int
     slot_bytes: int
     predictor_failures: int = 0  # hash-building thread failures survived (on_predictor_error="demand")
+    fine_accesses: int = 0  # mixed precision: accesses served by an expert's fine copy
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 class OffloadRuntime:
-    def __init__(self, model: nn.Module, layers: list[MoELayer], store: ExpertStore, pool: SlotPool,
+    def __init__(self, model: nn.Module, layers: list[MoELayer], store: ExpertStore, pool: SlotPool | TieredSlotPool,
                  fingerprint: ModelFingerprint, policy: EvictionPolicy, options: RuntimeOptions,
-                 predictor: ExpertPredictor | None = None) -> None:
+                 predictor: ExpertPredictor | None = None, fine_store: ExpertStore | None = None) -> None:
         self.model, self.layers, self.store, self.pool = model, layers, store, pool
+        self.fine_store = fine_store  # mixed precision: the fine copies, in `pool`'s first tier
         self.fingerprint = fingerprint  # computed once at load; CGOPipe checks predictors against it
         self.top_k = layers[0].top_k
         self.n_experts = layers[0].num_experts
         self.policy = policy
-        self.cache = ExpertCache(pool.num_slots, self.policy, n_layers=len(layers), top_k=self.top_k,
-                                 on_evict=self._on_evict)
+        if fine_store is None:
+            self.cache = ExpertCache(pool.num_slots, self.policy, n_layers=len(layers), top_k=self.top_k,
+                                     on_evict=self._on_evict)
+        else:
+            policies = iter([policy, make_serving_policy(options.policy, self.top_k)])  # one per tier
+            self.cache = tiered_cache([p.num_slots for p in pool.pools], lambda: next(policies), options.precision_rule,
+                                      len(layers), self.n_experts, self.top_k, self._on_evict)
+        stores = [store] if fine_store is None else [fine_store, store]  # in the pool's tier order
         self.options = options
         self.arrival_order = False  # see parts(); CGOPipe turns it on
         self._step = -1
@@ -94,19 +103,22 @@ class OffloadRuntime:
         self.sequence_ids: list | None = None  # serving: each batch row's sequence id (see the module doc)
         self.on_predictor_error = "raise"  # or "demand": log, count, and go on without the predictor
         self.predictor_failures = 0
+        packed = list(zip(pool.tier_buffers(), [s.packed for s in stores])) if store.packed else None
         for layer in layers:  # the resident expert tensors are dropped with the old module
-            layer.block.experts = layer.experts = offload_experts(layer, pool.buffers, self, packed=store.packed)
+            layer.block.experts = layer.experts = offload_experts(layer, pool.tier_buffers()[0], self, packed=packed)
         self._handles = [stack.module.register_forward_pre_hook(self._on_forward(stream, stack.layers),
                                                                 with_kwargs=True)
                          for stream, stack in enumerate(moe_stacks(model, layers))]
-        if getattr(self.policy, "uses_scores", False):
+        self._rule = options.precision_rule if fine_store is not None else None
+        if getattr(self.policy, "uses_scores", False) or self._rule == "router":
             self._handles += [layer.router.register_forward_hook(self._router_scores(layer)) for layer in layers]
-        self.engine = TransferEngine(store, pool, workers=options.transfer_workers)
+        self.engine = TransferEngine(stores, pool, workers=options.transfer_workers)
         self.prefetcher = Prefetcher(self.cache, self.engine, len(layers), self.n_experts,
                                      options.prefetch_per_layer or self.top_k, options)
         self.builder = None if predictor is None else HashBuilder(
-            predictor, forecasts=policy.uses_forecasts, next_token=options.next_token_min_chance is not None)
-        self._stop = weakref.finalize(self, _stop_threads, self.engine, self.builder, self.store)
+            predictor, forecasts=policy.uses_forecasts or self._rule == "forecast",
+            next_token=options.next_token_min_chance is not None)
+        self._stop = weakref.finalize(self, _stop_threads, self.engine, self.builder, stores)
 
     @property
     def step(self) -> int:
@@ -236,8 +248,8 @@ class OffloadRuntime:
             self.engine.wait(key)
 
     def _load(self, key: Key, demand: bool = False, priority: float = 0.0) -> None:
-        """Give inserted `key` a slot and request its copy."""
-        slot = self.pool.map.assign(key)
+        """Give inserted `key` a slot (of the tier whose cache holds it) and request its copy."""
+        slot = self.pool.map.assign(key, 0 if self.fine_store is None else self.cache.tier_of(key))
         old = self._tickets.get(key)
         if old is not None and old.slot != slot and not old.future.done():
             futures.wait([old.future])  # evicted while copying into its old slot: let that copy end
@@ -255,6 +267,8 @@ class OffloadRuntime:
                 return
             if table is not None:
                 plan.take(table, layer)
+                if self._rule == "forecast" and table.later_chances is not None:
+                    self.cache.on_later(table.later_chances.numpy())
         keys = plan.keys_after(layer, demand_loads)
         if keys is not None:
             plan.issued(self.prefetch(keys, priority=plan.priority))
@@ -272,6 +286,7 @@ class OffloadRuntime:
             prefetch_loads=t.prefetch_loads, stall_seconds=round(t.stall_seconds, 4),
             late_tables=self.prefetcher.late_tables, tables_on_time=self.prefetcher.tables_on_time,
             slots=self.pool.num_slots, slot_bytes=self.pool.nbytes, predictor_failures=self.predictor_failures,
+            fine_accesses=self.cache.fine_accesses if self.fine_store is not None else 0,
         )
 
     def close(self) -> None:
@@ -288,16 +303,17 @@ class OffloadRuntime:
         self.close()
 
 
-def _stop_threads(engine: TransferEngine, builder: HashBuilder | None, store: ExpertStore) -> None:
+def _stop_threads(engine: TransferEngine, builder: HashBuilder | None, stores: list[ExpertStore]) -> None:
     """Stop the hash-building and transfer threads, then close the store. Run by `close()`, or by
     the garbage collector for a runtime never closed: if that happens on one of the threads to
     stop, which cannot join itself, a thread of its own does the stopping."""
     if threading.current_thread().name.startswith(("expert-transfer", "hash-builder")):
-        threading.Thread(target=_stop_threads, args=(engine, builder, store), name="runtime-stop", daemon=True).start()
+        threading.Thread(target=_stop_threads, args=(engine, builder, stores), name="runtime-stop", daemon=True).start()
         return
     try:
         if builder is not None:
             builder.close()
     finally:
         engine.close()
-        store.close()
+        for store in stores:
+            store.close()

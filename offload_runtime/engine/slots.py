@@ -4,10 +4,14 @@ One tensor per expert parameter name, shaped [S, ...] (e.g. `gate_up_proj` [S, 2
 layer's experts module can compute straight on the pool once its expert ids are remapped to slot
 ids (`SlotMap.table`). The pool only provides slots: which experts keep one is decided by
 `cache.ExpertCache` in the runtime; the pool tracks free slots and the key ↔ slot mapping.
+
+Mixed precision (`TieredSlotPool`): slots of two sizes, a fine tier (e.g. int8 experts) and a
+coarse one (int4), numbered one after the other in one slot map; a key holds a slot of one tier.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -46,28 +50,47 @@ def slots_for_budget(budget: Budget | float | int | str, expert_nbytes: int, tot
     return min(slots, total_experts)
 
 
-class SlotMap:
-    """Thread-safe key ↔ slot bookkeeping, with a [L, E] table of slot ids (-1: no slot)."""
+def _one_spec(specs: Sequence[ExpertSpec]) -> ExpertSpec:
+    """The slot spec every MoE layer shares; a SlotError if they differ."""
+    if any(spec != specs[0] for spec in specs):
+        raise SlotError("the MoE layers' experts differ in shape or dtype, so one slot cannot hold any expert: "
+                        f"{sorted({str(spec) for spec in specs})}")
+    return specs[0]
 
-    def __init__(self, num_slots: int, num_layers: int, num_experts: int) -> None:
+
+class SlotMap:
+    """Thread-safe key ↔ slot bookkeeping, with a [L, E] table of slot ids (-1: no slot). The
+    slots may come in tiers (`tiers`: the slot count of each, numbered one tier after another)."""
+
+    def __init__(self, num_slots: int, num_layers: int, num_experts: int, tiers: Sequence[int] | None = None) -> None:
+        tiers = list(tiers) if tiers is not None else [num_slots]
+        if sum(tiers) != num_slots:
+            raise SlotError(f"tiers of {tiers} slots do not add up to {num_slots}")
         self.num_slots = num_slots
+        self.tier_starts = [sum(tiers[:i]) for i in range(len(tiers))]
         self.table = torch.full((num_layers, num_experts), -1, dtype=torch.long)
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        # per tier, pop() hands out its lowest slot first
+        self._free = [list(range(start + n - 1, start - 1, -1)) for start, n in zip(self.tier_starts, tiers)]
         self._slot: dict[Key, int] = {}
         self._key: list[Key | None] = [None] * num_slots
         self._lock = threading.Lock()
 
-    def assign(self, key: Key) -> int:
-        """Give `key` a free slot and return it."""
+    def assign(self, key: Key, tier: int = 0) -> int:
+        """Give `key` a free slot of `tier` and return it."""
         with self._lock:
             if key in self._slot:
                 raise SlotError(f"expert {key} already holds slot {self._slot[key]}")
-            if not self._free:
+            free = self._free[tier]
+            if not free:
                 raise SlotError(f"no free slot for expert {key}: all {self.num_slots} are taken; release one first")
-            slot = self._free.pop()
+            slot = free.pop()
             self._slot[key], self._key[slot] = slot, key
             self.table[key] = slot
             return slot
+
+    def tier_of(self, slot: int) -> int:
+        """The tier slot `slot` belongs to."""
+        return bisect.bisect_right(self.tier_starts, slot) - 1
 
     def release(self, key: Key) -> int:
         """Free `key`'s slot and return it."""
@@ -77,7 +100,7 @@ class SlotMap:
             slot = self._slot.pop(key)
             self._key[slot] = None
             self.table[key] = -1
-            self._free.append(slot)
+            self._free[self.tier_of(slot)].append(slot)
             return slot
 
     def slot_of(self, key: Key) -> int | None:
@@ -91,7 +114,7 @@ class SlotMap:
     @property
     def free(self) -> int:
         with self._lock:
-            return len(self._free)
+            return sum(map(len, self._free))
 
     def __contains__(self, key: Key) -> bool:
         with self._lock:
@@ -116,11 +139,9 @@ class SlotPool:
                    device: torch.device | str = "cpu") -> "SlotPool":
         """A pool for `len(specs)` MoE layers of `num_experts` experts each (one spec per layer,
         e.g. `ExpertStore.specs`), sized by `budget` (see `slots_for_budget`)."""
-        if any(spec != specs[0] for spec in specs):
-            raise SlotError("the MoE layers' experts differ in shape or dtype, so one slot cannot hold any expert: "
-                            f"{sorted({str(spec) for spec in specs})}")
-        slots = slots_for_budget(budget, specs[0].nbytes, len(specs) * num_experts, top_k)
-        return cls(specs[0], slots, len(specs), num_experts, device)
+        spec = _one_spec(specs)
+        slots = slots_for_budget(budget, spec.nbytes, len(specs) * num_experts, top_k)
+        return cls(spec, slots, len(specs), num_experts, device)
 
     @property
     def num_slots(self) -> int:
@@ -129,6 +150,10 @@ class SlotPool:
     @property
     def nbytes(self) -> int:
         return self.num_slots * self.spec.nbytes
+
+    def tier_buffers(self) -> list[dict[str, torch.Tensor]]:
+        """The buffers of each tier of slots: this pool's one."""
+        return [self.buffers]
 
     def view(self, slot: int) -> dict[str, torch.Tensor]:
         """Slot `slot`'s tensors (views into the pool: writing them writes the slot)."""
@@ -149,3 +174,51 @@ class SlotPool:
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise SlotError(f"slot {slot} is out of range: the pool has {self.num_slots} slots")
+
+
+class TieredSlotPool:
+    """Mixed precision's fast tier: `pools[0]` (fine copies) and `pools[1]` (coarse ones) under
+    one slot map, slot s < len(pools[0]) in the first. Each pool's own map is unused."""
+
+    @classmethod
+    def for_budget(cls, fine: Sequence[ExpertSpec], coarse: Sequence[ExpertSpec], num_experts: int, top_k: int,
+                   budget: Budget | float | str, fine_share: float, device: torch.device | str = "cpu"
+                   ) -> "TieredSlotPool":
+        """Slots for `len(coarse)` MoE layers: `fine_share` of the budget's bytes in fine slots,
+        the rest in coarse ones (which must hold one layer's top-k). A fraction or a slot count
+        is one of the coarse experts' (the model's own precision)."""
+        specs = [_one_spec(fine), _one_spec(coarse)]
+        total = len(coarse) * num_experts
+        budget = Budget.of(budget)
+        nbytes = int(budget.amount) if budget.unit == "bytes" else budget.slots(total) * specs[1].nbytes
+        counts = [min(int(nbytes * fine_share) // specs[0].nbytes, total)]
+        counts.append(min((nbytes - counts[0] * specs[0].nbytes) // specs[1].nbytes, total))
+        if counts[1] < top_k:
+            raise CapacityError(f"budget {budget} leaves {counts[1]} coarse slots after {counts[0]} fine ones; "
+                                f"the minimum is one layer's top-k = {top_k}: raise the budget or lower the fine share")
+        if counts[0] < 1:
+            raise CapacityError(f"budget {budget} buys no fine slot ({specs[0].nbytes} bytes each) at a fine share "
+                                f"of {fine_share:g}; raise either")
+        return cls([SlotPool(spec, n, len(coarse), num_experts, device) for spec, n in zip(specs, counts)],
+                   len(coarse), num_experts)
+
+    def __init__(self, pools: Sequence[SlotPool], num_layers: int, num_experts: int) -> None:
+        self.pools = list(pools)
+        self.device = self.pools[0].device
+        self.map = SlotMap(sum(p.num_slots for p in self.pools), num_layers, num_experts,
+                           [p.num_slots for p in self.pools])
+
+    @property
+    def num_slots(self) -> int:
+        return self.map.num_slots
+
+    @property
+    def nbytes(self) -> int:
+        return sum(pool.nbytes for pool in self.pools)
+
+    def tier_buffers(self) -> list[dict[str, torch.Tensor]]:
+        return [pool.buffers for pool in self.pools]
+
+    def view(self, slot: int) -> dict[str, torch.Tensor]:
+        tier = self.map.tier_of(slot)
+        return self.pools[tier].view(slot - self.map.tier_starts[tier])

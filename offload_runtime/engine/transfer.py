@@ -23,7 +23,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from cache.policy import Key
-from offload_runtime.engine.slots import SlotPool
+from offload_runtime.engine.slots import SlotPool, TieredSlotPool
 from prescient.errors import PrescientError
 
 log = logging.getLogger(__name__)
@@ -86,10 +86,14 @@ class Ticket:
 
 
 class TransferEngine:
-    def __init__(self, store: ExpertSource, pool: SlotPool, workers: int = 1, join_timeout: float = 10.0) -> None:
+    """Copies from `store` into `pool`'s slots; with a tiered pool (mixed precision), `store` is
+    one source per tier (`[fine, coarse]`), and a copy reads from its slot's tier's."""
+
+    def __init__(self, store: ExpertSource | Sequence[ExpertSource], pool: SlotPool | TieredSlotPool,
+                 workers: int = 1, join_timeout: float = 10.0) -> None:
         if workers < 1:  # no worker: every wait would block for ever
             raise TransferError(f"the transfer engine needs at least one worker, not {workers}")
-        self.store = store
+        self.stores = list(store) if isinstance(store, Sequence) else [store]
         self.pool = pool
         self.join_timeout = join_timeout
         self._cuda = pool.device.type == "cuda"
@@ -281,7 +285,7 @@ class TransferEngine:
         stats.loads += 1
         stats.demand_loads += ticket.demand
         stats.prefetch_loads += not ticket.demand
-        stats.bytes_moved += self.store.stored_nbytes(ticket.key)
+        stats.bytes_moved += self._source(ticket).stored_nbytes(ticket.key)
         ticket.future.set_result(None)
 
     def _run(self) -> None:
@@ -301,8 +305,11 @@ class TransferEngine:
             with self._cond:
                 self._finish(ticket, error)
 
+    def _source(self, ticket: Ticket) -> ExpertSource:
+        return self.stores[self.pool.map.tier_of(ticket.slot)]
+
     def _cpu_copy(self, ticket: Ticket) -> None:
-        self.store.read(ticket.key, out=self.pool.view(ticket.slot))
+        self._source(ticket).read(ticket.key, out=self.pool.view(ticket.slot))
 
     def _cuda_copier(self) -> Callable[[Ticket], None]:
         """A copy function with this worker's stream and pinned staging buffer."""
@@ -312,14 +319,14 @@ class TransferEngine:
         staged: list[torch.cuda.Event] = []  # end of the last copy out of `staging`
 
         def copy(ticket: Ticket) -> None:
-            source = self.store.resident(ticket.key)
+            source = self._source(ticket).resident(ticket.key)
             from_disk = source is None
             if from_disk:  # read into the pinned buffer once the last copy out of it is done
                 if not staging:
                     staging.update({name: t[0] for name, t in self.pool.spec.empty(1, pin=True).items()})
                 if staged:
                     staged.pop().synchronize()
-                source = self.store.read(ticket.key, out=staging)
+                source = self._source(ticket).read(ticket.key, out=staging)
             with torch.cuda.device(device), torch.cuda.stream(stream):
                 if ticket.after is not None:
                     stream.wait_event(ticket.after)
