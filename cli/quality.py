@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import add_runtime_args, names, output_file, positive_int
+from cli.args import add_runtime_args, names, output_file, positive_int, runtime_options
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -18,7 +18,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--text-field", default="text")
     p.add_argument("--seq-len", type=positive_int, default=256)
     p.add_argument("--windows", type=positive_int, default=64, help="held-out windows per dataset")
-    add_runtime_args(p, "dtype", "slot_format")  # both models compute in --dtype; packed: through the runtime
+    # both models compute in --dtype; packed slots and mixed precision run through the runtime
+    add_runtime_args(p, "dtype", "slot_format", "policy", "budget", "fine_model", "fine_share", "precision_rule")
+    p.add_argument("--predictor", help="the runtime's predictor artifact (mixed precision's forecast rule needs one)")
+    p.add_argument("--decode", action="store_true",
+                   help="teacher-forced one token per forward, as a sequence decodes (implied by --fine-model, "
+                        "whose choices are made per token)")
     p.add_argument("--json", type=output_file, required=True, help="results file")
     return p
 
@@ -28,8 +33,9 @@ def run(args: argparse.Namespace) -> None:
 
     result = run_quality(args.json, model_dir=args.model, reference_dir=args.reference, datasets=args.dataset,
                          split=args.split, text_field=args.text_field, seq_len=args.seq_len, windows=args.windows,
-                         dtype=args.dtype, slot_format=args.slot_format)
+                         options=runtime_options(args), predictor=args.predictor, decode=args.decode)
     for name, figures in result["datasets"].items():
         print(f"{name}: perplexity {figures['perplexity']:.3f} (reference {figures['reference_perplexity']:.3f}, "
               f"{100 * figures['perplexity_increase']:+.2f}%), KL {figures['kl_nats']:.5f} nats, "
-              f"top-1 agreement {figures['top1_agreement']:.4f}")
+              f"top-1 agreement {figures['top1_agreement']:.4f}"
+              + (f", fine copies {100 * figures['fine_share']:.1f}% of expert uses" if "fine_share" in figures else ""))

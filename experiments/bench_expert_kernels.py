@@ -47,7 +47,7 @@ def _packed(parts: dict[str, torch.Tensor], bits: int, group: int | None, shape:
     stored, scale = parts["weight_packed"].view(torch.uint8), parts["weight_scale"]
     arrange = lambda: pack_for_kernel(matrix, stored, scale, slot[0][0], slot[1][0])  # noqa: E731
     arrange()
-    weight, x = PackedWeights(*slot, matrix)[0], torch.randn(1, shape[1], dtype=torch.bfloat16)
+    weight, x = PackedWeights([(*slot, matrix)])[0], torch.randn(1, shape[1], dtype=torch.bfloat16)
     return arrange, lambda: F.linear(x, weight)
 
 

@@ -7,11 +7,18 @@ Both models compute in `dtype` (float32, or bfloat16 as `--dtype bfloat16` serve
 compressed model's experts are expanded as the runtime expands them, and offloading computes
 exactly what the resident model computes, so these figures hold for the model served at any
 budget in that dtype. With `slot_format="packed"` (int4 experts computed by torch's int4 kernel
-from packed slots, in bfloat16) the model runs through the runtime with a slot for every expert,
-since that kernel is not what transformers computes with.
+from packed slots, in bfloat16) the model runs through the runtime, since that kernel is not what
+transformers computes with.
 
-JSON: {model, reference, dtype, slot_format, split, seq_len, windows, datasets: {SPEC: {tokens, perplexity,
-reference_perplexity, perplexity_increase, kl_nats, top1_agreement}}, fingerprint_match}.
+Mixed precision (`options.fine_model`) computes each expert with the copy the runtime chose for
+it, so its quality depends on the budget, policy, predictor and rule: it runs through the runtime
+with those, in decode mode (`decode=True`, implied): teacher-forced one token per forward, as a
+served sequence decodes, the cache's state carried from token to token; the reference decodes
+alike. Decode mode is open to any model, so that uniform precisions compare on the same footing.
+
+JSON: {model, reference, dtype, slot_format, options, predictor, decode, split, seq_len, windows, datasets: {SPEC:
+{tokens, perplexity, reference_perplexity, perplexity_increase, kl_nats, top1_agreement, fine_share?}},
+fingerprint_match}; fine_share: mixed precision's share of expert uses computed with a fine copy.
 """
 
 from __future__ import annotations
@@ -24,21 +31,36 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from offload_runtime.engine.loader import load_offloaded
-from offload_runtime.engine.options import DTYPES, RuntimeOptions
+from offload_runtime.engine.options import RuntimeOptions
 from prescient.atomic import write_json_atomic
-from prescient.fingerprint import fingerprint_model
+from prescient.fingerprint import loaded_fingerprint
 from prescient.loading import load_model, load_tokenizer
 from training.reference_lm import corpus_windows
 
 
 @torch.no_grad()
-def compare_logits(model, reference, windows: torch.Tensor, batch_size: int = 8, desc: str = "") -> dict:
-    """Teacher-forced next-token figures of `model` against `reference` over `windows` [N, T]."""
+def decoded_logits(model, batch: torch.Tensor) -> torch.Tensor:
+    """The logits of `batch` [B, T] teacher-forced one token per forward, with the KV cache."""
+    out = model(batch[:, :1], use_cache=True)
+    logits, cache = [out.logits], out.past_key_values
+    for t in range(1, batch.shape[1]):
+        out = model(batch[:, t:t + 1], past_key_values=cache, use_cache=True)
+        logits.append(out.logits)
+        cache = out.past_key_values
+    return torch.cat(logits, dim=1)
+
+
+@torch.no_grad()
+def compare_logits(model, reference, windows: torch.Tensor, batch_size: int = 8, desc: str = "",
+                   decode: bool = False) -> dict:
+    """Teacher-forced next-token figures of `model` against `reference` over `windows` [N, T];
+    `decode`: one token per forward (see the module doc)."""
     nll = ref_nll = kl = agree = tokens = 0.0
+    run = decoded_logits if decode else (lambda m, batch: m(batch).logits)
     for batch in tqdm(windows.split(batch_size), desc=desc or "quality", unit="batch", disable=None):
         targets = batch[:, 1:]
-        logp = F.log_softmax(model(batch).logits[:, :-1].float(), dim=-1)
-        ref_logp = F.log_softmax(reference(batch).logits[:, :-1].float(), dim=-1)
+        logp = F.log_softmax(run(model, batch)[:, :-1].float(), dim=-1)
+        ref_logp = F.log_softmax(run(reference, batch)[:, :-1].float(), dim=-1)
         nll -= logp.gather(-1, targets.unsqueeze(-1)).sum().item()
         ref_nll -= ref_logp.gather(-1, targets.unsqueeze(-1)).sum().item()
         kl += (ref_logp.exp() * (ref_logp - logp)).sum().item()
@@ -52,25 +74,41 @@ def compare_logits(model, reference, windows: torch.Tensor, batch_size: int = 8,
 
 def measure_quality(model_dir: str | Path, reference_dir: str | Path, datasets: tuple[str, ...],
                     split: str = "validation", text_field: str = "text", seq_len: int = 256, windows: int = 64,
-                    batch_size: int = 8, dtype: str = "float32", slot_format: str = "expanded") -> dict:
-    options = RuntimeOptions(budget=1.0, dtype=dtype, slot_format=slot_format)  # checks the pair
-    reference, ref_layers = load_model(reference_dir, dtype=DTYPES[dtype])
-    if slot_format == "packed":
-        model = load_offloaded(model_dir, options=options)
+                    batch_size: int = 8, options: RuntimeOptions | None = None, predictor: str | None = None,
+                    decode: bool = False) -> dict:
+    """`options`: the dtype both compute in, and (packed slots, mixed precision) how the runtime
+    serves the model; `predictor`: the runtime's (an artifact path)."""
+    options = options or RuntimeOptions(budget=1.0)
+    mixed = options.fine_model is not None
+    decode = decode or mixed
+    reference, ref_layers = load_model(reference_dir, dtype=options.torch_dtype)
+    through_runtime = options.slot_format == "packed"
+    if through_runtime:
+        model = load_offloaded(model_dir, predictor, options=options)
         fingerprint = model.offload_runtime.fingerprint
     else:
-        model, layers = load_model(model_dir, dtype=DTYPES[dtype])
-        fingerprint = fingerprint_model(model, layers)
+        model, layers = load_model(model_dir, dtype=options.torch_dtype)
+        fingerprint = loaded_fingerprint(model_dir, model, layers, options.torch_dtype)
     tokenizer = load_tokenizer(reference_dir)
-    result = {"model": str(model_dir), "reference": str(reference_dir), "dtype": dtype, "slot_format": slot_format,
+    result = {"model": str(model_dir), "reference": str(reference_dir), "dtype": options.dtype,
+              "slot_format": options.slot_format, "options": options.to_json() if through_runtime else None,
+              "predictor": str(predictor) if predictor else None, "decode": decode,
               "split": split, "seq_len": seq_len, "windows": windows,
-              "fingerprint_match": fingerprint == fingerprint_model(reference, ref_layers), "datasets": {}}
+              "fingerprint_match": fingerprint == loaded_fingerprint(reference_dir, reference, ref_layers,
+                                                                     options.torch_dtype),
+              "datasets": {}}
     try:
         for dataset in datasets:
             held_out = corpus_windows(tokenizer, dataset, split, text_field, seq_len, windows)
-            result["datasets"][dataset] = compare_logits(model, reference, held_out, batch_size, desc=dataset)
+            before = model.offload_runtime.stats() if mixed else None
+            figures = compare_logits(model, reference, held_out, batch_size, desc=dataset, decode=decode)
+            if mixed:
+                after = model.offload_runtime.stats()
+                figures["fine_share"] = round((after.fine_accesses - before.fine_accesses)
+                                              / max(after.accesses - before.accesses, 1), 4)
+            result["datasets"][dataset] = figures
     finally:
-        if slot_format == "packed":
+        if through_runtime:
             model.offload_runtime.close()
     return result
 

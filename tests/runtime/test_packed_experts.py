@@ -21,35 +21,11 @@ from offload_runtime.compression.scheme import CompressionError, weight_args
 from offload_runtime.compression.writer import quantize_model
 from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.options import OptionsError, RuntimeOptions
-from prescient.arch_zoo import save_tiny_model
 from prescient.loading import load_tokenizer
-from tests.conftest import random_sida, tiny_test_config
+from tests.conftest import random_sida
+from tests.runtime.conftest import WIDER
 
 PROMPT = "def f(x):\n    return x"
-# the tests' tiny configs with experts at least 32 wide, the kernel's smallest group
-WIDER = {"mixtral": {}, "qwen3_moe": {"moe_intermediate_size": 32}, "olmoe": {"intermediate_size": 32}}
-
-
-@pytest.fixture(scope="module")
-def int4_model(tiny_tokenizer, tmp_path_factory):
-    """`int4_model(arch, bits=4)`: a tiny `arch` model (experts 32 wide) quantised to int4 in
-    groups of 32, or to int8 per channel."""
-    built: dict[tuple[str, int], Path] = {}
-
-    def get(arch: str, bits: int = 4) -> Path:
-        if (arch, bits) not in built:
-            root = tmp_path_factory.mktemp(f"{arch}-w{bits}-packed")
-            config = tiny_test_config(arch, tiny_tokenizer)
-            for name, value in WIDER[arch].items():
-                setattr(config, name, value)
-            source = save_tiny_model(config, root / "source", seed=1, tokenizer=tiny_tokenizer)
-            quantize_model(source, root / "model", bits, group_size=32 if bits == 4 else "channel")
-            built[arch, bits] = root / "model"
-        return built[arch, bits]
-
-    return get
-
-
 def run(path: Path, tokens: int = 8, **options) -> tuple[torch.Tensor, torch.Tensor, object]:
     """Greedy tokens and the prompt's logits through the runtime, and its stats."""
     model = load_offloaded(path, options=RuntimeOptions(dtype="bfloat16", **options))
@@ -110,7 +86,7 @@ def test_kernel_on_packed_codes_equals_a_linear_on_the_expanded_weight(bits, row
     levels = codes.float() - 2 ** (bits - 1)
     expanded = levels.view(rows, -1, group or 128) * parts["weight_scale"].float().unsqueeze(-1)
     x = torch.randn(3, 128).to(torch.bfloat16)
-    out = torch.nn.functional.linear(x, PackedWeights(codes_slot, scales_slot, spec)[0])
+    out = torch.nn.functional.linear(x, PackedWeights([(codes_slot, scales_slot, spec)])[0])
     expected = x.float() @ expanded.view(rows, 128).t()
     assert out.dtype == torch.bfloat16 and out.shape == (3, rows)
     assert (out.float() - expected).abs().max() <= 1e-2 * expected.abs().max()
