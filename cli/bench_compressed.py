@@ -17,6 +17,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--packed", type=names, default=(),
                    help="NAME,... of --models whose experts stay compressed in their slots (--slot-format packed; "
                         "needs --dtype bfloat16)")
+    p.add_argument("--mixed", type=mixed_entries, default={},
+                   help="NAME=COARSE+FINE:RULE,...: mixed precision, the --packed model COARSE with FINE's copies "
+                        "beside it, RULE (forecast, router, hotness) picking each loaded expert's copy; e.g. "
+                        "mix=int4-packed+int8c-packed:forecast")
+    p.add_argument("--fine-share", type=float, default=0.25, help="with --mixed: the budget's share in fine slots")
     p.add_argument("--predictor", type=named_paths, default={},
                    help="NAME=ARTIFACT: beside on-demand LRU, each budget also runs this predictor with --policy")
     p.add_argument("--policy", type=serving_policy, default="mrs", help="the policy the --predictor runs with")
@@ -37,13 +42,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+def mixed_entries(text: str) -> dict[str, tuple[str, str, str]]:
+    """`NAME=COARSE+FINE:RULE,...` → {NAME: (COARSE, FINE, RULE)}."""
+    from cache.tiered import PRECISION_RULES
+
+    entries = {}
+    for item in names(text):
+        name, _, spec = item.partition("=")
+        models, _, rule = spec.partition(":")
+        coarse, _, fine = models.partition("+")
+        if not (name and coarse and fine and rule in PRECISION_RULES):
+            raise argparse.ArgumentTypeError(f"cannot read mixed entry {item!r}; write NAME=COARSE+FINE:RULE with "
+                                             f"RULE one of {', '.join(PRECISION_RULES)}")
+        entries[name] = (coarse, fine, rule)
+    return entries
+
+
 def run(args: argparse.Namespace) -> None:
     from experiments.bench_compressed import bench_compressed
     from experiments.bench_runtime.grid import BenchError, fraction
     from offload_runtime.engine.options import RuntimeOptions
     from training.corpora import load_corpus
 
-    unknown = sorted(set(args.quality) - set(args.models))
+    unknown = sorted(set(args.quality) - set(args.models) - set(args.mixed))
     if unknown:
         raise BenchError(f"--quality names {', '.join(unknown)}, which --models does not; name models of --models")
     texts = list(load_corpus(args.dataset, "validation")["text"][: 20 * (args.prompts + 1)])
@@ -51,9 +72,10 @@ def run(args: argparse.Namespace) -> None:
                               args.json, args.plot, new_tokens=args.new_tokens, timed_prompts=args.prompts,
                               options=RuntimeOptions(drop_page_cache=True, dtype=args.dtype), packed=args.packed,
                               predictor=(*next(iter(args.predictor.items())), args.policy) if args.predictor else None,
+                              mixed=args.mixed, fine_share=args.fine_share,
                               sample_seed=args.sample, threads=args.threads)
     for name, rows in result["summary"].items():
         for label, row in rows.items():
-            print(f"{name:<8} {label:<18} {row['tokens_per_s'] or 0:7.2f} tok/s  "
+            print(f"{name:<14} {label:<18} {row['tokens_per_s'] or 0:7.2f} tok/s  "
                   f"stall {row['stall_ms_per_token'] or 0:6.1f} ms/tok  {row['mb_moved_per_token'] or 0:6.1f} MB/tok  "
                   f"exact {row['exact']}")

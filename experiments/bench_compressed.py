@@ -12,7 +12,12 @@ slots), and every model gets those bytes: an expanded slot holds an expert in th
 in what a miss costs (the bytes it moves and their expansion); the models named in `packed` keep
 their experts compressed in their slots (`slot_format="packed"`: int4 in groups, int8 per
 channel) and buy ~3.5x (~2x) the slots with the same bytes. Each run's record keeps the fraction of experts its bytes bought (`budget`) and the bytes
-(`budget_bytes`); its label names the requested share.
+(`budget_bytes`); its label names the requested share. A `mixed` entry (NAME: coarse model, fine
+model, rule; both packed models of `models`) runs the coarse model with the fine one's copies
+beside it (`RuntimeOptions.fine_model`), `fine_share` of the same bytes in fine slots, each copy
+chosen by the rule; with a predictor it runs only the predictor's runs, so every rule sees the
+same prefetching. Mixed precision computes other weights than any one model: its runs' `exact`
+(equal to the coarse model's tokens) is not expected, and its summary shows None.
 Quality comes from `prescient quality` JSONs (perplexity increase, KL, top-1 agreement against
 the uncompressed model, per dataset), copied beside each model's runs.
 
@@ -45,7 +50,9 @@ log = logging.getLogger(__name__)
 def bench_compressed(models: dict[str, str], texts: list[str], budgets: list[float], repeats: int,
                      quality: dict[str, str], json_path: str | Path, plot_path: str | Path | None = None,
                      options: RuntimeOptions | None = None, packed: tuple[str, ...] = (),
-                     predictor: tuple[str, str, str] | None = None, **bench: Any) -> dict[str, Any]:
+                     predictor: tuple[str, str, str] | None = None,
+                     mixed: dict[str, tuple[str, str, str]] | None = None, fine_share: float = 0.25,
+                     **bench: Any) -> dict[str, Any]:
     """Interleaved repeats of each model's bench; the models named in `packed` keep their experts
     packed in slots; `bench` passes on to `bench_runtime` (new_tokens, timed_prompts, sample_seed,
     threads, ...)."""
@@ -57,14 +64,27 @@ def bench_compressed(models: dict[str, str], texts: list[str], budgets: list[flo
         raise BenchError(f"--packed names {', '.join(unknown)}, which --models does not; name models of --models")
     placed = {name: replace(options, slot_format="packed" if name in packed else "expanded") for name in models}
     sizes = {name: _slot_sizes(path, placed[name]) for name, path in models.items()}
+    mixed = mixed or {}
+    for name, (coarse, fine, rule) in mixed.items():
+        if not {coarse, fine} <= set(packed) or name in models:
+            raise BenchError(f"--mixed {name}={coarse}+{fine}:{rule} needs two --packed models of --models "
+                             "and a name of its own")
+        if rule == "forecast" and predictor is None:
+            raise BenchError(f"--mixed {name}: the forecast rule needs a --predictor with forecast heads")
+        placed[name] = replace(placed[coarse], fine_model=models[fine], precision_rule=rule, fine_share=fine_share)
+        sizes[name] = sizes[coarse]
+    models = {**models, **{name: models[coarse] for name, (coarse, _, _) in mixed.items()}}
     first_bytes = math.prod(sizes[next(iter(models))])  # all of the first model's experts in slots
     result: dict[str, Any] = {
         "settings": {"budgets": budgets, "budgets_of": f"the slot bytes of all experts of {next(iter(models))}",
                      "repeats": repeats, "options": options.to_json(), "packed": list(packed),
+                     "mixed": {name: list(entry) for name, entry in mixed.items()}, "fine_share": fine_share,
                      "predictor": list(predictor) if predictor else None,
                      **{k: v for k, v in bench.items() if k != "threads"}},
         "machine": machine_info(bench.get("threads") or 1),
-        "models": {name: {"dir": path, "slot_format": placed[name].slot_format, "quality": _quality(quality.get(name))}
+        "models": {name: {"dir": path, "slot_format": placed[name].slot_format, "fine_model": placed[name].fine_model,
+                          "precision_rule": placed[name].precision_rule if name in mixed else None,
+                          "quality": _quality(quality.get(name))}
                    for name, path in models.items()},
         "runs": [], "summary": {}, "complete": False,
     }
@@ -73,7 +93,8 @@ def bench_compressed(models: dict[str, str], texts: list[str], budgets: list[flo
             log.info("repeat %d/%d: %s", repeat + 1, repeats, name)
             slot_bytes, experts = sizes[name]
             bought = {budget: min(experts, int(budget * first_bytes) // slot_bytes) for budget in budgets}
-            asked = [RunSpec(kind, policy, budget) for budget in budgets for kind, policy in kinds]
+            own = kinds[1:] if name in mixed and predictor is not None else kinds
+            asked = [RunSpec(kind, policy, budget) for budget in budgets for kind, policy in own]
             runs = [RunSpec(spec.predictor, spec.policy, bought[spec.budget] / experts) for spec in asked]
             measured = bench_runtime(path, texts, predictors=predictors, runs=runs, baselines=("all_resident",),
                                      options=placed[name], **bench)
@@ -83,17 +104,17 @@ def bench_compressed(models: dict[str, str], texts: list[str], budgets: list[flo
             for spec, record in zip(asked, measured["runs"]):
                 result["runs"].append({"model": name, "repeat": repeat, **record, "label": spec.label,
                                        "budget_bytes": int(spec.budget * first_bytes)})
-            result["summary"] = summarise(result["runs"], list(models))
+            result["summary"] = summarise(result["runs"], list(models), set(mixed))
             write_json_atomic(json_path, result)
     result["complete"] = True
     write_results(result, json_path, plot_path, _plot)
     return result
 
 
-def summarise(records: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+def summarise(records: list[dict[str, Any]], names: list[str], mixed: set[str] = frozenset()) -> dict[str, Any]:
     """Per model and run label: medians over the repeats, the spread of tokens/s, and speed over
     the first model's (the uncompressed one's) on-demand LRU at the same budget (all-resident runs:
-    over its all-resident run)."""
+    over its all-resident run); `mixed` models' exactness is None (see the module doc)."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in records:
         groups.setdefault((r["model"], r["label"]), []).append(r)
@@ -107,7 +128,10 @@ def summarise(records: list[dict[str, Any]], names: list[str]) -> dict[str, Any]
             "stall_ms_per_token": _per_token([r.get("stall_seconds") for r in rs], tokens, 1e3),
             "mb_moved_per_token": _per_token([r.get("bytes_moved") for r in rs], tokens, 1e-6),
             "hit_rate": median([r["hit_rate"] for r in rs]) if all(r.get("hit_rate") is not None for r in rs) else None,
-            "exact": all(r.get("exact") for r in rs), "budget": rs[0].get("budget"),
+            "fine_share": (median(r["stats"]["fine_accesses"] / r["stats"]["accesses"] for r in rs)
+                           if name in mixed and all(r.get("stats", {}).get("accesses") for r in rs) else None),
+            "exact": None if name in mixed and label != "all_resident" else all(r.get("exact") for r in rs),
+            "budget": rs[0].get("budget"),
         }
     first = names[0]
     for name in names:

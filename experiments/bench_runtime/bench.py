@@ -237,7 +237,8 @@ def _reference(execute: Executor, base: Job, trace_out: Path | None, keep: bool,
         if trace_out is not None:
             raise BenchError("the oracle and --simulate read the all-resident model's trace, which packed slots do "
                              "not write; bench them with --slot-format expanded")
-        ref = execute(replace(base, options=replace(base.options, budget=1.0, policy="lru")))
+        # mixed precision: the coarse model's (a mixed run's choices vary with its budget)
+        ref = execute(replace(base, options=replace(base.options, budget=1.0, policy="lru", fine_model=None)))
         ref.pop("model_info", None)
         ref["fingerprint"] = fingerprint_model_dir(base.model_dir).to_dict()
     else:

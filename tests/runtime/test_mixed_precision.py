@@ -12,6 +12,8 @@ import torch
 
 from cache import CacheError, ExpertCache, make_serving_policy
 from cache.tiered import TieredCache
+from experiments.bench_compressed import bench_compressed
+from experiments.bench_runtime.grid import BenchError
 from experiments.quality import measure_quality
 from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.options import OptionsError, RuntimeOptions
@@ -123,3 +125,24 @@ def test_tiered_cache_places_misses_by_rule_and_spills_to_the_other_tier():
     with pytest.raises(CacheError):
         cache.pin((0, 2))
     assert cache.prefetch_many([(0, 2)]) == [(0, 2)] and cache.tier_of((0, 2)) == 0  # only the fine tier had room
+
+
+def test_bench_compressed_runs_each_rule_with_the_predictors_prefetching(int4_model, tmp_path):
+    int4, int8 = int4_model("mixtral"), int4_model("mixtral", 8)
+    sida = random_sida(int4.parent / "source", tmp_path, horizon=2)
+    mixed = {"mix-forecast": ("int4", "int8", "forecast"), "mix-router": ("int4", "int8", "router")}
+    result = bench_compressed({"int4": str(int4), "int8": str(int8)}, [PROMPT * 4] * 3, [0.5], 1, {},
+                              tmp_path / "bench.json", options=RuntimeOptions(dtype="bfloat16"),
+                              packed=("int4", "int8"), predictor=("sida", str(sida), "learned-belady"),
+                              mixed=mixed, fine_share=0.5, new_tokens=8, timed_prompts=1, prompt_tokens=6,
+                              isolate=False)
+    rows = result["summary"]
+    assert set(rows["mix-forecast"]) == {"all_resident", "sida+learned-belady@0.5"}  # the predictor's runs only
+    for name in mixed:
+        row = rows[name]["sida+learned-belady@0.5"]
+        assert row["exact"] is None and 0 < row["fine_share"] < 1 and row["tokens_per_s"] > 0
+        assert result["models"][name]["fine_model"] == str(int8)
+    assert rows["int4"]["sida+learned-belady@0.5"]["exact"] and rows["int4"]["sida+learned-belady@0.5"]["fine_share"] is None
+    with pytest.raises(BenchError, match="needs two --packed models"):
+        bench_compressed({"int4": str(int4)}, [PROMPT], [0.5], 1, {}, tmp_path / "no.json", packed=("int4",),
+                         options=RuntimeOptions(dtype="bfloat16"), mixed={"m": ("int4", "int8", "router")})
