@@ -129,7 +129,8 @@ def summarise(records: list[dict[str, Any]], names: list[str], mixed: set[str] =
             "mb_moved_per_token": _per_token([r.get("bytes_moved") for r in rs], tokens, 1e-6),
             "hit_rate": median([r["hit_rate"] for r in rs]) if all(r.get("hit_rate") is not None for r in rs) else None,
             "fine_share": (median(r["stats"]["fine_accesses"] / r["stats"]["accesses"] for r in rs)
-                           if name in mixed and all(r.get("stats", {}).get("accesses") for r in rs) else None),
+                           if name in mixed and label != "all_resident"
+                           and all(r.get("stats", {}).get("accesses") for r in rs) else None),
             "exact": None if name in mixed and label != "all_resident" else all(r.get("exact") for r in rs),
             "budget": rs[0].get("budget"),
         }
