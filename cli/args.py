@@ -197,10 +197,10 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
         "fine_share": lambda p: p.add_argument(
             "--fine-share", type=float, default=0.25, help="with --fine-model: the budget's share in fine slots"),
         "precision_rule": lambda p: p.add_argument(
-            "--precision-rule", choices=PRECISION_RULES, default="forecast",
-            help="with --fine-model: which experts get the fine copy: forecast (the predictor's chance that coming "
-                 "tokens use it; needs a --predictor with forecast heads), router (its router weight), hotness (its "
-                 "use count so far)"),
+            "--precision-rule", choices=PRECISION_RULES, default="router",
+            help="with --fine-model: which experts get the fine copy: router (its router weight; the best on the "
+                 "bench), forecast (the predictor's chance that coming tokens use it; needs a --predictor with "
+                 "forecast heads), hotness (its use count so far)"),
         "transfer_workers": lambda p: p.add_argument(
             "--transfer-workers", type=positive_int, default=1, help="expert copies that run at once"),
         "hide_only": lambda p: p.add_argument(

@@ -61,8 +61,8 @@ class RuntimeOptions:
     `dtype="bfloat16"`); `fine_model` (mixed precision: a directory of the same model whose experts
     are stored finer, e.g. int8 per channel beside this model's int4; needs packed slots; None:
     off), `fine_share` (the share of the budget's bytes in fine slots), `precision_rule` (what
-    picks a loaded expert's copy: "forecast", the predictor's chance that coming tokens use it;
-    "router", its router weight; "hotness", its use count so far; see `cache.tiered`)."""
+    picks a loaded expert's copy: "router", its router weight; "forecast", the predictor's chance
+    that coming tokens use it; "hotness", its use count so far; see `cache.tiered`)."""
 
     policy: str = "lru"
     budget: Budget = Budget(0.5, "fraction")
@@ -77,7 +77,7 @@ class RuntimeOptions:
     slot_format: str = "expanded"
     fine_model: str | None = None
     fine_share: float = 0.25
-    precision_rule: str = "forecast"
+    precision_rule: str = "router"  # the best of the three on the bench (README)
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str):

@@ -10,6 +10,10 @@ The cache decides residency; the slot map mirrors it: an insert takes a slot and
 copy, an eviction cancels a queued copy and frees the slot. A key evicted while its copy runs
 and wanted again waits for that copy before it is requested into another slot.
 
+Mixed precision (`fine_store`): the pool has a tier of fine slots and one of coarse ones, the
+cache is a `cache.tiered.TieredCache` (a cache per tier, and the rule that picks each loaded
+expert's copy), an insert takes a slot of its tier and the copy reads from that tier's store.
+
 Serving (`offload_runtime.server`) batches sequences whose rows change from one forward to the
 next: it sets `sequence_ids` (one id per batch row) before each forward, so that the predictor
 keeps one state per sequence, and calls `end_sequences` when they finish. With

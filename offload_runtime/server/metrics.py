@@ -33,6 +33,7 @@ _RUNTIME_COUNTERS = [
     ("hash_builder_failures", "failures of the hash-building thread (serving went on with demand loads)",
      "predictor_failures"),
     ("model_forwards", "forwards of the model (prefills and decode steps)", "forwards"),
+    ("expert_fine_uses", "mixed precision: expert accesses computed with an expert's fine copy", "fine_accesses"),
 ]
 
 

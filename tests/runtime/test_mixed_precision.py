@@ -100,13 +100,13 @@ def test_what_mixed_precision_refuses(int4_model, tiny_moe_dir):
         RuntimeOptions(precision_rule="weight")
     packed = {"dtype": "bfloat16", "slot_format": "packed", "fine_model": str(int8)}
     with pytest.raises(PredictorError, match="the forecast precision rule needs a predictor's forecasts"):
-        load_offloaded(int4, **packed)
+        load_offloaded(int4, **packed, precision_rule="forecast")
     with pytest.raises(FingerprintMismatchError):
-        load_offloaded(int4, **{**packed, "fine_model": str(int4_model("qwen3_moe", 8))}, precision_rule="router")
+        load_offloaded(int4, **{**packed, "fine_model": str(int4_model("qwen3_moe", 8))})
     with pytest.raises(CapacityError, match="coarse slots after .* fine ones; the minimum is one layer's top-k"):
         load_offloaded(int4, **packed, precision_rule="router", fine_share=0.9, budget="20%")
     with pytest.raises(FileNotFoundError, match="is not a model directory"):
-        load_offloaded(int4, **{**packed, "fine_model": str(int4.parent)}, precision_rule="router")
+        load_offloaded(int4, **{**packed, "fine_model": str(int4.parent)})
 
 
 def test_tiered_cache_places_misses_by_rule_and_spills_to_the_other_tier():
