@@ -7,11 +7,12 @@ rule ranks highest, the coarse tier for the rest, and the other tier when the ch
 room left (all its slots pinned or taken by the same call). Each tier evicts within itself by its
 own instance of the serving policy. The rules, the three the field uses:
 
-- "forecast" (ours): the predictor's chance that the tokens after this one use the expert
-  (`on_later`, a forecaster's later-token chances): an expert coming tokens will reuse earns the
-  fine copy that they all compute with.
 - "router" (HOBBIT): the router's probability of the expert for the running forward's tokens
-  (`on_step`): a token's highest-weighted experts weigh most in its output.
+  (`on_step`; for a prefetch, the last forward's at that layer): a token's highest-weighted
+  experts weigh most in its output.
+- "forecast" (ours): the expected weight of the expert's later uses, the predictor's chance that
+  the tokens after this one use it (`on_later`, a forecaster's later-token chances) times its
+  router probability: the fine copy goes to what coming tokens will reuse and weigh.
 - "hotness" (DynaExq, Fate): how often the expert was used so far in this run.
 """
 
@@ -24,7 +25,7 @@ import numpy as np
 
 from cache.errors import CacheError
 from cache.expert_cache import CacheStats, ExpertCache
-from cache.policy import Key
+from cache.policy import EvictionPolicy, Key
 
 PRECISION_RULES = ("forecast", "router", "hotness")
 FINE, COARSE = 0, 1
@@ -43,23 +44,29 @@ class TieredCache:
         self.rule = rule
         self.per_layer = max(1, per_layer)
         self.scores = np.zeros((n_layers, n_experts))  # the rule's ranking, per layer
+        self.later = np.ones((n_layers, n_experts))  # forecast: chances of later use
+        self.weights = np.zeros((n_layers, n_experts))  # the last router scores
+        self.uses_scores = rule in ("router", "forecast")  # what the runtime must hand over, as policies say
+        self.uses_forecasts = rule == "forecast"
 
     # -- what the rule reads -----------------------------------------------------------------
 
     def on_later(self, later: np.ndarray) -> None:
         """The forecast rule's input: [L, E] chances that tokens after the running one use each expert."""
         if self.rule == "forecast":
-            self.scores[:] = later
+            self.later[:] = later
+            self.scores[:] = self.later * self.weights
 
     def on_step(self, layer: int, scores: Mapping[int, float] | Sequence[float]) -> None:
         """Router scores of a layer-step: to each tier's policy, and to the router rule."""
         for tier in self.tiers:
             tier.on_step(layer, scores)
-        if self.rule == "router":
+        if self.uses_scores:
             items = scores.items() if isinstance(scores, Mapping) else enumerate(scores)
-            self.scores[layer] = 0.0
+            self.weights[layer] = 0.0
             for expert, score in items:
-                self.scores[layer, expert] = score
+                self.weights[layer, expert] = score
+            self.scores[layer] = self.weights[layer] * (self.later[layer] if self.rule == "forecast" else 1.0)
 
     def on_forecast(self, chances: np.ndarray, layer: int | None = None) -> None:
         for tier in self.tiers:
@@ -142,11 +149,11 @@ class TieredCache:
         return placed
 
 
-def tiered_cache(capacities: Sequence[int], make_policy: Callable[[], object], rule: str, n_layers: int,
+def tiered_cache(capacities: Sequence[int], policies: Sequence[EvictionPolicy], rule: str, n_layers: int,
                  n_experts: int, top_k: int, on_evict: Callable[[Key], None]) -> TieredCache:
     """A TieredCache of a fine tier of `capacities[0]` slots and a coarse one of `capacities[1]`
-    (which must hold one layer's top-k), each with its own `make_policy()`; the fine tier takes
-    the top `capacities[0] // n_layers` experts of each layer by `rule`."""
-    fine = ExpertCache(capacities[0], make_policy(), n_layers=n_layers, on_evict=on_evict)
-    coarse = ExpertCache(capacities[1], make_policy(), n_layers=n_layers, top_k=top_k, on_evict=on_evict)
+    (which must hold one layer's top-k), each with its own policy instance of `policies`; the
+    fine tier takes the top `capacities[0] // n_layers` experts of each layer by `rule`."""
+    fine = ExpertCache(capacities[0], policies[0], n_layers=n_layers, on_evict=on_evict)
+    coarse = ExpertCache(capacities[1], policies[1], n_layers=n_layers, top_k=top_k, on_evict=on_evict)
     return TieredCache([fine, coarse], rule, n_layers, n_experts, capacities[0] // n_layers)

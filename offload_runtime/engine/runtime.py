@@ -96,8 +96,8 @@ class OffloadRuntime:
             self.cache = ExpertCache(pool.num_slots, self.policy, n_layers=len(layers), top_k=self.top_k,
                                      on_evict=self._on_evict)
         else:
-            policies = iter([policy, make_serving_policy(options.policy, self.top_k)])  # one per tier
-            self.cache = tiered_cache([p.num_slots for p in pool.pools], lambda: next(policies), options.precision_rule,
+            policies = [policy, make_serving_policy(options.policy, self.top_k)]  # an instance per tier
+            self.cache = tiered_cache([p.num_slots for p in pool.pools], policies, options.precision_rule,
                                       len(layers), self.n_experts, self.top_k, self._on_evict)
         stores = [store] if fine_store is None else [fine_store, store]  # in the pool's tier order
         self.options = options
@@ -113,14 +113,14 @@ class OffloadRuntime:
         self._handles = [stack.module.register_forward_pre_hook(self._on_forward(stream, stack.layers),
                                                                 with_kwargs=True)
                          for stream, stack in enumerate(moe_stacks(model, layers))]
-        self._rule = options.precision_rule if fine_store is not None else None
-        if getattr(self.policy, "uses_scores", False) or self._rule == "router":
+        tiers_read = (False, False) if fine_store is None else (self.cache.uses_scores, self.cache.uses_forecasts)
+        if getattr(self.policy, "uses_scores", False) or tiers_read[0]:
             self._handles += [layer.router.register_forward_hook(self._router_scores(layer)) for layer in layers]
         self.engine = TransferEngine(stores, pool, workers=options.transfer_workers)
         self.prefetcher = Prefetcher(self.cache, self.engine, len(layers), self.n_experts,
                                      options.prefetch_per_layer or self.top_k, options)
         self.builder = None if predictor is None else HashBuilder(
-            predictor, forecasts=policy.uses_forecasts or self._rule == "forecast",
+            predictor, forecasts=policy.uses_forecasts or tiers_read[1],
             next_token=options.next_token_min_chance is not None)
         self._stop = weakref.finalize(self, _stop_threads, self.engine, self.builder, stores)
 
@@ -271,7 +271,7 @@ class OffloadRuntime:
                 return
             if table is not None:
                 plan.take(table, layer)
-                if self._rule == "forecast" and table.later_chances is not None:
+                if self.fine_store is not None and table.later_chances is not None:
                     self.cache.on_later(table.later_chances.numpy())
         keys = plan.keys_after(layer, demand_loads)
         if keys is not None:

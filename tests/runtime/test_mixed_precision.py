@@ -7,6 +7,7 @@ how many expert uses compute fine, and the bytes moved count each copy's own siz
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -146,3 +147,14 @@ def test_bench_compressed_runs_each_rule_with_the_predictors_prefetching(int4_mo
     with pytest.raises(BenchError, match="needs two --packed models"):
         bench_compressed({"int4": str(int4)}, [PROMPT], [0.5], 1, {}, tmp_path / "no.json", packed=("int4",),
                          options=RuntimeOptions(dtype="bfloat16"), mixed={"m": ("int4", "int8", "router")})
+
+
+def test_the_forecast_rule_ranks_by_the_expected_weight_of_later_uses():
+    tiers = [ExpertCache(2, make_serving_policy("lru", 1), n_layers=1),
+             ExpertCache(4, make_serving_policy("lru", 1), n_layers=1)]
+    cache = TieredCache(tiers, "forecast", n_layers=1, n_experts=4, per_layer=1)
+    cache.on_step(0, [0.5, 0.3, 0.2, 0.0])
+    cache.on_later(np.array([[0.1, 0.9, 0.5, 1.0]]))  # expected weights 0.05, 0.27, 0.1, 0
+    assert [cache.wants_fine((0, e)) for e in range(4)] == [False, True, False, False]
+    cache.on_step(0, [0.9, 0.05, 0.05, 0.0])  # a new token's router scores, the same forecast
+    assert [cache.wants_fine((0, e)) for e in range(4)] == [True, False, False, False]
