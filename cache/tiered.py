@@ -43,9 +43,9 @@ class TieredCache:
         self.tiers = list(tiers)
         self.rule = rule
         self.per_layer = max(1, per_layer)
-        self.scores = np.zeros((n_layers, n_experts))  # the rule's ranking, per layer
+        self.weights = np.zeros((n_layers, n_experts))  # router, forecast: the last router scores
         self.later = np.ones((n_layers, n_experts))  # forecast: chances of later use
-        self.weights = np.zeros((n_layers, n_experts))  # the last router scores
+        self.uses = np.zeros((n_layers, n_experts))  # hotness: uses so far
         self.uses_scores = rule in ("router", "forecast")  # what the runtime must hand over, as policies say
         self.uses_forecasts = rule == "forecast"
 
@@ -53,9 +53,8 @@ class TieredCache:
 
     def on_later(self, later: np.ndarray) -> None:
         """The forecast rule's input: [L, E] chances that tokens after the running one use each expert."""
-        if self.rule == "forecast":
+        if self.uses_forecasts:
             self.later[:] = later
-            self.scores[:] = self.later * self.weights
 
     def on_step(self, layer: int, scores: Mapping[int, float] | Sequence[float]) -> None:
         """Router scores of a layer-step: to each tier's policy, and to the router rule."""
@@ -66,7 +65,6 @@ class TieredCache:
             self.weights[layer] = 0.0
             for expert, score in items:
                 self.weights[layer, expert] = score
-            self.scores[layer] = self.weights[layer] * (self.later[layer] if self.rule == "forecast" else 1.0)
 
     def on_forecast(self, chances: np.ndarray, layer: int | None = None) -> None:
         for tier in self.tiers:
@@ -75,7 +73,8 @@ class TieredCache:
     def wants_fine(self, key: Key) -> bool:
         """Whether the rule ranks `key` among the top `per_layer` of its layer (a zero score never)."""
         layer, expert = key
-        row = self.scores[layer]
+        row = {"router": self.weights[layer], "forecast": self.weights[layer] * self.later[layer],
+               "hotness": self.uses[layer]}[self.rule]
         return row[expert] > 0 and int((row > row[expert]).sum()) < self.per_layer
 
     # -- the cache's interface (as the runtime and its prefetcher use `ExpertCache`) --------------
@@ -90,9 +89,8 @@ class TieredCache:
     def access_many(self, keys: Sequence[Key], pin: bool = False) -> int:
         """Use `keys` (one layer-step's experts): hits in the tier that holds them, each miss
         inserted in the tier the rule picks (see the module doc); returns the number of misses."""
-        if self.rule == "hotness":
-            for layer, expert in keys:
-                self.scores[layer, expert] += 1
+        for layer, expert in keys:
+            self.uses[layer, expert] += 1
         placed = self._place(keys, pin)
         return sum(tier.access_many(part, pin=pin) for tier, part in zip(self.tiers, placed) if part)
 

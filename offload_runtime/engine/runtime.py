@@ -113,14 +113,14 @@ class OffloadRuntime:
         self._handles = [stack.module.register_forward_pre_hook(self._on_forward(stream, stack.layers),
                                                                 with_kwargs=True)
                          for stream, stack in enumerate(moe_stacks(model, layers))]
-        tiers_read = (False, False) if fine_store is None else (self.cache.uses_scores, self.cache.uses_forecasts)
-        if getattr(self.policy, "uses_scores", False) or tiers_read[0]:
+        tiered = fine_store is not None  # the precision rule reads router scores or forecasts too
+        if getattr(self.policy, "uses_scores", False) or (tiered and self.cache.uses_scores):
             self._handles += [layer.router.register_forward_hook(self._router_scores(layer)) for layer in layers]
         self.engine = TransferEngine(stores, pool, workers=options.transfer_workers)
         self.prefetcher = Prefetcher(self.cache, self.engine, len(layers), self.n_experts,
                                      options.prefetch_per_layer or self.top_k, options)
         self.builder = None if predictor is None else HashBuilder(
-            predictor, forecasts=policy.uses_forecasts or tiers_read[1],
+            predictor, forecasts=policy.uses_forecasts or (tiered and self.cache.uses_forecasts),
             next_token=options.next_token_min_chance is not None)
         self._stop = weakref.finalize(self, _stop_threads, self.engine, self.builder, stores)
 

@@ -158,3 +158,13 @@ def test_the_forecast_rule_ranks_by_the_expected_weight_of_later_uses():
     assert [cache.wants_fine((0, e)) for e in range(4)] == [False, True, False, False]
     cache.on_step(0, [0.9, 0.05, 0.05, 0.0])  # a new token's router scores, the same forecast
     assert [cache.wants_fine((0, e)) for e in range(4)] == [True, False, False, False]
+
+
+def test_decode_mode_computes_the_logits_of_one_forward(tiny_moe_dir):
+    from experiments.quality import decoded_logits
+    from prescient.loading import load_model
+
+    model, _ = load_model(tiny_moe_dir("mixtral"))
+    batch = torch.randint(3, 60, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(decoded_logits(model, batch), model(batch).logits, atol=1e-4, rtol=1e-4)
