@@ -1,11 +1,14 @@
 """`prescient quantize`: a model directory with its routed experts compressed (compressed-tensors
-`pack-quantized` int4 / int8), or stored in bfloat16 (`--bits 16`, the fair uncompressed baseline)."""
+`pack-quantized` int4 / int8), or stored in bfloat16 (`--bits 16`, the fair uncompressed baseline).
+`--method gptq` chooses the integer levels on calibration text (a built-in corpus's train split)."""
 
 from __future__ import annotations
 
 import argparse
 
 from cli.args import output_dir, positive_int
+
+CALIBRATION_SEQ_LEN = 256  # tokens per calibration window
 
 
 def group_size(text: str) -> int | str:
@@ -23,16 +26,31 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="weights per scale along a row (default: the largest of 128, 64, 32, 16 that divides "
                         "every expert's input dimension), or 'channel': one scale per row (what --slot-format "
                         "packed runs at 8 bits)")
-    p.add_argument("--method", default="rtn", choices=("rtn",),
-                   help="rtn: round to the nearest level of each group's min/max grid")
+    p.add_argument("--method", default="rtn", choices=("rtn", "gptq"),
+                   help="rtn: round to the nearest level of each group's min/max grid; gptq: the same grid, each "
+                        "expert's levels chosen by GPTQ on the inputs calibration text routes to it (runs the whole "
+                        "model in float32, layer by layer)")
+    p.add_argument("--calibration", default="stdlib-code",
+                   help="with --method gptq: the dataset whose train split calibrates (a built-in corpus, "
+                        "json:FILE, or a hub dataset)")
+    p.add_argument("--calibration-windows", type=positive_int, default=64,
+                   help=f"with --method gptq: calibration windows of {CALIBRATION_SEQ_LEN} tokens")
     p.add_argument("--out", type=output_dir, required=True, help="new model directory (must not exist or be empty)")
     return p
 
 
 def run(args: argparse.Namespace) -> None:
-    from offload_runtime.compression.writer import quantize_model
+    from offload_runtime.compression.writer import Calibration, quantize_model
 
-    report = quantize_model(args.model, args.out, args.bits, args.group_size, args.method)
+    calibration = None
+    if args.method == "gptq" and args.bits != 16:  # (16 is refused by quantize_model)
+        from prescient.loading import load_tokenizer
+        from training.reference_lm import corpus_windows
+
+        calibration = Calibration(f"{args.calibration}:train", corpus_windows(
+            load_tokenizer(args.model), args.calibration, "train", "text", CALIBRATION_SEQ_LEN,
+            args.calibration_windows))
+    report = quantize_model(args.model, args.out, args.bits, args.group_size, args.method, calibration)
     print(f"{args.out}: experts {report['source_expert_bytes'] / 2**20:.1f} MiB → {report['expert_bytes'] / 2**20:.1f} "
           f"MiB ({report['expert_compression']}x smaller) in {report['seconds']} s, "
           f"peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB")

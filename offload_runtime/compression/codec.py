@@ -25,17 +25,26 @@ def _scheme(args: QuantizationArgs) -> QuantizationScheme:
     return QuantizationScheme(targets=["Linear"], weights=args)
 
 
-def quantize_weight(weight: torch.Tensor, args: QuantizationArgs) -> dict[str, torch.Tensor]:
-    """`weight` [out, in] rounded to the nearest level of its group's grid (round-to-nearest,
-    min/max scales): `weight_packed` (int32), `weight_scale`, `weight_shape`, and for an
-    asymmetric scheme `weight_zero_point`, as the checkpoint stores them under the module's name."""
+def group_scales(weight: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest's grid for `weight` [out, in]: (scale, zero point) [out, groups] from each
+    group's min/max, the scale rounded to its stored dtype."""
     w = weight.detach().float()
     size = args.group_size if args.strategy == "group" else w.shape[1]
     if w.dim() != 2 or w.shape[1] % size:
         raise ValueError(f"weight {list(w.shape)} does not split into groups of {size} along its input dimension")
     groups = w.reshape(w.shape[0], -1, size)
     scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
-    state = {"weight": w, "weight_scale": scale.to(SCALE_DTYPE), "weight_zero_point": zero}
+    return scale.to(SCALE_DTYPE), zero
+
+
+def quantize_weight(weight: torch.Tensor, args: QuantizationArgs,
+                    grid_of: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """`weight` [out, in] rounded to the nearest level of its group's grid (min/max scales of
+    `grid_of`, default the weight itself; GPTQ hands its chosen weights with the source's grid):
+    `weight_packed` (int32), `weight_scale`, `weight_shape`, and for an asymmetric scheme
+    `weight_zero_point`, as the checkpoint stores them under the module's name."""
+    scale, zero = group_scales(weight if grid_of is None else grid_of, args)
+    state = {"weight": weight.detach().float(), "weight_scale": scale, "weight_zero_point": zero}
     return {name: t.contiguous() for name, t in PackedQuantizationCompressor.compress(state, _scheme(args)).items()}
 
 

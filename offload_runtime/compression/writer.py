@@ -9,7 +9,8 @@ is, so the output routes exactly as the source and shares its fingerprint: a pre
 the source serves it.
 
 Streaming: one tensor is read at a time (its file mapped only while it is read) and the output
-is written in shards of at most `SHARD_BYTES`, so memory holds one shard, never the model. The
+is written in shards of at most `SHARD_BYTES`, so memory holds one shard, never the model (GPTQ
+excepted: its calibration runs the whole model, in float32). The
 output is built in a hidden folder beside `out` and renamed into place when complete; an
 interrupted run leaves `out` untouched.
 """
@@ -23,6 +24,7 @@ import re
 import resource
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,11 +36,13 @@ from transformers import AutoConfig
 from transformers.core_model_loading import revert_weight_conversion
 
 from offload_runtime.compression.codec import quantize_weight
+from offload_runtime.compression.gptq import DAMP, gptq_experts
 from offload_runtime.compression.scheme import BITS, CompressionError, config_dict, weight_args
 from prescient.arch import find_moe_layers
 from prescient.atomic import write_json_atomic
 from prescient.fingerprint import fingerprint_model
-from prescient.loading import check_model_dir, checkpoint_names, load_without_experts, model_class, tensor_keys
+from prescient.loading import (check_model_dir, checkpoint_names, load_model, load_without_experts, model_class,
+                               tensor_keys)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,15 @@ SHARD_BYTES = 256 * 2**20
 GROUP_SIZES = (128, 64, 32, 16)  # the default: the largest that divides every expert's input dimension
 CHANNEL = "channel"  # --group-size channel: one scale per output row
 REPORT = "quantize.json"
+METHODS = ("rtn", "gptq")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The text GPTQ calibrates on: token windows [N, S] and what they are, for the report."""
+
+    source: str
+    windows: torch.Tensor
 
 
 def _fixed_mmap_threshold(size: int = 2**20) -> None:
@@ -77,10 +90,10 @@ def expert_keys(model_dir: Path, files: list[Path]) -> dict[str, Path]:
 
 
 def quantize_model(model_dir: str | Path, out: str | Path, bits: int, group_size: int | str | None = None,
-                   method: str = "rtn") -> dict:
-    """Write `model_dir` with its routed experts at `bits` (4, 8: group-wise symmetric integers
-    rounded to nearest; 16: bfloat16) to `out`; returns the report also written as
-    `out/quantize.json`. `group_size` None takes the largest of 128, 64, 32, 16 that divides every
+                   method: str = "rtn", calibration: Calibration | None = None) -> dict:
+    """Write `model_dir` with its routed experts at `bits` (4, 8: group-wise symmetric integers,
+    their levels rounded to nearest (`method` "rtn") or chosen by GPTQ on `calibration` ("gptq");
+    16: bfloat16) to `out`; returns the report also written as `out/quantize.json`. `group_size` None takes the largest of 128, 64, 32, 16 that divides every
     expert's input dimension; "channel" gives each output row one scale (what torch's int8 kernel
     runs from packed slots). Bad input (an unsupported bit width, a group size that does not
     divide, an already compressed model, an existing `out`) is a CompressionError before any
@@ -89,8 +102,11 @@ def quantize_model(model_dir: str | Path, out: str | Path, bits: int, group_size
     model_dir, out = Path(model_dir), Path(out)
     if bits not in BITS:
         raise CompressionError(f"--bits {bits} is not supported; choose one of {', '.join(map(str, BITS))}")
-    if method != "rtn":
-        raise CompressionError(f"quantisation method {method!r} is not supported; the method is 'rtn'")
+    if method not in METHODS:
+        raise CompressionError(f"quantisation method {method!r} is not supported; choose one of {', '.join(METHODS)}")
+    if method == "gptq" and (bits == 16 or calibration is None):
+        raise CompressionError("--method gptq chooses integer levels on calibration text: it needs --bits 4 or 8"
+                               if bits == 16 else "--method gptq needs calibration text")
     files = check_model_dir(model_dir)
     if "quantization_config" in json.loads((model_dir / "config.json").read_text()):
         raise CompressionError(f"{model_dir} is already compressed (its config.json has a quantization_config); "
@@ -106,14 +122,18 @@ def quantize_model(model_dir: str | Path, out: str | Path, bits: int, group_size
         raise CompressionError(f"{model_dir}: expert tensor {fused[0]} has shape {list(shapes[fused[0]])}; quantize "
                                "compresses checkpoints that store one 2-D weight per expert and projection")
     args = None if bits == 16 else weight_args(bits, _group_size(group_size, shapes))
+    chosen = _gptq_levels(model_dir, experts, args, calibration) if method == "gptq" else {}
     _fixed_mmap_threshold()
     work = out.parent / f".{out.name}.partial"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     try:
-        sizes = _write_shards(files, experts, args, work)
+        sizes = _write_shards(files, experts, args, work, chosen)
         _copy_side_files(model_dir, work, args, experts)
         report = _report(model_dir, work, bits, args, method, sizes)
+        if method == "gptq":
+            report["calibration"] = {"source": calibration.source, "windows": len(calibration.windows),
+                                     "seq_len": calibration.windows.shape[1], "damp": DAMP}
         report["seconds"] = round(time.perf_counter() - start, 2)
         write_json_atomic(work / REPORT, report)
         if out.exists():
@@ -143,8 +163,25 @@ def _group_size(asked: int | str | None, shapes: dict[str, tuple[int, ...]]) -> 
                            f"dimensions {inputs}; give --group-size")
 
 
-def _write_shards(files: list[Path], experts: dict[str, Path], args, work: Path) -> dict[str, int]:
-    """Every tensor of `files`, experts compressed, into shards of at most SHARD_BYTES, and the index."""
+def _gptq_levels(model_dir: Path, experts: dict[str, Path], args, calibration: Calibration) -> dict[str, torch.Tensor]:
+    """GPTQ's chosen weights of every expert tensor, by checkpoint key."""
+    model, layers = load_model(model_dir, dtype=torch.float32, experts_implementation="eager")
+    chosen = {}
+    for name, weight in gptq_experts(model, layers, args, calibration.windows).items():
+        key = next((k for k in checkpoint_names(name) if k in experts), None)
+        if key is not None:
+            chosen[key] = weight
+    missing = sorted(set(experts) - set(chosen))
+    if missing:
+        raise CompressionError(f"--method gptq: expert tensor {missing[0]} is not among the weights the model's "
+                               "conversion gives back; use --method rtn")
+    return chosen
+
+
+def _write_shards(files: list[Path], experts: dict[str, Path], args, work: Path,
+                  chosen: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Every tensor of `files`, experts compressed (at the levels `chosen` gives, by key, where it
+    has them: on the source tensor's grid), into shards of at most SHARD_BYTES, and the index."""
     shard: dict[str, torch.Tensor] = {}
     held = 0  # bytes in `shard`
     weight_map: dict[str, str] = {}
@@ -169,7 +206,8 @@ def _write_shards(files: list[Path], experts: dict[str, Path], args, work: Path)
             if key in experts:
                 sizes["source_expert_bytes"] += tensor.numel() * tensor.element_size()
                 parts = ({key: tensor.to(torch.bfloat16)} if args is None else
-                         {f"{key[:-len('weight')]}{name}": part for name, part in quantize_weight(tensor, args).items()})
+                         {f"{key[:-len('weight')]}{name}": part
+                          for name, part in quantize_weight(chosen.get(key, tensor), args, grid_of=tensor).items()})
             added = sum(t.numel() * t.element_size() for t in parts.values())
             if key in experts:
                 sizes["expert_bytes"] += added

@@ -1,0 +1,128 @@
+"""GPTQ for routed experts (Frantar et al., 2023): each expert weight's levels are chosen column
+by column, and the error a rounded column makes is carried into the columns still to round,
+weighted by the expert's own calibration inputs (H = XᵀX over the tokens routed to it).
+
+Scales stay round-to-nearest's (each group's min/max of the source weight: "static groups"), so
+a GPTQ checkpoint has RTN's layout, scales and bytes; only the levels differ, and the writer packs
+them through the same codec. Layers are done in order and each is quantised in the model before
+the next one's inputs are collected, so a layer is calibrated on what its quantised predecessors
+compute ("true sequential").
+
+An expert's inputs are caught where it computes: every `F.linear` whose weight is one expert's
+slice of the experts module's parameters (transformers' fused experts index a 3-D parameter per
+expert; per-expert modules hold 2-D ones). An architecture whose experts compute otherwise (a
+batched matmul over all experts) is refused. An expert no calibration token reached keeps RTN's
+levels.
+"""
+
+from __future__ import annotations
+
+import logging
+import torch
+import torch.nn.functional as F
+from compressed_tensors.quantization import QuantizationArgs
+from compressed_tensors.quantization.utils import calculate_range
+from torch.overrides import TorchFunctionMode
+from tqdm import tqdm
+from transformers import PreTrainedModel
+from transformers.core_model_loading import revert_weight_conversion
+
+from offload_runtime.compression.codec import SCALE_DTYPE, group_scales
+from offload_runtime.compression.scheme import CompressionError
+from prescient.arch import MoELayer
+
+log = logging.getLogger(__name__)
+
+DAMP = 0.1  # the Hessian's diagonal is raised by DAMP × its mean (0.1 beat 0.01 and 0.03 on held-out
+#             perplexity of the base reference model in a prototype; KL was alike)
+BLOCK = 128  # columns rounded before their error is carried to the rest at once (the paper's lazy batch)
+MAX_HESSIAN_BYTES = 4 * 2**30  # one layer's Hessians held at once
+
+
+def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, args: QuantizationArgs,
+                damp: float = DAMP) -> torch.Tensor:
+    """`weight` [out, in] with its levels chosen by GPTQ under `hessian` [in, in], on the grid
+    round-to-nearest gives `weight`: float32 values of a level times its group's scale, rounded to
+    the scale's dtype as the codec expands them (the weights the model will compute with)."""
+    w = weight.detach().float().clone()
+    columns = w.shape[1]
+    scale = group_scales(w, args)[0].float()  # [out, groups]
+    group = columns // scale.shape[1]
+    low, high = (float(v) for v in calculate_range(args, "cpu"))
+    h = hessian.detach().double().clone()
+    dead = h.diagonal() == 0  # an input that was always zero: no error to weigh, round it to nearest
+    h[dead, dead] = 1.0
+    h.diagonal().add_(damp * h.diagonal().mean())
+    inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    chosen = torch.empty_like(w)
+    for start in range(0, columns, BLOCK):
+        stop = min(start + BLOCK, columns)
+        block, errors = w[:, start:stop], torch.empty(w.shape[0], stop - start)
+        for i, column in enumerate(range(start, stop)):
+            s = scale[:, column // group]
+            chosen[:, column] = ((block[:, i] / s).round().clamp(low, high) * s).to(SCALE_DTYPE)
+            errors[:, i] = (block[:, i] - chosen[:, column]) / inverse[column, column]
+            block[:, i:] -= errors[:, i, None] * inverse[column, column:stop]
+        w[:, stop:] -= errors @ inverse[start:stop, stop:]
+    return chosen
+
+
+class _ExpertInputs(TorchFunctionMode):
+    """While active, sums xᵀx for every `F.linear` whose weight is one expert's slice of `params`
+    (name → parameter, [E, out, in] or [out, in]); keyed by (name, expert or None)."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter]):
+        super().__init__()
+        self.params = params
+        self.hessians: dict[tuple[str, int | None], torch.Tensor] = {}
+
+    def _expert(self, weight: torch.Tensor) -> tuple[str, int | None] | None:
+        address = weight.data_ptr()
+        for name, param in self.params.items():
+            start = param.data_ptr()
+            if start <= address < start + param.numel() * param.element_size() \
+                    and tuple(weight.shape) == tuple(param.shape[-2:]):
+                return name, (address - start) // (param.stride(0) * param.element_size()) if param.dim() == 3 else None
+        return None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            weight = args[1] if len(args) > 1 else kwargs["weight"]
+            key = self._expert(weight)
+            if key is not None:
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+                if key not in self.hessians:
+                    self.hessians[key] = torch.zeros(x.shape[1], x.shape[1])
+                self.hessians[key].addmm_(x.T, x)
+        return func(*args, **kwargs)
+
+
+@torch.no_grad()
+def gptq_experts(model: PreTrainedModel, layers: list[MoELayer], args: QuantizationArgs, windows: torch.Tensor,
+                 batch_size: int = 8, damp: float = DAMP) -> dict[str, torch.Tensor]:
+    """Quantise every MoE layer's expert weights in `model` (float32) by GPTQ, calibrated on the
+    token `windows` [N, S]; returns the chosen weights under their checkpoint names (as
+    `save_pretrained` writes them), each on round-to-nearest's grid of the source tensor."""
+    chosen: dict[str, torch.Tensor] = {}
+    prefix = {id(m): name for name, m in model.named_modules()}
+    for layer in tqdm(layers, desc="GPTQ", unit="layer", disable=None):
+        params = {name: p for name, p in layer.experts.named_parameters() if p.dim() >= 2 and "bias" not in name}
+        need = sum(p.shape[-1] ** 2 * 4 * (p.shape[0] if p.dim() == 3 else 1) for p in params.values())
+        if need > MAX_HESSIAN_BYTES:
+            raise CompressionError(f"--method gptq: layer {layer.index}'s expert Hessians need {need / 2**30:.1f} GiB "
+                                   f"(more than {MAX_HESSIAN_BYTES / 2**30:.0f}); use --method rtn")
+        with _ExpertInputs(params) as inputs:
+            for batch in windows.split(batch_size):
+                model(batch)
+        missing = sorted(set(params) - {name for name, _ in inputs.hessians})
+        if missing:
+            raise CompressionError(f"--method gptq: the experts of {type(layer.experts).__name__} do not compute "
+                                   f"{', '.join(missing)} one expert at a time through F.linear; use --method rtn")
+        for (name, expert), hessian in inputs.hessians.items():
+            weight = params[name] if expert is None else params[name][expert]
+            weight.copy_(gptq_weight(weight, hessian, args, damp))  # later layers calibrate on this one quantised
+        module = prefix[id(layer.experts)]
+        chosen.update(revert_weight_conversion(model, {f"{module}.{name}": p.detach().clone()
+                                                       for name, p in params.items()}))
+    return chosen
