@@ -6,6 +6,7 @@ read.
   compressed, with what arguments), and the one we write.
 - `codec.py`: one weight quantised (round-to-nearest, group-wise) and expanded again, through
   compressed-tensors' own compressor, so what we write is what its readers read.
+- `gptq.py`: GPTQ's levels on the same grid, chosen on each expert's calibration inputs.
 - `writer.py`: `quantize_model`, a model directory in, a compressed one out, shard by shard.
 - `kernels.py`: experts kept compressed in slots (int4 in groups, int8 per channel) and computed
   by torch's weight-only CPU kernels: the slot layout, the re-arrangement of stored bytes into it,
