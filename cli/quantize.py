@@ -1,5 +1,5 @@
 """`prescient quantize`: a model directory with its routed experts compressed (compressed-tensors
-`pack-quantized` int4 / int8), or stored in bfloat16 (`--bits 16`, the fair uncompressed baseline).
+`pack-quantized` int2 / int4 / int8), or stored in bfloat16 (`--bits 16`, the fair uncompressed baseline).
 `--method gptq` chooses the integer levels on calibration text (a built-in corpus's train split)."""
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ def group_size(text: str) -> int | str:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("quantize", help="store a model's routed experts at 4 or 8 bits (compressed-tensors "
+    p = subparsers.add_parser("quantize", help="store a model's routed experts at 2, 4 or 8 bits (compressed-tensors "
                                                "pack-quantized) or in bfloat16")
     p.add_argument("--model", required=True, help="Hugging Face model directory (uncompressed)")
-    p.add_argument("--bits", type=int, required=True, choices=(4, 8, 16),
-                   help="4 or 8: group-wise symmetric integers; 16: a bfloat16 copy of the experts")
+    p.add_argument("--bits", type=int, required=True, choices=(2, 4, 8, 16),
+                   help="2, 4 or 8: group-wise symmetric integers (2: packed slots run them in int4 after the "
+                        "link; pair it with --method gptq); 16: a bfloat16 copy of the experts")
     p.add_argument("--group-size", type=group_size, default=None,
                    help="weights per scale along a row (default: the largest of 128, 64, 32, 16 that divides "
                         "every expert's input dimension), or 'channel': one scale per row (what --slot-format "

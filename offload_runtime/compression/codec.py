@@ -19,6 +19,7 @@ from compressed_tensors.quantization.utils import calculate_qparams
 from offload_runtime.compression.scheme import CompressionError
 
 SCALE_DTYPE = torch.bfloat16
+STORED_BITS = (2, 4, 8)  # the widths `unpack_codes` reads: whole codes per byte
 
 
 def _scheme(args: QuantizationArgs) -> QuantizationScheme:
@@ -55,12 +56,12 @@ def expand_weight(tensors: dict[str, torch.Tensor], args: QuantizationArgs) -> t
 
 def expand_into(tensors: dict[str, torch.Tensor], args: QuantizationArgs, out: torch.Tensor) -> torch.Tensor:
     """`expand_weight` written into `out` [out, in] (any float dtype): the same values. Symmetric
-    4- and 8-bit weights, what `prescient quantize` writes, take a path of their own, since a miss
-    pays for it (a prototype, not kept: 1.3 ms against the library's 55 ms for a 7424x192 int4
-    matrix on one thread; results/expert-kernels-bench.json keeps this path's 1.04-1.07 ms): the levels are read byte-wise (two 4-bit levels or one
-    8-bit level per byte, lowest bits first) and multiplied by their group's scale in the scale's
-    dtype, as the library multiplies them."""
-    if not (args.symmetric and args.num_bits in (4, 8) and args.strategy in ("group", "channel")):
+    2-, 4- and 8-bit weights, what `prescient quantize` writes, take a path of their own, since a
+    miss pays for it (a prototype, not kept: 1.3 ms against the library's 55 ms for a 7424x192
+    int4 matrix on one thread; results/expert-kernels-bench.json keeps this path's 1.04-1.07 ms):
+    the levels are read byte-wise (`unpack_codes`) and multiplied by their group's scale in the
+    scale's dtype, as the library multiplies them."""
+    if not (args.symmetric and args.num_bits in STORED_BITS and args.strategy in ("group", "channel")):
         return out.copy_(expand_weight({**tensors, "weight_shape": torch.tensor(out.shape)}, args))
     scale = tensors["weight_scale"]
     rows, cols = out.shape
@@ -71,14 +72,16 @@ def expand_into(tensors: dict[str, torch.Tensor], args: QuantizationArgs, out: t
 
 
 def unpack_codes(packed: torch.Tensor, num_bits: int, rows: int, cols: int) -> torch.Tensor:
-    """The stored unsigned codes (level + 2^(bits-1)) of a symmetric 4- or 8-bit `weight_packed`
-    [rows, words] as uint8 [rows, cols]: two 4-bit codes or one 8-bit code per byte, lowest bits first."""
+    """The stored unsigned codes (level + 2^(bits-1)) of a symmetric 2-, 4- or 8-bit `weight_packed`
+    [rows, words] as uint8 [rows, cols]: 8 / bits codes per byte, lowest bits first (the library
+    packs a dense little-endian bit stream, so no code straddles a byte at these widths)."""
     codes = packed.view(torch.uint8).view(rows, -1)
     if num_bits == 8:
         return codes[:, :cols]
-    out = torch.empty(rows, codes.shape[1], 2, dtype=torch.uint8)
-    torch.bitwise_and(codes, 15, out=out[..., 0])
-    torch.bitwise_right_shift(codes, 4, out=out[..., 1])
+    per_byte, mask = 8 // num_bits, (1 << num_bits) - 1
+    out = torch.empty(rows, codes.shape[1], per_byte, dtype=torch.uint8)
+    for i in range(per_byte):
+        torch.bitwise_and(torch.bitwise_right_shift(codes, i * num_bits), mask, out=out[..., i])
     return out.view(rows, -1)[:, :cols]
 
 

@@ -45,12 +45,20 @@ KERNEL_DTYPE = torch.bfloat16  # the kernels' activations and scales
 @dataclass(frozen=True)
 class PackedMatrixSpec:
     """One weight parameter of an expert kept packed: [out_features, in_features] at `bits` (4:
-    in groups of `group` along a row; 8: one scale per row, `group` None)."""
+    in groups of `group` along a row; 8: one scale per row, `group` None). `stored_bits`: the
+    width on disk and on the link where it is narrower than the slot's (2-bit weights, whose levels
+    the int4 kernel runs on arrival)."""
 
     bits: int
     out_features: int
     in_features: int
     group: int | None = None
+    stored_bits: int | None = None
+
+    @property
+    def link_bits(self) -> int:
+        """Bits per weight as stored and moved."""
+        return self.stored_bits or self.bits
 
     def slot_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The slot's tensors of this parameter, by suffix after its name: shape and dtype."""
@@ -71,11 +79,13 @@ def kernel_matrix(bits: int, symmetric: bool, strategy: str, group: int | None, 
                   what: str) -> PackedMatrixSpec:
     """The packed matrix of a weight of `shape` stored at these quantisation arguments; a
     CompressionError naming `what` if no kernel runs it."""
-    if not symmetric or (bits, strategy) not in ((4, "group"), (8, "channel")):
+    if not symmetric or (bits, strategy) not in ((2, "group"), (4, "group"), (8, "channel")):
         raise CompressionError(f"{what} is stored as {bits}-bit {strategy}-wise {'' if symmetric else 'a'}symmetric "
-                               "weights; packed slots hold symmetric int4 in groups (prescient quantize --bits 4) or "
-                               "int8 per channel (--bits 8 --group-size channel); serve it with --slot-format expanded")
-    matrix = PackedMatrixSpec(bits, shape[0], shape[1], group if bits == 4 else None)
+                               "weights; packed slots hold symmetric int4 or int2 in groups (prescient quantize --bits "
+                               "4 or 2) or int8 per channel (--bits 8 --group-size channel); serve it with "
+                               "--slot-format expanded")
+    matrix = PackedMatrixSpec(8, shape[0], shape[1]) if bits == 8 else \
+        PackedMatrixSpec(4, shape[0], shape[1], group, stored_bits=2 if bits == 2 else None)
     matrix.check(what)
     return matrix
 
@@ -113,6 +123,9 @@ def pack_for_kernel(matrix: PackedMatrixSpec, stored: torch.Tensor, scale: torch
         codes.copy_(stored.bitwise_xor(0x80).view(torch.int8))
         scales.copy_(scale[:, 0])
         return
+    if matrix.stored_bits == 2:  # level + 2 → level + 8, two codes a byte: the int4 layout as stored
+        wide = unpack_codes(stored, 2, stored.shape[0], matrix.in_features).add_(6).view(stored.shape[0], -1, 2)
+        stored = torch.bitwise_or(wide[..., 0], wide[..., 1] << 4)
     rows = _block_rows()
     if rows is not None and stored.shape[0] % rows == 0:
         codes.copy_(_arrange(stored, rows))

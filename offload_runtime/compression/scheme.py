@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from prescient.errors import PrescientError
 
 FORMAT = "pack-quantized"
-BITS = (4, 8, 16)  # what `prescient quantize` writes; 16 is the bf16 copy, not a compressed-tensors scheme
+BITS = (2, 4, 8, 16)  # what `prescient quantize` writes; 16 is the bf16 copy, not a compressed-tensors scheme
 PACKED_SUFFIX = "weight_packed"
 
 

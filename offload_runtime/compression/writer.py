@@ -3,7 +3,7 @@
 The routed experts' checkpoint tensors are found through transformers' own weight conversion (the
 names `save_pretrained` writes for the model's experts, e.g. Mixtral's
 `block_sparse_moe.experts.{e}.w1.weight`); each becomes compressed-tensors' `pack-quantized`
-parts (`weight_packed`, `weight_scale`, `weight_shape`) at 4 or 8 bits, or a bfloat16 copy at
+parts (`weight_packed`, `weight_scale`, `weight_shape`) at 2, 4 or 8 bits, or a bfloat16 copy at
 16. Every other tensor (attention, routers, norms, embeddings, shared experts) is copied as it
 is, so the output routes exactly as the source and shares its fingerprint: a predictor trained on
 the source serves it.
@@ -91,7 +91,7 @@ def expert_keys(model_dir: Path, files: list[Path]) -> dict[str, Path]:
 
 def quantize_model(model_dir: str | Path, out: str | Path, bits: int, group_size: int | str | None = None,
                    method: str = "rtn", calibration: Calibration | None = None) -> dict:
-    """Write `model_dir` with its routed experts at `bits` (4, 8: group-wise symmetric integers,
+    """Write `model_dir` with its routed experts at `bits` (2, 4, 8: group-wise symmetric integers,
     their levels rounded to nearest (`method` "rtn") or chosen by GPTQ on `calibration` ("gptq");
     16: bfloat16) to `out`; returns the report also written as `out/quantize.json`. `group_size` None takes the largest of 128, 64, 32, 16 that divides every
     expert's input dimension; "channel" gives each output row one scale (what torch's int8 kernel
@@ -105,7 +105,7 @@ def quantize_model(model_dir: str | Path, out: str | Path, bits: int, group_size
     if method not in METHODS:
         raise CompressionError(f"quantisation method {method!r} is not supported; choose one of {', '.join(METHODS)}")
     if method == "gptq" and (bits == 16 or calibration is None):
-        raise CompressionError("--method gptq chooses integer levels on calibration text: it needs --bits 4 or 8"
+        raise CompressionError("--method gptq chooses integer levels on calibration text: it needs --bits 2, 4 or 8"
                                if bits == 16 else "--method gptq needs calibration text")
     files = check_model_dir(model_dir)
     if "quantization_config" in json.loads((model_dir / "config.json").read_text()):

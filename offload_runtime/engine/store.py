@@ -385,7 +385,7 @@ class ExpertStore:
             if step.param not in self.packed:
                 self._read_step(step, out[step.param])
         for param, matrix in self.packed.items():
-            stored = torch.empty(matrix.out_features, matrix.in_features * matrix.bits // 8, dtype=torch.uint8)
+            stored = torch.empty(matrix.out_features, matrix.in_features * matrix.link_bits // 8, dtype=torch.uint8)
             scale = torch.empty(matrix.out_features, matrix.in_features // (matrix.group or matrix.in_features),
                                 dtype=KERNEL_DTYPE)
             for step in (s for s in steps if s.param == param):  # whole rows of a compressed weight

@@ -16,8 +16,8 @@ WIDER = {"mixtral": {}, "qwen3_moe": {"moe_intermediate_size": 32}, "olmoe": {"i
 
 @pytest.fixture(scope="module")
 def int4_model(tiny_tokenizer, tmp_path_factory):
-    """`int4_model(arch, bits=4)`: a tiny `arch` model (experts 32 wide) quantised to int4 in
-    groups of 32, or to int8 per channel."""
+    """`int4_model(arch, bits=4)`: a tiny `arch` model (experts 32 wide) quantised to int4 (or
+    int2) in groups of 32, or to int8 per channel."""
     built: dict[tuple[str, int], Path] = {}
 
     def get(arch: str, bits: int = 4) -> Path:
@@ -27,7 +27,7 @@ def int4_model(tiny_tokenizer, tmp_path_factory):
             for name, value in WIDER[arch].items():
                 setattr(config, name, value)
             source = save_tiny_model(config, root / "source", seed=1, tokenizer=tiny_tokenizer)
-            quantize_model(source, root / "model", bits, group_size=32 if bits == 4 else "channel")
+            quantize_model(source, root / "model", bits, group_size="channel" if bits == 8 else 32)
             built[arch, bits] = root / "model"
         return built[arch, bits]
 

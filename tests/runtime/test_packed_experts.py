@@ -1,5 +1,5 @@
 """Packed slots: int4 (int8) experts stay int4 (int8) in the fast tier and compute with torch's
-weight-only CPU kernels.
+weight-only CPU kernels; int2 experts cross the link at 2 bits and run as int4.
 
 Exact within the placement (offloaded at a budget that forces misses = the same placement with
 every expert resident), within bf16 rounding of the same int4 weights expanded, a slot holds the
@@ -16,7 +16,7 @@ import torch
 from experiments.bench_compressed import bench_compressed
 from experiments.bench_runtime.grid import BenchError
 from offload_runtime.compression.codec import quantize_weight, unpack_codes
-from offload_runtime.compression.kernels import PackedMatrixSpec, PackedWeights, _arrange, _block_rows, pack_for_kernel
+from offload_runtime.compression.kernels import PackedWeights, _arrange, _block_rows, kernel_matrix, pack_for_kernel
 from offload_runtime.compression.scheme import CompressionError, weight_args
 from offload_runtime.compression.writer import quantize_model
 from offload_runtime.engine.loader import load_offloaded
@@ -37,7 +37,7 @@ def run(path: Path, tokens: int = 8, **options) -> tuple[torch.Tensor, torch.Ten
         return out, logits, runtime
 
 
-@pytest.mark.parametrize("arch, bits", [(arch, 4) for arch in WIDER] + [("mixtral", 8), ("qwen3_moe", 8)])
+@pytest.mark.parametrize("arch, bits", [(arch, 4) for arch in WIDER] + [("mixtral", 8), ("qwen3_moe", 8), ("mixtral", 2)])
 def test_packed_offloading_is_exact_and_close_to_the_expanded_weights(arch, bits, int4_model):
     path = int4_model(arch, bits)
     resident, resident_logits, _ = run(path, budget=1.0, slot_format="packed")
@@ -45,12 +45,14 @@ def test_packed_offloading_is_exact_and_close_to_the_expanded_weights(arch, bits
     assert torch.equal(offloaded, resident)
     stats = runtime.stats()
     assert stats.loads > 0 and stats.bytes_moved == stats.loads * runtime.store.stored_nbytes((0, 0))
-    assert {b.dtype for b in runtime.pool.buffers.values()} == {torch.uint8 if bits == 4 else torch.int8, torch.bfloat16}
+    assert {b.dtype for b in runtime.pool.buffers.values()} == {torch.int8 if bits == 8 else torch.uint8, torch.bfloat16}
     # the same int4 weights expanded to bf16 and multiplied by transformers' own kernels
     _, expanded_logits, expanded = run(path, budget=1.0, slot_format="expanded")
     assert (expanded_logits - resident_logits).abs().max() <= 2e-2 * expanded_logits.abs().max()
     # a slot holds the codes and scales: under a third (int8: about half) of the expanded bf16 slot
-    assert runtime.store.expert_nbytes < expanded.store.expert_nbytes / {4: 3, 8: 1.8}[bits]
+    assert runtime.store.expert_nbytes < expanded.store.expert_nbytes / {2: 3, 4: 3, 8: 1.8}[bits]
+    if bits == 2:  # what crosses the link is the 2-bit codes: under 0.6 of the int4 slot it fills
+        assert runtime.store.stored_nbytes((0, 0)) < 0.6 * runtime.store.expert_nbytes
 
 
 def test_a_byte_budget_buys_slots_of_packed_bytes(int4_model):
@@ -72,14 +74,14 @@ def test_our_arrangement_of_codes_is_torchs_packed_layout(rows, cols):
     assert torch.equal(_arrange(stored, block), torch._convert_weight_to_int4pack_for_cpu(codes, 1))
 
 
-@pytest.mark.parametrize("bits, rows", [(4, 64), (4, 48), (8, 48)])  # int4: whole blocks, and not (torch's converter)
+@pytest.mark.parametrize("bits, rows", [(4, 64), (4, 48), (8, 48), (2, 64), (2, 48)])  # int4/int2: whole blocks, and not (torch's converter)
 def test_kernel_on_packed_codes_equals_a_linear_on_the_expanded_weight(bits, rows):
     torch.manual_seed(0)
-    group = 32 if bits == 4 else None
+    group = None if bits == 8 else 32
     weight, args = torch.randn(rows, 128) * 0.05, weight_args(bits, group)
     parts = quantize_weight(weight, args)
     codes = unpack_codes(parts["weight_packed"], bits, rows, 128)
-    spec = PackedMatrixSpec(bits, rows, 128, group)
+    spec = kernel_matrix(bits, True, args.strategy, group, (rows, 128), "a test weight")
     slot = {suffix: torch.empty(1, *shape, dtype=dtype) for suffix, (shape, dtype) in spec.slot_tensors().items()}
     codes_slot, scales_slot = slot.values()
     pack_for_kernel(spec, parts["weight_packed"].view(torch.uint8), parts["weight_scale"], codes_slot[0], scales_slot[0])
