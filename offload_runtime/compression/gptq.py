@@ -45,23 +45,30 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, args: QuantizationA
     round-to-nearest gives `weight`: float32 values of a level times its group's scale, rounded to
     the scale's dtype as the codec expands them (the weights the model will compute with)."""
     w = weight.detach().float().clone()
-    columns = w.shape[1]
     scale = group_scales(w, args)[0].float()  # [out, groups]
-    group = columns // scale.shape[1]
+    group = w.shape[1] // scale.shape[1]
     low, high = (float(v) for v in calculate_range(args, "cpu"))
-    h = hessian.detach().double().clone()
-    dead = h.diagonal() == 0  # an input that was always zero: no error to weigh, round it to nearest
-    h[dead, dead] = 1.0
+
+    def rounded(columns: torch.Tensor, where: torch.Tensor) -> torch.Tensor:  # [out, n] at input columns `where`
+        s = scale[:, where // group]
+        return ((columns / s).round().clamp(low, high) * s).to(SCALE_DTYPE)
+
+    # an input that was always zero (a zero-padded expert's, or one no token reached) has no error
+    # to weigh: it rounds to nearest, and GPTQ runs on the others (its Hessian rows are zero)
+    live = (hessian.diagonal() > 0).nonzero().flatten()
+    chosen = rounded(w, torch.arange(w.shape[1])).float()
+    if len(live) == 0:
+        return chosen
+    w = w[:, live]
+    h = hessian.detach()[live][:, live].double()
     h.diagonal().add_(damp * h.diagonal().mean())
     inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
-    chosen = torch.empty_like(w)
-    for start in range(0, columns, BLOCK):
-        stop = min(start + BLOCK, columns)
+    for start in range(0, len(live), BLOCK):
+        stop = min(start + BLOCK, len(live))
         block, errors = w[:, start:stop], torch.empty(w.shape[0], stop - start)
         for i, column in enumerate(range(start, stop)):
-            s = scale[:, column // group]
-            chosen[:, column] = ((block[:, i] / s).round().clamp(low, high) * s).to(SCALE_DTYPE)
-            errors[:, i] = (block[:, i] - chosen[:, column]) / inverse[column, column]
+            chosen[:, live[column]] = rounded(block[:, i:i + 1], live[column:column + 1])[:, 0].float()
+            errors[:, i] = (block[:, i] - chosen[:, live[column]]) / inverse[column, column]
             block[:, i:] -= errors[:, i, None] * inverse[column, column:stop]
         w[:, stop:] -= errors @ inverse[start:stop, stop:]
     return chosen

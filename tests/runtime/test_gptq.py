@@ -80,3 +80,17 @@ def test_gptq_refusals(tiny_moe_dir, tmp_path):
         quantize_model(source, tmp_path / "b", 4, method="gptq")
     with pytest.raises(CompressionError, match="choose one of rtn, gptq"):
         quantize_model(source, tmp_path / "c", 4, method="awq")
+
+
+def test_inputs_that_were_always_zero_round_to_nearest_and_leave_the_rest_as_without_them():
+    """A zero-padded expert (the bench model's widening): GPTQ on the real columns is GPTQ without
+    the padding, and the padded columns round to nearest (here: to zero)."""
+    g = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(16, 64, generator=g), correlated_inputs(256, 64)
+    padded = torch.cat([weight, torch.zeros(16, 64)], 1)
+    hessian = torch.zeros(128, 128)
+    hessian[:64, :64] = x.T @ x
+    args = weight_args(4, 32)
+    chosen = gptq_weight(padded, hessian, args)
+    assert torch.equal(chosen[:, :64], gptq_weight(weight, x.T @ x, args))
+    assert torch.equal(chosen[:, 64:], torch.zeros(16, 64))
