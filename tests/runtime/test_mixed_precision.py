@@ -1,5 +1,5 @@
-"""Mixed precision: a fine (int8 per channel) and a coarse (int4) copy of every expert, slots of
-both sizes under one byte budget, and a rule that picks each loaded expert's copy.
+"""Mixed precision: a fine (int8 per channel, or int4) and a coarse (int4, or int2) copy of every
+expert, slots of both sizes under one byte budget, and a rule that picks each loaded expert's copy.
 
 The plumbing is exact: with every expert fine the tokens are the fine model's, with the model's
 own int4 copy as the fine one they are the int4 model's; with a real fine copy the rule decides
@@ -31,13 +31,14 @@ def _bytes(path) -> tuple[int, int]:
     return runtime.pool.num_slots, runtime.store.expert_nbytes
 
 
-def test_every_expert_fine_computes_the_fine_model(int4_model):
-    int4, int8 = int4_model("mixtral"), int4_model("mixtral", 8)
-    fine_tokens, _, _ = run(int8, budget=1.0, slot_format="packed")
-    experts, fine_bytes = _bytes(int8)
+@pytest.mark.parametrize("coarse_bits, fine_bits", [(4, 8), (2, 4)])  # int2 + int4: slots of one size, two link widths
+def test_every_expert_fine_computes_the_fine_model(coarse_bits, fine_bits, int4_model):
+    coarse, fine = int4_model("mixtral", coarse_bits), int4_model("mixtral", fine_bits)
+    fine_tokens, _, _ = run(fine, budget=1.0, slot_format="packed")
+    experts, fine_bytes = _bytes(fine)
     # a fine tier that holds every expert; hotness ranks every used expert above the unused ones
     budget = f"{experts * fine_bytes * 10 // 8}B"
-    out, _, runtime = run(int4, budget=budget, slot_format="packed", fine_model=str(int8), fine_share=0.8,
+    out, _, runtime = run(coarse, budget=budget, slot_format="packed", fine_model=str(fine), fine_share=0.8,
                           precision_rule="hotness")
     stats = runtime.stats()
     assert torch.equal(out, fine_tokens)
