@@ -17,7 +17,6 @@ levels.
 
 from __future__ import annotations
 
-import logging
 import torch
 import torch.nn.functional as F
 from compressed_tensors.quantization import QuantizationArgs
@@ -31,10 +30,8 @@ from offload_runtime.compression.codec import SCALE_DTYPE, group_scales
 from offload_runtime.compression.scheme import CompressionError
 from prescient.arch import MoELayer
 
-log = logging.getLogger(__name__)
-
-DAMP = 0.1  # the Hessian's diagonal is raised by DAMP × its mean (0.1 beat 0.01 and 0.03 on held-out
-#             perplexity of the base reference model in a prototype; KL was alike)
+DAMP = 0.1  # the Hessian's diagonal is raised by DAMP × its mean (GPTQ's reference code: 0.01); on the base
+#             reference model a prototype gave KL within 5% at 0.01, 0.03 and 0.1, perplexity within its noise
 BLOCK = 128  # columns rounded before their error is carried to the rest at once (the paper's lazy batch)
 MAX_HESSIAN_BYTES = 4 * 2**30  # one layer's Hessians held at once
 

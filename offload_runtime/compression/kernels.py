@@ -115,6 +115,28 @@ def _arrange(stored: torch.Tensor, rows: int) -> torch.Tensor:
     return out.view(n, half)
 
 
+@functools.cache
+def _int2_pairs() -> torch.Tensor:
+    """[65536] int32, indexed by a 2-bit stored byte of row i (low 8 bits) and the same byte of row
+    i + rows/2 (high 8 bits): the four arranged int4 bytes of their four columns, column t in byte
+    t, row i's level + 8 in the low nibble and the other row's in the high one."""
+    index = torch.arange(1 << 16, dtype=torch.int32)
+    out = torch.zeros(1 << 16, dtype=torch.int32)
+    for t in range(4):
+        low, high = ((index >> 2 * t) & 3) + 6, ((index >> 8 + 2 * t) & 3) + 6  # level + 2 → level + 8
+        out |= (low | high << 4) << 8 * t
+    return out
+
+
+def _arrange_int2(stored: torch.Tensor, rows: int) -> torch.Tensor:
+    """`_arrange` of 2-bit stored bytes [N, K/4] (four codes a byte, lowest first), re-coded to
+    int4 on the way by one table look-up per pair of bytes: [N, K/2] bytes."""
+    n, quarter = stored.shape
+    low, high = stored.view(n // rows, 2, rows // 2, quarter).unbind(1)  # each [blocks, rows/2, K/4]
+    four = _int2_pairs()[low.int().bitwise_or_(high.int() << 8)]  # [blocks, rows/2, K/4] int32
+    return four.view(torch.uint8).view(n // rows, rows // 2, 4 * quarter).transpose(1, 2).contiguous().view(n, -1)
+
+
 def pack_for_kernel(matrix: PackedMatrixSpec, stored: torch.Tensor, scale: torch.Tensor, codes: torch.Tensor,
                     scales: torch.Tensor) -> None:
     """Write a weight as compressed-tensors stores it (uint8 [N, K * bits / 8]: unsigned codes,
@@ -123,15 +145,16 @@ def pack_for_kernel(matrix: PackedMatrixSpec, stored: torch.Tensor, scale: torch
         codes.copy_(stored.bitwise_xor(0x80).view(torch.int8))
         scales.copy_(scale[:, 0])
         return
-    if matrix.stored_bits == 2:  # level + 2 → level + 8, two codes a byte: the int4 layout as stored
-        wide = unpack_codes(stored, 2, stored.shape[0], matrix.in_features).add_(6).view(stored.shape[0], -1, 2)
-        stored = torch.bitwise_or(wide[..., 0], wide[..., 1] << 4)
     rows = _block_rows()
-    if rows is not None and stored.shape[0] % rows == 0:
-        codes.copy_(_arrange(stored, rows))
+    if rows is None or stored.shape[0] % rows:  # torch's converter, from the int4 codes
+        levels = unpack_codes(stored, matrix.link_bits, stored.shape[0], matrix.in_features).to(torch.int32)
+        if matrix.stored_bits == 2:
+            levels += 6  # level + 2 → level + 8
+        codes.copy_(torch._convert_weight_to_int4pack_for_cpu(levels, 1))
+    elif matrix.stored_bits == 2:
+        codes.copy_(_arrange_int2(stored, rows))
     else:
-        unpacked = unpack_codes(stored, 4, stored.shape[0], 2 * stored.shape[1])
-        codes.copy_(torch._convert_weight_to_int4pack_for_cpu(unpacked.to(torch.int32), 1))
+        codes.copy_(_arrange(stored, rows))
     scales[..., 0].copy_(scale.t())
     scales[..., 1].zero_()
 
