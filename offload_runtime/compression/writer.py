@@ -4,15 +4,15 @@ The routed experts' checkpoint tensors are found through transformers' own weigh
 names `save_pretrained` writes for the model's experts, e.g. Mixtral's
 `block_sparse_moe.experts.{e}.w1.weight`); each becomes compressed-tensors' `pack-quantized`
 parts (`weight_packed`, `weight_scale`, `weight_shape`) at 2, 4 or 8 bits, or a bfloat16 copy at
-16. Every other tensor (attention, routers, norms, embeddings, shared experts) is copied as it
+16. The levels are rounded to nearest, or chosen by GPTQ on calibration text
+(`offload_runtime.compression.gptq`: the same grid, so the same bytes). Every other tensor (attention, routers, norms, embeddings, shared experts) is copied as it
 is, so the output routes exactly as the source and shares its fingerprint: a predictor trained on
 the source serves it.
 
 Streaming: one tensor is read at a time (its file mapped only while it is read) and the output
 is written in shards of at most `SHARD_BYTES`, so memory holds one shard, never the model (GPTQ
-excepted: its calibration runs the whole model, in float32). The
-output is built in a hidden folder beside `out` and renamed into place when complete; an
-interrupted run leaves `out` untouched.
+excepted: its calibration runs the whole model, in float32). The output is built in a hidden folder
+beside `out` and renamed into place when complete; an interrupted run leaves `out` untouched.
 """
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ def quantize_model(model_dir: str | Path, out: str | Path, bits: int, group_size
                    method: str = "rtn", calibration: Calibration | None = None) -> dict:
     """Write `model_dir` with its routed experts at `bits` (2, 4, 8: group-wise symmetric integers,
     their levels rounded to nearest (`method` "rtn") or chosen by GPTQ on `calibration` ("gptq");
-    16: bfloat16) to `out`; returns the report also written as `out/quantize.json`. `group_size` None takes the largest of 128, 64, 32, 16 that divides every
-    expert's input dimension; "channel" gives each output row one scale (what torch's int8 kernel
+    16: bfloat16) to `out`; returns the report also written as `out/quantize.json`. `group_size`
+    None takes the largest of 128, 64, 32, 16 that divides every expert's input dimension; "channel" gives each output row one scale (what torch's int8 kernel
     runs from packed slots). Bad input (an unsupported bit width, a group size that does not
     divide, an already compressed model, an existing `out`) is a CompressionError before any
     file is written."""
