@@ -119,7 +119,8 @@ def _arrange(stored: torch.Tensor, rows: int) -> torch.Tensor:
 def _int2_pairs() -> torch.Tensor:
     """[65536] int32, indexed by a 2-bit stored byte of row i (low 8 bits) and the same byte of row
     i + rows/2 (high 8 bits): the four arranged int4 bytes of their four columns, column t in byte
-    t, row i's level + 8 in the low nibble and the other row's in the high one."""
+    t (little-endian, as the CPUs torch's int4 kernel runs on are), row i's level + 8 in the low
+    nibble and the other row's in the high one."""
     index = torch.arange(1 << 16, dtype=torch.int32)
     out = torch.zeros(1 << 16, dtype=torch.int32)
     for t in range(4):
