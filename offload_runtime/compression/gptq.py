@@ -12,7 +12,8 @@ An expert's inputs are caught where it computes: every `F.linear` whose weight i
 slice of the experts module's parameters (transformers' fused experts index a 3-D parameter per
 expert; per-expert modules hold 2-D ones). An architecture whose experts compute otherwise (a
 batched matmul over all experts) is refused. An expert no calibration token reached keeps RTN's
-levels.
+levels. Inputs are summed over the columns that hold a weight only, so zero padding costs neither
+memory nor time.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ BLOCK = 128  # columns rounded before their error is carried to the rest at once
 MAX_HESSIAN_BYTES = 4 * 2**30  # one layer's Hessians held at once
 
 
-def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, args: QuantizationArgs,
-                damp: float = DAMP) -> torch.Tensor:
-    """`weight` [out, in] with its levels chosen by GPTQ under `hessian` [in, in], on the grid
+def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, args: QuantizationArgs, damp: float = DAMP,
+                columns: torch.Tensor | None = None) -> torch.Tensor:
+    """`weight` [out, in] with its levels chosen by GPTQ under `hessian` [n, n] of the input
+    `columns` (default: all `in` of them; the others round to nearest), on the grid
     round-to-nearest gives `weight`: float32 values of a level times its group's scale, rounded to
     the scale's dtype as the codec expands them (the weights the model will compute with)."""
     w = weight.detach().float().clone()
@@ -46,18 +48,19 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, args: QuantizationA
     group = w.shape[1] // scale.shape[1]
     low, high = (float(v) for v in calculate_range(args, "cpu"))
 
-    def rounded(columns: torch.Tensor, where: torch.Tensor) -> torch.Tensor:  # [out, n] at input columns `where`
+    def rounded(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:  # [out, n] at input columns `where`
         s = scale[:, where // group]
-        return ((columns / s).round().clamp(low, high) * s).to(SCALE_DTYPE)
+        return ((values / s).round().clamp(low, high) * s).to(SCALE_DTYPE)
 
-    # an input that was always zero (a zero-padded expert's, or one no token reached) has no error
-    # to weigh: it rounds to nearest, and GPTQ runs on the others (its Hessian rows are zero)
-    live = (hessian.diagonal() > 0).nonzero().flatten()
     chosen = rounded(w, torch.arange(w.shape[1])).float()
+    # an input that was always zero (one no token reached) has no error to weigh: it rounds to
+    # nearest, and GPTQ runs on the others (its Hessian row is zero)
+    seen = hessian.diagonal() > 0
+    live = (torch.arange(w.shape[1]) if columns is None else columns)[seen]
     if len(live) == 0:
         return chosen
     w = w[:, live]
-    h = hessian.detach()[live][:, live].double()
+    h = hessian.detach()[seen][:, seen].double()
     h.diagonal().add_(damp * h.diagonal().mean())
     inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
     for start in range(0, len(live), BLOCK):
@@ -71,13 +74,21 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, args: QuantizationA
     return chosen
 
 
-class _ExpertInputs(TorchFunctionMode):
-    """While active, sums xᵀx for every `F.linear` whose weight is one expert's slice of `params`
-    (name → parameter, [E, out, in] or [out, in]); keyed by (name, expert or None)."""
+def _weighted_columns(weight: torch.Tensor) -> torch.Tensor:
+    """The input columns of `weight` [out, in] that hold a non-zero weight. A column of zeros
+    rounds to zeros whatever its inputs, and GPTQ carries no error into it from its neighbours
+    here (a zero-padded expert, as the bench model's widening, then costs its padding nothing)."""
+    return weight.detach().ne(0).any(0).nonzero().flatten()
 
-    def __init__(self, params: dict[str, torch.nn.Parameter]):
+
+class _ExpertInputs(TorchFunctionMode):
+    """While active, sums xᵀx over the weighted input columns (`_weighted_columns`) for every
+    `F.linear` whose weight is one expert's slice of `params` (name → parameter, [E, out, in] or
+    [out, in]); keyed by (name, expert or None), with `columns` the columns of each."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], columns: dict[tuple[str, int | None], torch.Tensor]):
         super().__init__()
-        self.params = params
+        self.params, self.columns = params, columns
         self.hessians: dict[tuple[str, int | None], torch.Tensor] = {}
 
     def _expert(self, weight: torch.Tensor) -> tuple[str, int | None] | None:
@@ -95,7 +106,7 @@ class _ExpertInputs(TorchFunctionMode):
             weight = args[1] if len(args) > 1 else kwargs["weight"]
             key = self._expert(weight)
             if key is not None:
-                x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+                x = args[0].detach().reshape(-1, args[0].shape[-1])[:, self.columns[key]].float()
                 if key not in self.hessians:
                     self.hessians[key] = torch.zeros(x.shape[1], x.shape[1])
                 self.hessians[key].addmm_(x.T, x)
@@ -112,11 +123,13 @@ def gptq_experts(model: PreTrainedModel, layers: list[MoELayer], args: Quantizat
     prefix = {id(m): name for name, m in model.named_modules()}
     for layer in tqdm(layers, desc="GPTQ", unit="layer", disable=None):
         params = {name: p for name, p in layer.experts.named_parameters() if p.dim() >= 2 and "bias" not in name}
-        need = sum(p.shape[-1] ** 2 * 4 * (p.shape[0] if p.dim() == 3 else 1) for p in params.values())
+        columns = {(name, expert): _weighted_columns(p if expert is None else p[expert])
+                   for name, p in params.items() for expert in (range(len(p)) if p.dim() == 3 else [None])}
+        need = sum(len(c) ** 2 * 4 for c in columns.values())
         if need > MAX_HESSIAN_BYTES:
             raise CompressionError(f"--method gptq: layer {layer.index}'s expert Hessians need {need / 2**30:.1f} GiB "
                                    f"(more than {MAX_HESSIAN_BYTES / 2**30:.0f}); use --method rtn")
-        with _ExpertInputs(params) as inputs:
+        with _ExpertInputs(params, columns) as inputs:
             for batch in windows.split(batch_size):
                 model(batch)
         missing = sorted(set(params) - {name for name, _ in inputs.hessians})
@@ -125,7 +138,7 @@ def gptq_experts(model: PreTrainedModel, layers: list[MoELayer], args: Quantizat
                                    f"{', '.join(missing)} one expert at a time through F.linear; use --method rtn")
         for (name, expert), hessian in inputs.hessians.items():
             weight = params[name] if expert is None else params[name][expert]
-            weight.copy_(gptq_weight(weight, hessian, args, damp))  # later layers calibrate on this one quantised
+            weight.copy_(gptq_weight(weight, hessian, args, damp, columns[name, expert]))  # later layers see it quantised
         module = prefix[id(layer.experts)]
         chosen.update(revert_weight_conversion(model, {f"{module}.{name}": p.detach().clone()
                                                        for name, p in params.items()}))

@@ -94,3 +94,5 @@ def test_inputs_that_were_always_zero_round_to_nearest_and_leave_the_rest_as_wit
     chosen = gptq_weight(padded, hessian, args)
     assert torch.equal(chosen[:, :64], gptq_weight(weight, x.T @ x, args))
     assert torch.equal(chosen[:, 64:], torch.zeros(16, 64))
+    # what gptq_experts hands it for a padded expert: the Hessian of the weighted columns only
+    assert torch.equal(gptq_weight(padded, x.T @ x, args, columns=torch.arange(64)), chosen)
