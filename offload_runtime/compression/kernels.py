@@ -40,6 +40,7 @@ from offload_runtime.compression.scheme import CompressionError
 SCALES_SUFFIX = "_scales"
 INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel accepts
 KERNEL_DTYPE = torch.bfloat16  # the kernels' activations and scales
+INT2_TO_INT4 = 6  # a stored 2-bit code is level + 2, an int4 one level + 8
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def _int2_pairs() -> torch.Tensor:
     index = torch.arange(1 << 16, dtype=torch.int32)
     out = torch.zeros(1 << 16, dtype=torch.int32)
     for t in range(4):
-        low, high = ((index >> 2 * t) & 3) + 6, ((index >> 8 + 2 * t) & 3) + 6  # level + 2 → level + 8
+        low, high = ((index >> 2 * t) & 3) + INT2_TO_INT4, ((index >> 8 + 2 * t) & 3) + INT2_TO_INT4
         out |= (low | high << 4) << 8 * t
     return out
 
@@ -150,7 +151,7 @@ def pack_for_kernel(matrix: PackedMatrixSpec, stored: torch.Tensor, scale: torch
     if rows is None or stored.shape[0] % rows:  # torch's converter, from the int4 codes
         levels = unpack_codes(stored, matrix.link_bits, stored.shape[0], matrix.in_features).to(torch.int32)
         if matrix.stored_bits == 2:
-            levels += 6  # level + 2 → level + 8
+            levels += INT2_TO_INT4
         codes.copy_(torch._convert_weight_to_int4pack_for_cpu(levels, 1))
     elif matrix.stored_bits == 2:
         codes.copy_(_arrange_int2(stored, rows))
