@@ -3,8 +3,8 @@ layer's router picks for tokens t+1..t+H of the same sequence?
 
     write_forecast_eval(TRACE, TRAIN_TRACE, OUT.json, sida=ARTIFACT[, horizon=H, decay_grid=[...]])
 
-    python -c "from experiments.forecast_eval import write_forecast_eval as w; w('runs/demo/traces/validation',
-        'runs/demo/traces/train', 'results/forecast-eval.json', sida='runs/forecast/sida-h2')"
+    python -c "from experiments.forecast_eval import write_forecast_eval as w; w('runs/base-traces/validation',
+        'runs/base-traces/train', 'OUT.json', sida='runs/forecast-base/sida-h8')"
 
 Forecasters (each sees only what is known once token t has been routed):
     sida            the SiDA hash function's forecast heads (its causal state after token t)
