@@ -2,7 +2,7 @@
 The served model and its request checks are in `service`, the handling of a completion or chat
 request in `handlers`, the typed request and response bodies in `schemas`.
 
-    app = create_app("runs/bench-model", predictor="runs/demo/predictor/sida", policy="mrs", budget=0.5)
+    app = create_app("runs/demo/model", predictor="runs/demo/predictor/sida", policy="mrs", budget=0.5)
 
 returns an ASGI app: mount it, run it with any ASGI server, or call `run_server(...)` (what
 `prescient serve` does). The model loads in a background thread when the app starts (its
