@@ -15,7 +15,7 @@ Two kernels multiply bf16 activations by a compressed weight [N, K] without expa
 The int4 layout is the CPU's run-time layout, not a file format: with AVX-512 torch packs rows
 in blocks of 64, code of row i in the low nibble and of row i + 32 in the high one, k-major
 within the block. We re-arrange the stored bytes (two codes of one row per byte, lowest first) that
-way directly, a few byte-wise operations, when a probe checked at first use shows this torch
+way directly (a compiled loop over the bytes), when a probe checked at first use shows this torch
 packs that way on this CPU, and otherwise hand the unpacked codes to torch's own converter.
 
 A packed slot holds, per weight parameter P [N, K] of the experts module, `P` (the codes) and
@@ -31,6 +31,8 @@ import bisect
 import functools
 from dataclasses import dataclass
 
+import numba
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -104,39 +106,69 @@ def _block_rows() -> int | None:
     return None
 
 
-def _arrange(stored: torch.Tensor, rows: int) -> torch.Tensor:
+@numba.njit(cache=True, nogil=True)
+def _arrange_int4(stored: np.ndarray, rows: int, out: np.ndarray) -> None:
     """Stored int4 bytes [N, K/2] (codes of columns 2j and 2j+1 of a row in byte j, lowest first;
-    N a multiple of `rows`) in blocks of `rows` rows, row i's code in the low nibble and row
-    i + rows/2's in the high one, k-major within the block: [N, K/2] bytes."""
+    N a multiple of `rows`) into `out` [N, K/2] in blocks of `rows` rows: row i's code in the low
+    nibble and row i + rows/2's in the high one, k-major within the block (a block's bytes in the
+    order (column, row))."""
     n, half = stored.shape
-    low, high = stored.view(n // rows, 2, rows // 2, half).unbind(1)  # each [blocks, rows/2, K/2]
-    out = torch.empty(n // rows, half, 2, rows // 2, dtype=torch.uint8)
-    out[:, :, 0] = torch.bitwise_or(low & 15, (high & 15) << 4).transpose(1, 2)  # even columns
-    out[:, :, 1] = torch.bitwise_or(low >> 4, high & 0xF0).transpose(1, 2)  # odd columns
-    return out.view(n, half)
+    pair = rows // 2
+    for block in range(n // rows):
+        first = block * rows
+        arranged = out[first:first + rows].reshape(-1)
+        for r in range(pair):
+            low, high = stored[first + r], stored[first + pair + r]
+            for j in range(half):
+                arranged[2 * j * pair + r] = (low[j] & 15) | ((high[j] & 15) << 4)  # column 2j
+                arranged[(2 * j + 1) * pair + r] = (low[j] >> 4) | (high[j] & 0xF0)  # column 2j + 1
 
 
 @functools.cache
-def _int2_pairs() -> torch.Tensor:
-    """[65536] int32, indexed by a 2-bit stored byte of row i (low 8 bits) and the same byte of row
-    i + rows/2 (high 8 bits): the four arranged int4 bytes of their four columns, column t in byte
-    t (little-endian, as the CPUs torch's int4 kernel runs on are), row i's level + 8 in the low
-    nibble and the other row's in the high one."""
-    index = torch.arange(1 << 16, dtype=torch.int32)
-    out = torch.zeros(1 << 16, dtype=torch.int32)
+def _int2_pairs() -> np.ndarray:
+    """[65536] uint32, indexed by a 2-bit stored byte of row i (low 8 bits) and the same byte of
+    row i + rows/2 (high 8 bits): the four arranged int4 bytes of their four columns, column t in
+    bits 8t to 8t + 7, row i's level + 8 in the low nibble and the other row's in the high one."""
+    index = np.arange(1 << 16, dtype=np.uint32)
+    out = np.zeros(1 << 16, dtype=np.uint32)
     for t in range(4):
         low, high = ((index >> 2 * t) & 3) + INT2_TO_INT4, ((index >> 8 + 2 * t) & 3) + INT2_TO_INT4
         out |= (low | high << 4) << 8 * t
     return out
 
 
-def _arrange_int2(stored: torch.Tensor, rows: int) -> torch.Tensor:
-    """`_arrange` of 2-bit stored bytes [N, K/4] (four codes a byte, lowest first), re-coded to
-    int4 on the way by one table look-up per pair of bytes: [N, K/2] bytes."""
+@numba.njit(cache=True, nogil=True)
+def _arrange_int2(stored: np.ndarray, rows: int, pairs: np.ndarray, out: np.ndarray) -> None:
+    """`_arrange_int4` of 2-bit stored bytes [N, K/4] (four codes a byte, lowest first), re-coded
+    to int4 on the way by one look-up in `pairs` (`_int2_pairs`) per pair of stored bytes; `out`
+    is [N, K/2]."""
     n, quarter = stored.shape
-    low, high = stored.view(n // rows, 2, rows // 2, quarter).unbind(1)  # each [blocks, rows/2, K/4]
-    four = _int2_pairs()[low.int().bitwise_or_(high.int() << 8)]  # [blocks, rows/2, K/4] int32
-    return four.view(torch.uint8).view(n // rows, rows // 2, 4 * quarter).transpose(1, 2).contiguous().view(n, -1)
+    pair = rows // 2
+    for block in range(n // rows):
+        first = block * rows
+        arranged = out[first:first + rows].reshape(-1)
+        for r in range(pair):
+            low, high = stored[first + r], stored[first + pair + r]
+            for j in range(quarter):
+                four = pairs[np.int32(low[j]) | (np.int32(high[j]) << 8)]
+                for t in range(4):
+                    arranged[(4 * j + t) * pair + r] = (four >> (8 * t)) & 255
+
+
+def _arrange(stored: torch.Tensor, rows: int, stored_bits: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Stored int4 ([N, K/2] bytes) or int2 ([N, K/4]) codes arranged as torch's CPU int4 kernel
+    packs int4 codes in blocks of `rows` rows, into contiguous uint8 `out` [N, K/2] (new if None).
+    Compiled, and without the GIL: it runs on a transfer thread beside the inference thread."""
+    if out is None:
+        out = torch.empty(stored.shape[0], stored.shape[1] * 4 // stored_bits, dtype=torch.uint8)
+    if not out.is_contiguous():
+        raise ValueError("arranged int4 codes are written into a contiguous tensor")
+    source, target = stored.contiguous().numpy(), out.numpy()
+    if stored_bits == 2:
+        _arrange_int2(source, rows, _int2_pairs(), target)
+    else:
+        _arrange_int4(source, rows, target)
+    return out
 
 
 def pack_for_kernel(matrix: PackedMatrixSpec, stored: torch.Tensor, scale: torch.Tensor, codes: torch.Tensor,
@@ -153,10 +185,8 @@ def pack_for_kernel(matrix: PackedMatrixSpec, stored: torch.Tensor, scale: torch
         if matrix.stored_bits == 2:
             levels += INT2_TO_INT4
         codes.copy_(torch._convert_weight_to_int4pack_for_cpu(levels, 1))
-    elif matrix.stored_bits == 2:
-        codes.copy_(_arrange_int2(stored, rows))
     else:
-        codes.copy_(_arrange(stored, rows))
+        _arrange(stored, rows, matrix.stored_bits, out=codes)
     scales[..., 0].copy_(scale.t())
     scales[..., 1].zero_()
 

@@ -16,7 +16,8 @@ import torch
 from experiments.bench_compressed import bench_compressed
 from experiments.bench_runtime.grid import BenchError
 from offload_runtime.compression.codec import quantize_weight, unpack_codes
-from offload_runtime.compression.kernels import PackedWeights, _arrange, _block_rows, kernel_matrix, pack_for_kernel
+from offload_runtime.compression.kernels import (INT2_TO_INT4, PackedWeights, _arrange, _block_rows, kernel_matrix,
+                                                 pack_for_kernel)
 from offload_runtime.compression.scheme import CompressionError, weight_args
 from offload_runtime.compression.writer import quantize_model
 from offload_runtime.engine.loader import load_offloaded
@@ -64,14 +65,16 @@ def test_a_byte_budget_buys_slots_of_packed_bytes(int4_model):
     assert packed.pool.nbytes <= budget
 
 
+@pytest.mark.parametrize("bits", [4, 2])
 @pytest.mark.parametrize("rows, cols", [(128, 64), (64, 96), (192, 32)])
-def test_our_arrangement_of_codes_is_torchs_packed_layout(rows, cols):
+def test_our_arrangement_of_codes_is_torchs_packed_layout(rows, cols, bits):
     block = _block_rows()
     if block is None:
         pytest.skip("this CPU's int4 layout is not the one we arrange; torch's converter is used instead")
-    stored = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(rows))
-    codes = unpack_codes(stored, 4, rows, cols).to(torch.int32)
-    assert torch.equal(_arrange(stored, block), torch._convert_weight_to_int4pack_for_cpu(codes, 1))
+    generator = torch.Generator().manual_seed(rows)
+    stored = torch.randint(0, 256, (rows, cols * bits // 8), dtype=torch.uint8, generator=generator)
+    levels = unpack_codes(stored, bits, rows, cols).to(torch.int32) + (INT2_TO_INT4 if bits == 2 else 0)
+    assert torch.equal(_arrange(stored, block, bits), torch._convert_weight_to_int4pack_for_cpu(levels, 1))
 
 
 @pytest.mark.parametrize("bits, rows", [(4, 64), (4, 48), (8, 48), (2, 64), (2, 48)])  # int4/int2: whole blocks, and not (torch's converter)

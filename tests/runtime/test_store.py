@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 from pathlib import Path
@@ -66,20 +67,35 @@ def test_host_mode_reads_once_and_serves_from_memory(mixtral, tmp_path):
     store.close()
 
 
-def test_drop_page_cache_advises_and_reads_correct_data(mixtral, monkeypatch):
+def test_drop_page_cache_drops_every_page_it_reads_and_reads_correct_data(mixtral, monkeypatch):
     path, model = mixtral
-    advised = []
-    real = os.posix_fadvise
+    calls = []  # ("read" | advice, fd, offset, length) in order
+    real_advise, real_read = os.posix_fadvise, os.preadv
 
-    def spy(fd: int, offset: int, length: int, advice: int) -> None:
-        advised.append(advice)
-        real(fd, offset, length, advice)
+    def advise(fd: int, offset: int, length: int, advice: int) -> None:
+        calls.append((advice, fd, offset, length))
+        real_advise(fd, offset, length, advice)
 
-    monkeypatch.setattr(os, "posix_fadvise", spy)
+    def read(fd: int, buffers, offset: int) -> int:
+        got = real_read(fd, buffers, offset)
+        calls.append(("read", fd, offset, got))
+        return got
+
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    monkeypatch.setattr(os, "preadv", read)
     with ExpertStore(path, model, drop_page_cache=True) as store:
         assert_store_matches(store, find_moe_layers(model))
-        assert advised and set(advised) == {os.POSIX_FADV_DONTNEED}
-        assert len(advised) == store.num_layers * store.num_experts  # one file, advised after each read
+    assert calls[0][0] == os.POSIX_FADV_RANDOM and calls[0][2:] == (0, 0)  # read-ahead off: one file
+    reads = [i for i, call in enumerate(calls) if call[0] == "read"]
+    assert len(reads) >= store.num_layers * store.num_experts
+    first, *later = reads
+    assert calls[first + 1] == (os.POSIX_FADV_DONTNEED, calls[first][1], 0, 0)  # the whole file, once
+    for i in later:  # then each read's own pages, right after it
+        _, fd, offset, length = calls[i]
+        advice, dropped_fd, start, span = calls[i + 1]
+        assert (advice, dropped_fd) == (os.POSIX_FADV_DONTNEED, fd)
+        assert start % mmap.PAGESIZE == 0 and (start + span) % mmap.PAGESIZE == 0
+        assert start <= offset and offset + length <= start + span < offset + length + mmap.PAGESIZE
 
 
 def rewrite(path: Path, tmp_path: Path, change) -> Path:
