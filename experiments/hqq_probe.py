@@ -9,8 +9,9 @@ expert weight replaced by its dequantised asymmetric-RTN or HQQ levels, the rest
 `prescient quality` then measures beside the real RTN and GPTQ checkpoints:
 
     python -m experiments.hqq_probe --model runs/reference-bench-base --bits 4 --group-size 64 \\
-        --out runs/hqq-probe --json results/hqq-probe-base.json
-    prescient quality --model runs/hqq-probe/hqq-w4g64 --reference runs/reference-bench-base --windows 64 --json ...
+        --out runs/hqq-probe --json results/hqq-probe-base-w4g64.json
+    prescient quality --model runs/hqq-probe/hqq-w4g64 --reference runs/reference-bench-base --windows 64 \\
+        --json results/quality-base-hqq-w4g64.json
 
 The JSON holds, per method, the relative Frobenius error of the expert weights (all layers).
 """
