@@ -2,6 +2,10 @@
 
 Each command is a module of this package with `add_parser(subparsers)` and `run(args)`;
 `prescient train` hands its arguments to LightningCLI, which parses its own YAML.
+
+Exit statuses, set here alone: 0 done; 2 an error the user can act on (`PrescientError`: bad
+input, a write that failed), as one `error:` line; 128 + the signal's number when SIGINT (130) or
+SIGTERM (143) stopped the command, after its cleanup left nothing half-written.
 """
 
 from __future__ import annotations
@@ -9,10 +13,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from cli.args import Parser
-from prescient.errors import PrescientError
+from prescient.errors import PrescientError, StoppedBySignal
 
 log = logging.getLogger("prescient")
 
@@ -67,16 +74,33 @@ def run_command(argv: list[str]) -> None:
     modules[args.command].run(args)
 
 
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """While the command runs, SIGINT and SIGTERM raise `StoppedBySignal` in the main thread (handlers
+    such as Lightning's and uvicorn's chain to or replace these for their own span)."""
+    def stop(signum: int, _frame: object) -> None:
+        raise StoppedBySignal(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        run_command(list(sys.argv[1:] if argv is None else argv))
+        with stop_on_signals():
+            run_command(list(sys.argv[1:] if argv is None else argv))
     except PrescientError as exc:
         log.error("error: %s", " ".join(str(exc).split()))  # one line, whatever the message holds
         raise SystemExit(2) from None
-    except KeyboardInterrupt:
-        log.error("interrupted")
-        raise SystemExit(130) from None
+    except StoppedBySignal as exc:
+        log.error("error: stopped by %s; nothing is left half-written: run the command again (trace and "
+                  "reference-model resume where they stopped)", exc)
+        raise SystemExit(128 + exc.signum) from None
 
 
 if __name__ == "__main__":

@@ -1,12 +1,28 @@
 """`prescient serve`: an OpenAI-compatible HTTP server over the offloading runtime (see
 `offload_runtime.server`): completions and chat (streamed or not), /v1/models, /health and
-Prometheus /metrics of the expert cache and the predictor. Stops gracefully on SIGTERM or Ctrl-C."""
+Prometheus /metrics of the expert cache and the predictor. Stops gracefully on SIGTERM or Ctrl-C.
+Beyond loopback: `--api-key` (or PRESCIENT_API_KEY, kept out of the process list) and HTTPS with
+`--ssl-keyfile` / `--ssl-certfile`."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from cli.args import add_runtime_args, port, positive_int, runtime_options, seconds
+
+API_KEY_ENV = "PRESCIENT_API_KEY"
+
+
+def api_keys(text: str) -> tuple[str, ...]:
+    """`KEY[,KEY...]`: the keys a client may send as `Authorization: Bearer KEY`. Errors never echo a key."""
+    keys = tuple(text.split(","))
+    for n, key in enumerate(keys, 1):
+        if not key or not key.isascii() or not key.isprintable() or any(c.isspace() for c in key):
+            raise argparse.ArgumentTypeError(
+                f"key {n} of {len(keys)} is empty, or holds a space or a character that is not printable ASCII, "
+                f"which a bearer token cannot carry; give keys of printable ASCII (from --api-key or {API_KEY_ENV})")
+    return keys
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -23,6 +39,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="requests waiting for the batch; more are refused with 429 and Retry-After")
     p.add_argument("--shutdown-timeout", type=seconds, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C")
+    p.add_argument("--api-key", type=api_keys, default=os.environ.get(API_KEY_ENV) or None, metavar="KEY[,KEY...]",
+                   help="answer /v1 routes only to clients sending `Authorization: Bearer KEY` (others get 401); "
+                        f"default: ${API_KEY_ENV}, which keeps the keys out of the process list")
+    p.add_argument("--metrics-need-key", action="store_true",
+                   help="put /metrics behind the API key too (default: open, as /health)")
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the PEM private key (with --ssl-certfile)")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the PEM certificate (chain) of the key")
     add_runtime_args(p)
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -38,4 +61,6 @@ def run(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     run_server(host=args.host, port=args.port, log_level=args.log_level, model_dir=args.model,
                predictor=args.predictor, options=runtime_options(args), served_model_name=args.served_model_name,
-               max_batch=args.max_batch, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout)
+               max_batch=args.max_batch, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
+               api_keys=args.api_key or (), metrics_need_key=args.metrics_need_key, ssl_keyfile=args.ssl_keyfile,
+               ssl_certfile=args.ssl_certfile)

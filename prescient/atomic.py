@@ -4,7 +4,9 @@ Where a write lands (`resolve_output`): a symlink is written through to its targ
 stays); a character device (`/dev/null`, a terminal) and the process's own streams
 (`/dev/stdout`, `/dev/stderr`, `/dev/fd/N`) are written in place, appended to, never replaced;
 a directory, a FIFO, a socket or a block device is refused with `OutputPathError`. Commands
-check their output paths with `resolve_output` before any work starts.
+check their output paths with `resolve_output` before any work starts. A write that fails (a full
+disk, a file-size limit, a read-only file system) is an `OutputWriteError` naming the path and the
+cause (`write_errors`), and leaves the target as it was.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from prescient.errors import OutputPathError
+from safetensors import SafetensorError
+
+from prescient.errors import OutputPathError, OutputWriteError
 
 log = logging.getLogger(__name__)
 
 _STREAM = re.compile(r"^/dev/(stdout|stderr|fd/\d+)$|^/proc/self/fd/\d+$")
+_OS_ERROR = re.compile(r"os error (\d+)")  # how safetensors' Rust side names the OS error it met
 _NOT_A_FILE = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket",
                stat.S_ISBLK: "a block device"}
 
@@ -69,25 +74,44 @@ def check_folder(folder: Path, target: Path) -> None:
 
 
 @contextmanager
+def write_errors(target: str | os.PathLike) -> Iterator[None]:
+    """Turn a write under `target` that fails (an OSError, or safetensors' error for one) into an
+    `OutputWriteError` naming `target`, the cause and the file it failed on."""
+    try:
+        yield
+    except OSError as exc:
+        raise OutputWriteError(_cannot_write(target, exc.strerror or str(exc), exc.filename)) from exc
+    except SafetensorError as exc:
+        code = _OS_ERROR.search(str(exc))
+        raise OutputWriteError(_cannot_write(target, os.strerror(int(code[1])) if code else str(exc))) from exc
+
+
+def _cannot_write(target: str | os.PathLike, cause: str, filename: str | os.PathLike | None = None) -> str:
+    where = f" ({filename})" if filename is not None and os.fspath(filename) != os.fspath(target) else ""
+    return f"cannot write {target}: {cause}{where}; free space or choose another path, then run the command again"
+
+
+@contextmanager
 def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path to write; on success its bytes land on `target` (see
     `resolve_output`): renamed onto a file, or copied into a device or stream."""
     real, in_place = resolve_output(target)
     folder = None if in_place else real.parent
-    if folder is not None:
-        folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=folder)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    try:
-        yield tmp_path
-        if in_place:
-            _copy_into(tmp_path, real)
-        else:
-            os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would
-            os.replace(tmp_path, real)
-    finally:
-        tmp_path.unlink(missing_ok=True)
+    with write_errors(target):
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=folder)
+        os.close(fd)
+        tmp_path = Path(tmp)
+        try:
+            yield tmp_path
+            if in_place:
+                _copy_into(tmp_path, real)
+            else:
+                os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would
+                os.replace(tmp_path, real)
+        finally:
+            tmp_path.unlink(missing_ok=True)
 
 
 def _copy_into(source: Path, stream: Path) -> None:

@@ -1,5 +1,7 @@
 """Exceptions with messages that tell the user what to do."""
 
+import signal
+
 
 class PrescientError(Exception):
     """Base class of every error this project raises on purpose."""
@@ -44,3 +46,22 @@ class CapacityError(PrescientError, ValueError):
 
 class OutputPathError(PrescientError):
     """An output path names something that cannot be written as a file (a directory, a FIFO...)."""
+
+
+class OutputWriteError(PrescientError):
+    """Writing an output failed (a full disk, a file-size limit, a read-only file system, a folder that
+    cannot hold files); nothing half-written is left where the finished output belongs."""
+
+
+class TLSFilesError(PrescientError):
+    """The server's TLS key and certificate are not both given, cannot be read, or do not match."""
+
+
+class StoppedBySignal(BaseException):
+    """SIGINT or SIGTERM stopped the command. Raised in the main thread by the handlers `cli.main`
+    installs, so every `finally` and `except BaseException` cleans up as for Ctrl-C; a BaseException
+    (as KeyboardInterrupt is) so that `except Exception` does not swallow it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum

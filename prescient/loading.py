@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from accelerate import init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from transformers import (
     AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig, PreTrainedModel,
@@ -62,6 +63,11 @@ def check_model_dir(path: Path) -> list[Path]:
     if not isinstance(config, dict):
         raise ModelFilesError(f"{path / 'config.json'} holds a JSON {type(config).__name__}, not an object of "
                               "settings; restore the model directory")
+    try:  # transformers' own checks of each field's type
+        AutoConfig.from_pretrained(path)
+    except StrictDataclassError as exc:
+        raise ModelFilesError(f"{path / 'config.json'}: {exc}; correct the field or restore the model directory"
+                              ) from None
     return weight_files(path)
 
 

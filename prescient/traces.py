@@ -41,7 +41,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
-from prescient.atomic import write_atomic, write_json_atomic
+from prescient.atomic import write_atomic, write_errors, write_json_atomic
 from prescient.errors import TraceError
 from prescient.fingerprint import ModelFingerprint
 
@@ -125,7 +125,8 @@ class TraceWriter:
 
     def __init__(self, trace_dir: str | Path, manifest: TraceManifest):
         self.dir = Path(trace_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        with write_errors(self.dir):
+            self.dir.mkdir(parents=True, exist_ok=True)
         for leftover in self.dir.glob(".*.tmp"):  # temporaries of a killed write; never listed
             leftover.unlink()
         self.manifest = manifest

@@ -10,13 +10,14 @@ bench  base with every expert widened by zero rows/columns (configs/reference/be
 All are ordinary Hugging Face model directories. A finished directory carries
 `reference.json` (recipe, validation-loss curve, routing statistics); a later call with the
 same recipe returns it at once. Training checkpoints to `DIR/.train/` as it goes, so an
-interrupted build (a crash, Ctrl-C) resumes where it stopped when run again.
+interrupted build (a crash, Ctrl-C, SIGTERM, a full disk) resumes where it stopped when run again.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, PreTrainedTokenizerFast
 
-from prescient.atomic import write_json_atomic
+from prescient.atomic import write_errors, write_json_atomic
 from training.reference_lm import (CORPORA, CheckpointOnInterrupt, MoECausalLM, PackedCorporaData, StepStatus,
                                    TrainClock, ValidationCurve, corpus_texts)
 from training.reference_recipe import ReferenceModelError, read_recipe, recipe
@@ -64,10 +65,11 @@ def build_reference_model(size: str = "tiny", out: str | Path | None = None, rec
     if cached(out, spec):
         log.info("reference model %s already built in %s", name, out)
         return out
-    if "base" in spec:
-        widen_experts(build_reference_model(spec["base"], out.parent / f"{out.name}-base"), out, spec)
-    else:
-        train_reference(out, spec, name)
+    with write_errors(out):  # a full disk, a folder that cannot hold files: one error naming `out`
+        if "base" in spec:
+            widen_experts(build_reference_model(spec["base"], out.parent / f"{out.name}-base"), out, spec)
+        else:
+            train_reference(out, spec, name)
     return out
 
 
@@ -107,9 +109,7 @@ def train_reference(out: Path, spec: dict, name: str) -> None:
         trainer.validate(module, datamodule=data, verbose=False)
     module.model.eval()
     stats = routing_statistics(module.model, data.train_windows[: 4 * train["val_windows"]], data.val_sets[0])
-    out.mkdir(parents=True, exist_ok=True)
-    module.model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    _save_into(out, module.model, tokenizer)
     report = {
         "recipe": spec,
         "size": name,
@@ -150,6 +150,21 @@ def _tokenizer(work: Path, spec: dict, fresh: bool) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def _save_into(out: Path, *parts) -> None:
+    """`save_pretrained` each of `parts` (model, tokenizer) into a hidden folder of `out`, then move
+    each file into `out`: a write that fails (a full disk) leaves no torn file there."""
+    staging = out / ".saving"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        for part in parts:
+            part.save_pretrained(staging)
+        for file in staging.iterdir():
+            os.replace(file, out / file.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def load_shares(counts: torch.Tensor) -> list[list[float]]:
     """Per layer, each expert's share of the top-k selections."""
     return (counts.float() / counts.sum(dim=1, keepdim=True).clamp(min=1)).tolist()
@@ -172,8 +187,6 @@ def widen_experts(base_dir: Path, out: Path, spec: dict) -> None:
         experts.down_proj = torch.nn.Parameter(torch.cat([down, torch.zeros(*down.shape[:2], wide - narrow)], dim=2))
         experts.intermediate_dim = wide
     model.config.intermediate_size = wide
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(base_dir).save_pretrained(out)
+    _save_into(out, model, AutoTokenizer.from_pretrained(base_dir))
     base_report = json.loads((base_dir / REPORT).read_text())
     write_json_atomic(out / REPORT, {**base_report, "recipe": spec, "size": "bench", "base": str(base_dir)})

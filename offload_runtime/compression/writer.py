@@ -12,7 +12,8 @@ the source serves it.
 Streaming: one tensor is read at a time (its file mapped only while it is read) and the output
 is written in shards of at most `SHARD_BYTES`, so memory holds one shard, never the model (GPTQ
 excepted: its calibration runs the whole model, in float32). The output is built in a hidden folder
-beside `out` and renamed into place when complete; an interrupted run leaves `out` untouched.
+beside `out` and renamed into place when complete; an interrupted run, or one whose writes fail (a
+full disk: an `OutputWriteError`), leaves `out` untouched.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from offload_runtime.compression.codec import quantize_weight
 from offload_runtime.compression.gptq import DAMP, gptq_experts
 from offload_runtime.compression.scheme import BITS, CompressionError, config_dict, weight_args
 from prescient.arch import find_moe_layers
-from prescient.atomic import write_json_atomic
+from prescient.atomic import write_errors, write_json_atomic
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import (check_model_dir, checkpoint_names, load_model, load_without_experts, model_class,
                                tensor_keys)
@@ -126,22 +127,23 @@ def quantize_model(model_dir: str | Path, out: str | Path, bits: int, group_size
     _fixed_mmap_threshold()
     work = out.parent / f".{out.name}.partial"
     shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    try:
-        sizes = _write_shards(files, experts, args, work, chosen)
-        _copy_side_files(model_dir, work, args, experts)
-        report = _report(model_dir, work, bits, args, method, sizes)
-        if method == "gptq":
-            report["calibration"] = {"source": calibration.source, "windows": len(calibration.windows),
-                                     "seq_len": calibration.windows.shape[1], "damp": DAMP}
-        report["seconds"] = round(time.perf_counter() - start, 2)
-        write_json_atomic(work / REPORT, report)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        work.rename(out)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
+    with write_errors(out):
+        work.mkdir(parents=True)
+        try:
+            sizes = _write_shards(files, experts, args, work, chosen)
+            _copy_side_files(model_dir, work, args, experts)
+            report = _report(model_dir, work, bits, args, method, sizes)
+            if method == "gptq":
+                report["calibration"] = {"source": calibration.source, "windows": len(calibration.windows),
+                                         "seq_len": calibration.windows.shape[1], "damp": DAMP}
+            report["seconds"] = round(time.perf_counter() - start, 2)
+            write_json_atomic(work / REPORT, report)
+            if out.exists():
+                out.rmdir()  # empty, checked above
+            work.rename(out)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
     log.info("wrote %s: experts %.1f MiB → %.1f MiB in %.1f s", out, sizes["source_expert_bytes"] / 2**20,
              sizes["expert_bytes"] / 2**20, report["seconds"])
     return report

@@ -9,8 +9,9 @@ returns an ASGI app: mount it, run it with any ASGI server, or call `run_server(
 lifespan); `GET /health` answers 503 until the model and predictor are loaded, 200 after.
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream`), `GET
-/v1/models`, `GET /health`, `GET /metrics` (Prometheus). Errors a client causes are 4xx with
-OpenAI's error body; a full queue is 429 with `Retry-After`. A client that disconnects cancels
+/v1/models`, `GET /health`, `GET /metrics` (Prometheus). With `api_keys`, the /v1 routes (and
+/metrics with `metrics_need_key`) answer 401 unless a key comes as a bearer token (`auth`). Errors a
+client causes are 4xx with OpenAI's error body; a full queue is 429 with `Retry-After`. A client that disconnects cancels
 its request at the next decode step. Shutdown (SIGTERM, Ctrl-C): uvicorn stops accepting, lets
 in-flight requests finish for `shutdown_timeout` seconds, cancels the rest; then the inference,
 transfer and hash-building threads stop.
@@ -19,6 +20,7 @@ transfer and hash-building threads stop.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import re
 import signal
@@ -31,13 +33,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.authentication import AuthenticationMiddleware
 
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.server import schemas
+from offload_runtime.server.auth import APIKeys, unauthorized
 from offload_runtime.server.handlers import serve_request
 from offload_runtime.server.metrics import CONTENT_TYPE
 from offload_runtime.server.service import ClientError, ServeConfig, Service
 from predictor.base import ExpertPredictor
+from prescient.errors import TLSFilesError
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +67,10 @@ def create_app(model_dir: str | Path, predictor: str | Path | ExpertPredictor | 
 
     app = FastAPI(title="moe-prescient", lifespan=lifespan)
     app.state.service = service
+    if service.config.api_keys:
+        guarded = ("/v1", "/metrics") if service.config.metrics_need_key else ("/v1",)
+        app.add_middleware(AuthenticationMiddleware, backend=APIKeys(service.config.api_keys, guarded),
+                           on_error=unauthorized)
 
     @app.exception_handler(ClientError)
     async def client_error(_request: Request, exc: ClientError) -> JSONResponse:
@@ -115,16 +124,29 @@ def create_app(model_dir: str | Path, predictor: str | Path | ExpertPredictor | 
     return app
 
 
-def run_server(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **app_args) -> None:
-    """Serve `create_app(**app_args)` with uvicorn until SIGTERM or Ctrl-C, then shut down
-    gracefully and return (exit status 0). A model that cannot load stops the server and its
-    error is raised here."""
+def run_server(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", ssl_keyfile: str | None = None,
+               ssl_certfile: str | None = None, **app_args) -> None:
+    """Serve `create_app(**app_args)` with uvicorn (over HTTPS with `ssl_keyfile` and `ssl_certfile`)
+    until SIGTERM or Ctrl-C, then shut down gracefully and return (exit status 0). A model that
+    cannot load stops the server and its error is raised here."""
     import uvicorn
 
+    if (ssl_keyfile is None) != (ssl_certfile is None):
+        raise TLSFilesError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     app = create_app(**app_args)
     service: Service = app.state.service
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                           timeout_graceful_shutdown=service.config.shutdown_timeout))
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=service.config.shutdown_timeout, ssl_keyfile=ssl_keyfile,
+                            ssl_certfile=ssl_certfile)
+    try:
+        config.load()  # reads the certificate and key now: a bad one is one error, not a traceback in uvicorn
+    except OSError as exc:  # ssl.SSLError included
+        raise TLSFilesError(f"cannot use the TLS key {ssl_keyfile} with the certificate {ssl_certfile}: "
+                            f"{exc.strerror or exc}; give a PEM key and the PEM certificate that matches it") from None
+    if not service.config.api_keys and not _loopback(host):
+        log.warning("serving on %s with no API key: anyone who reaches port %d can use the model; give "
+                    "`prescient serve` --api-key (or its environment variable)", host, port)
+    server = uvicorn.Server(config)
     service.on_load_error = lambda _exc: setattr(server, "should_exit", True)
     # uvicorn re-raises the signal that stopped it once it is done, under the handler it found:
     # with these, a graceful stop ends in a normal return instead of death by that signal
@@ -139,3 +161,11 @@ def run_server(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info
             signal.signal(sig, handler)
     if service.load_error is not None:
         raise service.load_error
+
+
+def _loopback(host: str) -> bool:
+    """Whether `host` binds this machine's loopback interface only."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return host == "localhost"

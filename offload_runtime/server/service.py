@@ -33,6 +33,8 @@ class ServeConfig:
     max_batch: int = 16  # requests decoded together
     max_queue: int = 64  # requests waiting beyond the batch; more are refused with 429
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish at shutdown
+    api_keys: tuple[str, ...] = ()  # with any, /v1 routes answer 401 unless one is sent as a bearer token
+    metrics_need_key: bool = False  # /metrics behind the keys too (else open, as /health)
 
     @property
     def name(self) -> str:

@@ -29,10 +29,14 @@ def free_port() -> int:
 class Running:
     url: str  # http://127.0.0.1:PORT
     app: object
+    api_key: str = "unused"  # what `client` sends
 
     @property
     def client(self) -> OpenAI:
-        return OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        return self.client_with(self.api_key)
+
+    def client_with(self, api_key: str) -> OpenAI:
+        return OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics by name and labels, e.g. 'prescient_requests_total{...}'."""
@@ -56,7 +60,7 @@ class Running:
 @contextmanager
 def serve(model_dir, **options) -> Iterator[Running]:
     """Start `create_app(model_dir, **options)` under uvicorn in a thread; wait for /health; stop
-    it (and its runtime threads) afterwards."""
+    it (and its runtime threads) afterwards. With `api_keys`, the client sends the first."""
     options.setdefault("served_model_name", MODEL)
     app = create_app(model_dir, **options)
     port = free_port()
@@ -77,7 +81,7 @@ def serve(model_dir, **options) -> Iterator[Running]:
                 raise app.state.service.load_error
             assert time.monotonic() < deadline, "the server did not become ready"
             time.sleep(0.05)
-        yield Running(url, app)
+        yield Running(url, app, *options.get("api_keys", ())[:1])
     finally:
         server.should_exit = True
         thread.join(30)
