@@ -150,6 +150,7 @@ class ExpertCache:
             )
 
     def contains(self, key: Key) -> bool:
+        """Whether `key` is resident now."""
         with self._lock:
             key_id = self._ids.get(key)
             return key_id is not None and bool(self.state.resident[key_id])
@@ -161,6 +162,7 @@ class ExpertCache:
             return int(self.state.counters[state.RESIDENT])
 
     def resident(self) -> frozenset[Key]:
+        """The keys resident now."""
         with self._lock:
             keys = self._keys
             return frozenset(keys[i] for i in np.flatnonzero(self.state.resident[: len(keys)]).tolist())
@@ -229,9 +231,12 @@ class ExpertCache:
             self.state.pins[self._ids[key]] += 1
 
     def unpin(self, key: Key) -> None:
+        """Release one pin of `key` (see `unpin_many`)."""
         self.unpin_many((key,))
 
     def unpin_many(self, keys: Sequence[Key]) -> None:
+        """Release one pin of each key, so the policy may evict it again; a key that is not
+        pinned is an error."""
         with self._lock:
             pins = self.state.pins
             ids = [self._ids.get(key) for key in keys]

@@ -139,6 +139,8 @@ class ExpertPredictor(ABC):
 
     @classmethod
     def from_artifact(cls: type[P], meta: PredictorMeta, tensors: dict[str, torch.Tensor]) -> P:
+        """The predictor an artifact's meta and `tensors` (as `tensors()` wrote them) describe;
+        kinds that have no artifact refuse."""
         raise PredictorError(f"a {cls.kind!r} predictor cannot be loaded from an artifact")
 
 

@@ -29,7 +29,7 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
     fields as keywords, are a shorthand for `options=RuntimeOptions(**settings)`). `predictor`
     (an artifact path, or a predictor) drives SiDA-style prefetching; one built for another
     model is a `FingerprintMismatchError`. `transfer_workers` copies run at once (on our CPU
-    machine two made no measurable difference to decode speed from disk; see the README). With
+    machine two made no measurable difference to decode speed from disk; see docs/results). With
     `link_timing` (e.g. `experiments.timing_calibration.load_timing(...).timing`) a predicted
     expert is prefetched only if its copy can end before its layer runs; the others are left to
     demand loads. With `next_token_min_chance` (a predictor with forecast heads) prefetching
