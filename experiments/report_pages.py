@@ -7,7 +7,7 @@ from __future__ import annotations
 from statistics import median
 from typing import Any
 
-from experiments.report import RESULTS, Page, Rows, Table, load, num, pct, spread
+from experiments.report import RESULTS, Headline, Page, Rows, Table, load, num, pct, spread
 
 CODE, DOCS = "stdlib-code", "stdlib-docs"
 W1T = "OMP_NUM_THREADS=1"
@@ -654,3 +654,51 @@ models built like Mixtral. {d['summary']}
 
 PAGES: tuple[Page, ...] = (reference_pages(), demo_page(), predictors_page(), caches_page(), runtime_page(),
                            compressed_page(), serving_page(), batch_page(), archs_page())
+
+
+def _bench(name: str, label: str) -> float:
+    return load(name)["ratios"][label]["tokens_per_s"]
+
+
+def _summary(name: str, model: str, label: str) -> float:
+    return load(name)["summary"][model][label]["tokens_per_s"]
+
+
+def _ppl(name: str) -> str:
+    d = load(name)["datasets"]
+    return f"{pct(d[CODE]['perplexity_increase'])} / {pct(d[DOCS]['perplexity_increase'])}"
+
+
+SAMPLED, MISS = "bench-runtime-base-sampled.json", "bench-compressed-miss-path.json"
+HEADLINES: tuple[Headline, ...] = (
+    Headline("SiDA's hash function: recall@k of the current token's experts (token table beside it)",
+             lambda: f"{num(load('evaluate-base.json')['predictors']['sida']['recall_at_k'], 3)} "
+                     f"({num(load('evaluate-base.json')['predictors']['token']['recall_at_k'], 3)})",
+             "predictors", "evaluate-base.json"),
+    Headline("Learned eviction (SiDA-h8 forecasts) against on-demand LRU, half the experts in memory, measured",
+             lambda: f"{num(_bench(SAMPLED, 'sida8+learned-belady@0.5') / _bench(SAMPLED, 'none+lru@0.5'))}×",
+             "runtime", SAMPLED),
+    Headline("The same with perfect forecasts (the limit is the forecasts)",
+             lambda: f"{num(_bench('bench-runtime-oracle-base.json', 'oracle+learned-belady@0.5') / _bench('bench-runtime-oracle-base.json', 'none+lru@0.5'))}×",
+             "runtime", "bench-runtime-oracle-base.json"),
+    Headline("Offloaded LRU at 50% against accelerate's disk offload",
+             lambda: f"{num(_bench(SAMPLED, 'none+lru@0.5') / load(SAMPLED)['baselines']['accelerate_disk']['tokens_per_s'], 1)}×",
+             "runtime", SAMPLED),
+    Headline("Time-true simulator against the runtime: Spearman, median relative error",
+             lambda: f"{num(load(SAMPLED)['simulator']['agreement']['spearman'], 3)}, "
+                     f"{pct(load(SAMPLED)['simulator']['agreement']['median_relative_error'], 1, signed=False)}",
+             "runtime", SAMPLED),
+    Headline("int4 packed experts in 25% of the bf16 experts' bytes against the whole bf16 model in memory, tokens/s",
+             lambda: f"{num(_summary(MISS, 'int4-packed', 'none+lru@0.25'))} against {num(_summary(MISS, 'bf16', 'all_resident'))}",
+             "compressed", MISS),
+    Headline("int4 GPTQ experts: perplexity change, stdlib-code / stdlib-docs",
+             lambda: _ppl("quality-base-w4-gptq.json"), "compressed", "quality-base-w4-gptq.json"),
+    Headline("Serving: 16 concurrent streaming clients against one, tokens/s (SiDA + LRU, half the experts)",
+             lambda: f"{num(load('bench-serve-base.json')['summary']['sida']['16']['speedup_over_1_client_median'])}×",
+             "serving", "bench-serve-base.json"),
+    Headline("CGOPipe batch decoding against the same runtime without overlap (64 requests)",
+             lambda: f"{num(load('bench-batch.json')['cgopipe_over_sequential'])}×", "batch", "bench-batch.json"),
+    Headline("MoE architectures of transformers offloaded exactly",
+             lambda: (lambda rows: f"{sum(r['status'] == 'exact' for r in rows)} of {len(rows)}")(load("archs.json")["rows"]),
+             "architectures", "archs.json"),
+)
