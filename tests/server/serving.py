@@ -1,14 +1,19 @@
-"""Start a real server on a free localhost port: uvicorn in a thread over a tiny model directory, driven
-through HTTP (the official `openai` client, httpx). No part of the model or runtime is mocked."""
+"""Start a real server on a free localhost port: uvicorn in a thread over a tiny model directory (`serve`),
+or `prescient serve` in its own process (`serve_process`), driven through HTTP (the official `openai`
+client, httpx). No part of the model or runtime is mocked."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -17,12 +22,47 @@ from openai import OpenAI
 from offload_runtime.server import create_app
 
 MODEL = "tiny"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until(condition: Callable[[], bool], seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def healthy(url: str, **httpx_args) -> bool:
+    try:
+        return httpx.get(f"{url}/health", **httpx_args).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@contextmanager
+def serve_process(model_dir, port: int, *flags: str, env: dict[str, str] | None = None,
+                  **httpx_args) -> Iterator[subprocess.Popen]:
+    """`prescient serve` as its console script runs it, at `port`, ready (its /health answers 200
+    through `httpx_args`); killed afterwards if still running. Output: `proc.stdout`."""
+    scheme = "https" if "--ssl-certfile" in flags else "http"
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--model", str(model_dir), "--port", str(port),
+                             "--served-model-name", MODEL, "--threads", "1", *flags],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    try:
+        wait_until(lambda: healthy(f"{scheme}://127.0.0.1:{port}", **httpx_args) or proc.poll() is not None, 120)
+        assert proc.poll() is None, proc.stdout.read()
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @dataclass

@@ -5,13 +5,8 @@ the batch at once; a crash of the hash-building thread is counted and serving go
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,37 +15,14 @@ import torch
 from predictor import FrequencyPredictor, PredictorMeta
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_model
-from tests.server.serving import MODEL, free_port, serve
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_until(condition, seconds: float = 20.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health").status_code == 200
-    except httpx.TransportError:
-        return False
+from tests.server.serving import MODEL, free_port, serve, serve_process, wait_until
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_lets_the_running_request_finish_then_exits_0(tiny_moe_dir, sig):
     port = free_port()
-    url = f"http://127.0.0.1:{port}"  # `prescient serve`, as its console script runs it
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--model", str(tiny_moe_dir("mixtral")),
-                             "--port", str(port), "--served-model-name", MODEL, "--threads", "1",
-                             "--shutdown-timeout", "60"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    try:
-        wait_until(lambda: healthy(url) or proc.poll() is not None, 120)
-        assert proc.poll() is None, proc.stdout.read()
+    url = f"http://127.0.0.1:{port}"
+    with serve_process(tiny_moe_dir("mixtral"), port, "--shutdown-timeout", "60") as proc:
         lines = []
         body = {"model": MODEL, "prompt": "x", "max_tokens": 250, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
@@ -69,10 +41,6 @@ def test_signal_lets_the_running_request_finish_then_exits_0(tiny_moe_dir, sig):
         assert "Finished server process" in output and "Traceback" not in output
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{url}/health")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_client_that_disconnects_frees_its_slot(tiny_server):
