@@ -203,9 +203,10 @@ identity alone guesses fewer, and load is balanced, so a cache has little skew t
 smaller and flatter than a production MoE, which bounds how far its numbers carry.
 """, (
         Table("Validation loss of the base recipe", ("reference-base.json",),
-              "prescient reference-model --size bench --out runs/reference-bench (the base recipe, widened)", curve),
+              "prescient reference-model --size bench --out runs/reference-bench", curve,
+              note="`--size bench` trains the base recipe and widens it; this is the base model's own `reference.json`."),
         Table("The recipes tried", ("reference-base.json", "reference-tiny-demo.json", "reference-tiny.json"),
-              "prescient reference-model --size base|tiny (the tiny one as the demo builds it)", recipes),
+              "prescient reference-model --size base|tiny", recipes, note="`reference-tiny-demo.json` is the tiny recipe as the demo builds it."),
         Table("Routing of the base model on held-out stdlib-code", ("routing-base.json",),
               "prescient routing-stats --model runs/reference-bench-base --json results/routing-base.json "
               "--plot results/routing-base.png", lambda: routing_rows(load("routing-base.json")["statistics"]),
@@ -248,8 +249,9 @@ capacity, and prefetching pays for the bytes it moves, so a prefetch's higher hi
 higher speed.
 """, (
         Table("Seconds per step", ("demo-timing-fresh-clone.json", "demo-timing-cold.json", "demo-timing-cached.json"),
-              "prescient demo --out runs/demo (writes DIR/demo-timing-<time>.json; a fresh clone, the README's "
-              "venv, pip and datasets caches warm)", timing),
+              "prescient demo --out runs/demo", timing,
+              note="The demo writes `DIR/demo-timing-<time>.json` itself; each run on a fresh clone with the README's "
+                   "venv, the pip and datasets caches warm, nothing else running."),
         Table("Predictors of the demo's tiny model", ("demo-evaluate-fresh-clone.json",),
               "prescient evaluate --trace runs/demo/traces/validation --predictors sida=...,corr,token,freq,lookahead,oracle",
               lambda: evaluate_rows("demo-evaluate-fresh-clone.json")),
@@ -263,8 +265,8 @@ higher speed.
                    "tokens/s per policy against capacity, at batch sizes 1 and 8."),
         Table("Offloaded generation", ("demo-generate-fresh-clone.json", "demo-generate.json"),
               "prescient generate --model runs/demo/model --predictor runs/demo/predictor/sida --policy "
-              "learned-belady --budget 0.5 --sample 0 --temperature 0.7 --top-p 0.9 (the second JSON: an "
-              "earlier demo, greedy, MRS)", generation),
+              "learned-belady --budget 0.5 --sample 0 --temperature 0.7 --top-p 0.9", generation,
+              note="The second JSON is an earlier demo's: greedy, MRS."),
     ))
 
 
@@ -338,12 +340,13 @@ nothing measurable, so prediction is cheap; its accuracy is the limit.
               "--variants paper,kl,ce1,bce0.1,topk_ce0.1,topk_ce_only", ablation),
         Table("Across corpora", ("cross-dataset.json",),
               "prescient evaluate --model runs/reference-bench-base --trace runs/base-traces/validation --predictors "
-              "token --cross code=...,docs=... (each SiDA trained at most 8 minutes on 300 000 tokens of its corpus)", cross),
+              "token --cross code=...,docs=...", cross,
+              note="Each SiDA trained with configs/predictor/sida.yaml for at most 8 minutes on 300 000 tokens of its corpus."),
         Table("Forecasts of the next tokens' experts", ("evaluate-forecast-base.json",),
               "prescient evaluate --trace runs/base-traces/validation --train-trace runs/base-traces/train "
-              "--predictors sida=runs/base-predictor/sida,sida-h8=runs/forecast-base/sida-h8,token,freq "
-              "(sida-h8: configs/predictor/sida.yaml with --model.horizon 8 --trainer.max_time 00:00:12:00)",
-              lambda: forecast_rows("evaluate-forecast-base.json", "sida-h8")),
+              "--predictors sida=runs/base-predictor/sida,sida-h8=runs/forecast-base/sida-h8,token,freq",
+              lambda: forecast_rows("evaluate-forecast-base.json", "sida-h8"),
+              note="sida-h8 is configs/predictor/sida.yaml trained with `--model.horizon 8 --trainer.max_time 00:00:12:00`."),
         Table("Where a forecast of token t+1 can reach", ("next-token-ceiling-base.json",),
               "python -m experiments.next_token_ceiling --model runs/reference-bench-base --train-trace "
               "runs/base-traces/train --forecaster runs/forecast-base/sida-h8 --in-context --probe-windows 400", ceiling),
@@ -409,6 +412,7 @@ pages, agrees with measured runs.
 
 
 def runtime_page() -> Page:
+    runs = "R (G): the run labels of the table, in order. "
     bench = ("prescient bench --model runs/reference-bench --predictors {p} --runs {r} --new-tokens 24 --prompts 3 "
              "--threads 1 --baselines all_resident,accelerate_disk {x}")
     return Page("runtime", "The offloading runtime", """
@@ -422,16 +426,16 @@ speed within a few percent.
 """, (
         Table("Sampled decoding, 50% and 25% of the experts in slots", ("bench-runtime-base-sampled.json",),
               bench.format(p="none,freq,corr,oracle,sida=runs/base-predictor/sida,sida8=runs/forecast-base/sida-h8",
-                           r="R,R,R (R: the labels below)", x="--sample 0 --hash-cost off --simulate --link-timing "
+                           r="R,R,R", x="--sample 0 --hash-cost off --simulate --link-timing "
                            "results/bench-runtime-oracle-base.json --train-trace runs/base-traces/train"),
-              lambda: bench_rows("bench-runtime-base-sampled.json"), note=bench_note("bench-runtime-base-sampled.json")),
+              lambda: bench_rows("bench-runtime-base-sampled.json"), note=runs + bench_note("bench-runtime-base-sampled.json")),
         Table("Greedy decoding", ("bench-runtime-base-greedy.json",),
-              bench.format(p="none,oracle,sida=runs/base-predictor/sida", r="G,G,G (G: the labels below)", x="--hash-cost sida"),
-              lambda: bench_rows("bench-runtime-base-greedy.json"), note=bench_note("bench-runtime-base-greedy.json")),
+              bench.format(p="none,oracle,sida=runs/base-predictor/sida", r="G,G,G", x="--hash-cost sida"),
+              lambda: bench_rows("bench-runtime-base-greedy.json"), note=runs + bench_note("bench-runtime-base-greedy.json")),
         Table("Learned eviction with forecasts and with perfect forecasts", ("bench-runtime-oracle-base.json",),
-              bench.format(p="none,oracle,sida8=runs/forecast-base/sida-h8", r="R,R,R (R: the labels below)",
+              bench.format(p="none,oracle,sida8=runs/forecast-base/sida-h8", r="R,R,R",
                            x="--sample 0 --hash-cost off --simulate"),
-              lambda: bench_rows("bench-runtime-oracle-base.json"), note=bench_note("bench-runtime-oracle-base.json")),
+              lambda: bench_rows("bench-runtime-oracle-base.json"), note=runs + bench_note("bench-runtime-oracle-base.json")),
     ))
 
 
@@ -557,8 +561,8 @@ here resolves a perplexity gain from it.
 
 
 def serving_page() -> Page:
-    cmd = ("prescient bench-serve --model runs/reference-bench --predictors {p} --policy lru --budget {b} --clients "
-           "1,4,16,64 --repeats 3 --max-tokens 32 --json ... --plot ... ({W1T})")
+    cmd = ("{W1T} prescient bench-serve --model runs/reference-bench --predictors {p} --policy lru --budget {b} --clients "
+           "1,4,16,64 --repeats 3 --max-tokens 32 --json ... --plot ...")
     return Page("serving", "Serving under load", f"""
 The server answers every request under concurrent streaming load (none refused, lost or hung) and
 batching requests together raises throughput with the number of clients. On two CPU cores the
