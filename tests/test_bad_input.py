@@ -2,7 +2,7 @@
 with exit code 2 and one `error:` line naming the bad thing and what to do, no traceback, no
 output file written or replaced, and every input file as it was. Then what an output path may be:
 a symlink is written through, a character device written in place, a FIFO or a directory refused
-before any work."""
+before any work. (Writes that fail part-way, on a full disk, are in test_write_failures.)"""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def world(tmp_path_factory, tiny_moe_dir, tiny_tokenizer, text_corpus) -> dict[s
     (tmp / "sida-torn.safetensors").write_bytes(paths["sida"].with_suffix(".safetensors").read_bytes())
     (tmp / "sida-torn.json").write_text(paths["sida"].with_suffix(".json").read_text()[:100])
     paths["sida_torn"] = tmp / "sida-torn"
-    for name in ("empty", "no_config", "bad_config", "list_config", "reference", "a_dir"):
+    for name in ("empty", "no_config", "bad_config", "list_config", "typed_config", "reference", "a_dir"):
         (tmp / name).mkdir()
         paths[name] = tmp / name
     (tmp / "no_config" / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes())
@@ -136,6 +136,10 @@ def world(tmp_path_factory, tiny_moe_dir, tiny_tokenizer, text_corpus) -> dict[s
     for file in model.iterdir():
         (tmp / "list_config" / file.name).write_bytes(file.read_bytes())
     (tmp / "list_config" / "config.json").write_text('["mixtral"]')
+    for file in model.iterdir():
+        (tmp / "typed_config" / file.name).write_bytes(file.read_bytes())
+    config = json.loads((model / "config.json").read_text())
+    (tmp / "typed_config" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "two"}))
     (tmp / "reference" / "reference.json").write_text('{"recipe": {"tokenizer": ')
     (tmp / "a_file").write_text("mine\n")
     paths["a_file"] = tmp / "a_file"
@@ -184,6 +188,8 @@ def without(args: list[str], option: str) -> list[str]:
 
 
 LONG_PROMPT = "def f(x): return x\n" * 200
+NO_FILES = "/proc/prescient-out"  # procfs: a folder that cannot hold new files (as root too)
+CANNOT_HOLD = r"(cannot write /proc/prescient-out: No such file or directory|folder /proc is not writable)"
 
 # id, argv, what the error line must say (a regex over the line after "error: ")
 CASES = [
@@ -197,6 +203,9 @@ CASES = [
      r"bad_config/config.json is not valid JSON .*; restore"),
     ("generate: config.json not an object", [*without(generate(), "--model"), "--model", "{list_config}"],
      r"list_config/config.json holds a JSON list, not an object of settings; restore"),
+    ("generate: a config.json field of the wrong type", [*without(generate(), "--model"), "--model", "{typed_config}"],
+     r"typed_config/config.json: Validation error for field 'num_hidden_layers': .*expected int, got str .*; "
+     r"correct the field"),
     ("generate: unknown policy", generate("--policy", "bogus"), r"--policy: unknown cache policy 'bogus'; known"),
     ("generate: belady cannot serve", generate("--policy", "belady"), r"'belady' cannot serve: .*serving policies"),
     ("generate: static cannot serve", generate("--policy", "static"), r"'static' cannot serve: .*serving policies"),
@@ -236,6 +245,16 @@ CASES = [
      r"--port: 70000 is not a port in 0..65535"),
     ("serve: negative shutdown timeout", ["serve", "--model", "{model}", "--shutdown-timeout", "-1"],
      r"--shutdown-timeout: -1.0 is not a duration"),
+    ("serve: an API key with a space", ["serve", "--model", "{model}", "--api-key", "sk one"],
+     r"--api-key: key 1 of 1 is empty, or holds a space .*; give keys of printable ASCII \(from --api-key or "
+     r"PRESCIENT_API_KEY\)"),
+    ("serve: an empty key in the list", ["serve", "--model", "{model}", "--api-key", "sk-one,"],
+     r"--api-key: key 2 of 2 is empty"),
+    ("serve: a TLS key without its certificate", ["serve", "--model", "{model}", "--ssl-keyfile", "{a_file}"],
+     r"HTTPS needs both --ssl-keyfile and --ssl-certfile"),
+    ("serve: a TLS certificate that is not one", ["serve", "--model", "{model}", "--ssl-keyfile", "{a_file}",
+                                                   "--ssl-certfile", "{a_file}"],
+     r"cannot use the TLS key .*a_file with the certificate .*a_file: .*; give a PEM key and the PEM certificate"),
     ("bench-serve: request timeout not a number", ["bench-serve", "--model", "{model}", "--request-timeout", "soon",
                                                    "--json", "{out}"],
      r"--request-timeout: 'soon' is not a number of seconds"),
@@ -254,6 +273,8 @@ CASES = [
     ("trace: no logits kept", trace("--top-t", "0"), r"--top-t: 0 must be at least 1"),
     ("trace: --out is a file", [*without(trace(), "--out"), "--out", "{a_file}"],
      r"--out: .*a_file is a file, not a folder; name a folder"),
+    ("trace: --out in a folder that cannot hold files", [*without(trace(), "--out"), "--out", NO_FILES],
+     CANNOT_HOLD),
     ("evaluate: batch size 0", [*without(evaluate(), "--batch-sizes"), "--batch-sizes", "0"],
      r"--batch-sizes: 0 must be at least 1"),
     ("evaluate: no predictors", [*without(evaluate(), "--predictors"), "--predictors", ""],
@@ -292,6 +313,8 @@ CASES = [
     ("quantize: a group size that does not divide", ["quantize", "--model", "{model}", "--bits", "4", "--group-size",
                                                       "24", "--out", "{run}"],
      r"--group-size 24 does not divide the experts' input dimensions \[32\]"),
+    ("quantize: --out in a folder that cannot hold files", ["quantize", "--model", "{model}", "--bits", "4",
+                                                             "--out", NO_FILES], CANNOT_HOLD),
     ("quantize: an already compressed model", ["quantize", "--model", "{int4}", "--bits", "4", "--out", "{run}"],
      r"int4 is already compressed \(its config.json has a quantization_config\); quantise the uncompressed model"),
     ("bench-compressed: a quality file that is not one", ["bench-compressed", "--models", "a={model},b={int4}",
@@ -344,6 +367,8 @@ CASES = [
      r"training.max_steps must be at least 1, not 0"),
     ("reference-model: a learning rate that is not a number", ["reference-model", "--recipe", "{recipe_lr_text}",
      "--out", "{run}"], r"training.lr must be float, not 'fast'"),
+    ("reference-model: --out in a folder that cannot hold files", ["reference-model", "--out", NO_FILES],
+     CANNOT_HOLD),
     ("reference-model: a missing recipe file", ["reference-model", "--recipe", "{tmp}/nowhere.yaml", "--out", "{run}"],
      r"cannot read the recipe .*nowhere.yaml"),
 ]
