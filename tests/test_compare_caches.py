@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,3 +199,32 @@ def test_unknown_predictor_name_and_bad_capacity(traces):
         compare_caches(traces[0], ("lru",), (0.5,), (1,), predictor="sida-that-is-not-there", progress=False)
     with pytest.raises(CompareCachesError, match=r"\(0, 1\]"):
         compare_caches(traces[0], ("lru",), (1.5,), (1,), progress=False)
+
+
+def test_a_timed_comparison_plots_simulated_tokens_per_s(tmp_path, monkeypatch):
+    """The demo's plot shows what a reader should compare: each policy's time-true tokens/s (a
+    count-only prefetch hit rate can sit above Belady's bound), read from the JSON as it is."""
+    import matplotlib.figure
+
+    from experiments.compare_caches import plot_compare_caches
+
+    drawn = []
+    save = matplotlib.figure.Figure.savefig
+
+    def record(fig, *args, **kwargs):
+        drawn.append(fig)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    path = Path(__file__).resolve().parent.parent / "results" / "demo-compare-caches-fresh-clone.json"
+    result = json.loads(path.read_text())
+    assert plot_compare_caches(result, tmp_path / "caches.png").stat().st_size > 0
+    ax = drawn[0].axes[0]
+    assert ax.get_ylabel() == "simulated tokens/s"
+    lines = {line.get_label(): list(line.get_ydata()) for line in ax.lines}
+    b = result["settings"]["batch_sizes"][0]
+    for label, policy, prefetch in (("lru", "lru", False), ("belady (demand bound)", "belady", False),
+                                    ("lru + sida prefetch", "lru", True)):
+        runs = sorted((r for r in result["runs"] if (r["batch_size"], r["policy"], r["prefetch"]) == (b, policy, prefetch)),
+                      key=lambda r: r["capacity"])
+        assert lines[label] == [r["tokens_per_s"] for r in runs]
