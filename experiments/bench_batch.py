@@ -1,16 +1,27 @@
-"""`prescient bench-batch`: CGOPipe batch decoding against its baselines, and the HRM check.
+"""`prescient bench-batch`: the batch schedules against each other and their baselines, Klotski's
+planner against a sweep of group sizes, and the HRM check.
 
-Three throughputs at one policy (N requests, micro-batch size μ, resident expert fraction r_w),
-all decode tokens per second (prefill excluded) over the same requests:
+At each compared policy (N requests, micro-batch size μ, resident expert fraction r_w), the
+same requests decode at the same budget (the slots r_w needs) under
 
-  cgopipe      the CGOPipe loop: experts beyond r_w stream from disk in pages, overlapped
-  sequential   the same runtime and budget decoding its micro-batches one after another
-  resident     plain batched `generate` with every weight resident
+  klotski      Klotski's multi-batch pipeline: the N/μ micro-batches form one group; hot
+               experts from the correlation table during attention, cold ones after the gate
+  cgopipe      MoE-Lightning's CGOPipe: every streamed expert paged in each step
+  zigzag       FlexGen's zig-zag block schedule: a layer's streamed experts loaded once per
+               block of micro-batches, a layer ahead
+  sequential   (at `sequential_at`) the micro-batches one after another, experts on demand
 
-Then the validation of the HRM performance model: over a grid of policies, the CGOPipe loop's
-measured throughput against the model's prediction for this machine's measured hardware profile
-(Spearman rank correlation), and the planner's choice (the grid policy with the best prediction)
-against the best measured one (`planner_gap`: how far below the best it measures).
+in interleaved repeats (A B C A B C ...), each run on a freshly loaded runtime; plus plain
+batched `generate` with every weight resident, once. Each run reports end-to-end tokens/s
+(every generated token over prefill + decode), decode tokens/s, and bytes moved per generated
+token; the summary takes medians and spreads over the repeats.
+
+Klotski's planner (`offload_runtime.planning.klotski`) picks the group size n from this
+machine's measured times (attention, gate, expert compute, expert copy) and the trace's expert
+shares; a sweep of n at one (μ, r_w) measures how far its choice lands below the best n.
+
+The HRM check: over a grid of policies, the CGOPipe loop's measured decode throughput against the
+HRM's prediction (Spearman rank correlation) and the HRM planner's choice against the best.
 
 Every decode is checked token for token against each request generated alone by the plain model.
 The JSON is rewritten after every run, so an interrupted benchmark keeps what it measured.
@@ -47,7 +58,8 @@ class BatchPolicy:
         return f"N={self.requests} μ={self.micro_batch} r_w={self.resident:g}"
 
 
-BATCH_OPTIONS = RuntimeOptions(policy="fifo", drop_page_cache=True)  # CGOPipe chooses what stays resident
+BATCH_OPTIONS = RuntimeOptions(policy="fifo", drop_page_cache=True)  # the schedule chooses what stays resident
+MODES = ("klotski", "cgopipe", "zigzag")
 DEFAULT_GRID = ("8:4:0.5,16:4:0.5,32:4:0.5,32:8:0.5,16:8:0.25,32:8:0.25,32:4:0.25,16:4:0.75,32:16:0.75,8:2:0.75,"
                 "64:16:0.5")
 
@@ -124,8 +136,8 @@ def reference_outputs(model, prompts: list[list[int]], gen_len: int) -> list[lis
 
 
 def measure_resident(model, prompts: list[list[int]], gen_len: int) -> dict[str, Any]:
-    """Plain batched greedy `generate`, all weights resident: decode time is the time of
-    `gen_len` new tokens minus the time of one (prefill and the first token)."""
+    """Plain batched greedy `generate`, all weights resident: end to end, the time of `gen_len`
+    new tokens; decode, that minus the time of one (prefill and the first token)."""
     import torch
 
     width = max(len(p) for p in prompts)
@@ -142,14 +154,47 @@ def measure_resident(model, prompts: list[list[int]], gen_len: int) -> dict[str,
 
     timed(1)  # warm-up
     first, full = timed(1), timed(gen_len)
-    return {"decode_seconds": round(full - first, 4),
-            "tokens_per_s": len(prompts) * (gen_len - 1) / (full - first)}
+    return {"decode_seconds": round(full - first, 4), "prefill_seconds": round(first, 4),
+            "decode_tokens_per_s": len(prompts) * (gen_len - 1) / (full - first),
+            "tokens_per_s": len(prompts) * gen_len / full}
 
 
-def measure_pipe(model_dir: str, prompts: list[list[int]], gen_len: int, policy: BatchPolicy, overlap: bool,
-                 reference: list[list[int]], hot, options: RuntimeOptions) -> dict[str, Any]:
-    """One CGOPipe run of `policy` on the runtime of `options` at the budget r_w needs."""
-    from offload_runtime.cgopipe.pipe import CGOPipe, budget_fraction
+def correlation_table(trace: str | None, correlation: str | None, fingerprint):
+    """Klotski's table: a saved `klotski-correlation` artifact, else built from `trace`, else
+    None (the pipe starts an empty one and learns online)."""
+    from predictor.artifact import load_predictor
+    from predictor.correlation import CorrelationTable
+    from prescient.traces import load_trace
+
+    if correlation is not None:
+        table = load_predictor(correlation)
+        if not isinstance(table, CorrelationTable):
+            raise BenchBatchError(f"{correlation} holds a {table.kind!r} predictor, not a klotski-correlation table")
+        return table
+    if trace is None:
+        return None
+    loaded = load_trace(trace)
+    fingerprint.require_same(loaded.fingerprint, f"trace {trace}")
+    return CorrelationTable.from_trace(loaded, trace_dir=trace)
+
+
+def make_decoder(mode: str, model, policy: BatchPolicy, hot, table, hot_count: int | None):
+    from offload_runtime.cgopipe.klotski import KlotskiPipe
+    from offload_runtime.cgopipe.pipe import CGOPipe
+    from offload_runtime.cgopipe.zigzag import ZigZagDecoder
+
+    if mode == "klotski":
+        return KlotskiPipe(model, policy.resident, table=table, hot_count=hot_count, hot=hot)
+    if mode == "zigzag":
+        return ZigZagDecoder(model, policy.resident, hot=hot)
+    return CGOPipe(model, policy.resident, hot=hot, overlap=mode == "cgopipe")
+
+
+def measure_schedule(model_dir: str, prompts: list[list[int]], gen_len: int, policy: BatchPolicy, mode: str,
+                     reference: list[list[int]], hot, options: RuntimeOptions, table=None,
+                     hot_count: int | None = None) -> dict[str, Any]:
+    """One run of `mode` at `policy` on a fresh runtime of `options` at the budget r_w needs."""
+    from offload_runtime.cgopipe.zigzag import budget_fraction
     from offload_runtime.engine.loader import load_offloaded
 
     n_layers, n_experts = len(hot), len(hot[0])
@@ -158,18 +203,25 @@ def measure_pipe(model_dir: str, prompts: list[list[int]], gen_len: int, policy:
     model = load_offloaded(model_dir, None, options)
     requests = prompts[:policy.requests]
     n_micro = -(-policy.requests // policy.micro_batch)
-    with model.offload_runtime as runtime, CGOPipe(model, policy.resident, hot=hot, overlap=overlap) as pipe:
+    with model.offload_runtime as runtime, make_decoder(mode, model, policy, hot, table, hot_count) as pipe:
         out = pipe.generate(requests, gen_len, micro_batch_size=policy.micro_batch, n_micro=n_micro,
                             pad_token_id=model.config.pad_token_id or 0)
         stats = runtime.stats()
-    return {
-        **asdict(policy), "label": policy.label, "mode": "cgopipe" if overlap else "sequential",
-        "budget_fraction": budget, "tokens_per_s": pipe.stats.decode_tokens_per_s,
+    run = {
+        **asdict(policy), "label": policy.label, "mode": mode, "budget_fraction": budget,
+        "tokens_per_s": pipe.stats.tokens_per_s, "decode_tokens_per_s": pipe.stats.decode_tokens_per_s,
         "decode_seconds": round(pipe.stats.decode_seconds, 4), "prefill_seconds": round(pipe.stats.prefill_seconds, 4),
-        "exact": out == reference[:policy.requests], "bytes_moved": stats.bytes_moved, "loads": stats.loads,
-        "demand_loads": stats.demand_loads, "stall_seconds": stats.stall_seconds, "slots": stats.slots,
+        "generated_tokens": pipe.stats.generated_tokens, "exact": out == reference[:policy.requests],
+        "bytes_moved": stats.bytes_moved, "bytes_per_token": stats.bytes_moved / pipe.stats.generated_tokens,
+        "decode_bytes_per_token": pipe.stats.decode_bytes / max(pipe.stats.decode_tokens, 1),
+        "loads": stats.loads, "demand_loads": stats.demand_loads, "prefetch_hits": stats.prefetch_hits,
+        "wasted_prefetches": stats.wasted_prefetches, "stall_seconds": stats.stall_seconds, "slots": stats.slots,
         "options": options.to_json(),
     }
+    if mode == "klotski":
+        run["hot_count"] = pipe.hot_count
+        run["activated_share"] = sum(pipe.activated_share) / max(len(pipe.activated_share), 1)
+    return run
 
 
 def predicted_decode_tokens_per_s(spec, hardware, prompt_len: int, gen_len: int, policy: BatchPolicy) -> float:
@@ -181,11 +233,16 @@ def predicted_decode_tokens_per_s(spec, hardware, prompt_len: int, gen_len: int,
     return estimate(spec, hardware, Workload(prompt_len, gen_len), hrm_policy).decode_tokens_per_s
 
 
-def bench_batch(model_dir: str, json_path: str, plot_path: str | None, main: BatchPolicy, grid: list[BatchPolicy],
-                sequential_at: list[BatchPolicy], gen_len: int, shortest: int, longest: int, hardware: str | None,
-                trace: str | None, options: RuntimeOptions = BATCH_OPTIONS, dataset: str = "stdlib-code",
-                split: str = "validation", threads: int = 1) -> dict[str, Any]:
-    """`options`: the runtime's (its store and page cache), each run at the budget its r_w needs."""
+def bench_batch(model_dir: str, json_path: str, plot_path: str | None, compared: list[BatchPolicy],
+                grid: list[BatchPolicy], sequential_at: list[BatchPolicy], gen_len: int, shortest: int, longest: int,
+                hardware: str | None, trace: str | None, repeats: int = 3, sweep: tuple[int, float, list[int]] | None = None,
+                correlation: str | None = None, hot_count: int | None = None,
+                options: RuntimeOptions = BATCH_OPTIONS, dataset: str = "stdlib-code", split: str = "validation",
+                threads: int = 1) -> dict[str, Any]:
+    """`compared`: the policies every schedule runs at (the first is the main one, where the
+    all-resident run is measured); `sweep`: (μ, r_w, group sizes n) of Klotski's planner check
+    (None: no sweep); `options`: the runtime's (its store and page cache), each run at the
+    budget its r_w needs."""
     import torch
 
     from experiments.machine import machine_info
@@ -194,28 +251,36 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, main: Bat
     from prescient.fingerprint import fingerprint_model
     from prescient.loading import load_model, load_tokenizer
 
+    from offload_runtime.cgopipe.klotski import check_hot_count
+
+    spec = ModelSpec.from_config(model_dir)
+    if hot_count is not None:  # refused before any work
+        for policy in [*compared, *([BatchPolicy(sweep[0], sweep[0], sweep[1])] if sweep else [])]:
+            check_hot_count(hot_count, spec.num_experts, policy.resident)
     torch.set_num_threads(threads)
-    policies = list(dict.fromkeys([main, *grid, *sequential_at]))
-    sequential = {main, *sequential_at}
-    count = max(p.requests for p in policies)
+    sweep_policies = [BatchPolicy(n * sweep[0], sweep[0], sweep[1]) for n in sweep[2]] if sweep else []
+    count = max(p.requests for p in [*compared, *grid, *sequential_at, *sweep_policies])
     prompts = request_prompts(load_tokenizer(model_dir), count, shortest, longest, dataset, split)
     profile = load_profile(hardware) if hardware else measure_profile(Path(model_dir))
     if hardware is None and profile.gpu is None:  # the link is what our store reads experts at
         profile = dataclasses.replace(profile, disk_to_cpu=store_read_bandwidth(model_dir, options),
                                       notes=profile.notes + "; disk_to_cpu: expert reads of the store")
-    # the plain model serves the reference outputs, the all-resident run and the fingerprint; it
-    # is loaded after the disk measurements and dropped before the offloaded runs, since its
-    # memory-mapped checkpoint would keep the page cache from being dropped
+    # the plain model serves the reference outputs, the all-resident run, the measured times and
+    # the fingerprint; it is loaded after the disk measurements and dropped before the offloaded
+    # runs, since its memory-mapped checkpoint would keep the page cache from being dropped
     plain, layers = load_model(model_dir, dtype=torch.float32)
-    hot = _hot_ranking(fingerprint_model(plain, layers), trace)
-    spec = ModelSpec.from_config(model_dir)
+    fingerprint = fingerprint_model(plain, layers)
+    hot = _hot_ranking(fingerprint, trace)
+    table = correlation_table(trace, correlation, fingerprint)
     mean_prompt = round(sum(len(p) for p in prompts) / len(prompts))
+    main = compared[0]
     result: dict[str, Any] = {
         "settings": {"model": model_dir, "gen_len": gen_len, "prompt_tokens": [shortest, longest],
                      "dataset": f"{dataset}:{split}", "store": options.store,
-                     "drop_page_cache": options.drop_page_cache,
-                     "hot_ranking": trace or "expert id", "main_policy": asdict(main),
-                     "grid": [p.label for p in grid]},
+                     "drop_page_cache": options.drop_page_cache, "repeats": repeats,
+                     "hot_ranking": trace or "expert id", "correlation_table": correlation or trace or "empty, online",
+                     "main_policy": asdict(main), "compared": [p.label for p in compared],
+                     "sequential_at": [p.label for p in sequential_at], "grid": [p.label for p in grid]},
         "machine": machine_info(threads), "hardware_profile": profile.to_dict(), "runs": [],
     }
 
@@ -224,19 +289,39 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, main: Bat
 
     log.info("reference: each of %d requests alone with the plain model", count)
     reference = reference_outputs(plain, prompts, gen_len)
-    resident = measure_resident(plain, prompts[:main.requests], gen_len)
+    result["resident"] = {**asdict(main), **measure_resident(plain, prompts[:main.requests], gen_len)}
+    if sweep:
+        result["klotski_times"] = _klotski_times(plain, layers, spec, profile, sweep[0], mean_prompt + gen_len // 2)
     del plain, layers
-    result["resident"] = {**asdict(main), **resident}
     save()
-    for index, policy in enumerate(policies):
-        modes = (True, False) if policy in sequential else (True,)
-        for overlap in modes:
-            run = measure_pipe(model_dir, prompts, gen_len, policy, overlap, reference, hot, options)
-            run["predicted_tokens_per_s"] = predicted_decode_tokens_per_s(spec, profile, mean_prompt, gen_len, policy)
-            result["runs"].append(run)
-            log.info("[%d/%d] %s %s: %.2f tokens/s (predicted %.2f), exact %s", index + 1, len(policies),
-                     run["mode"], policy.label, run["tokens_per_s"], run["predicted_tokens_per_s"], run["exact"])
-            save()
+
+    def record(run: dict[str, Any], what: str) -> None:
+        result["runs"].append({**run, "part": what})
+        log.info("%s %s %s: %.2f tokens/s end to end, %.2f decode, %.1f MB/token, exact %s", what, run["mode"],
+                 run["label"], run["tokens_per_s"], run["decode_tokens_per_s"], run["bytes_per_token"] / 1e6,
+                 run["exact"])
+        save()
+
+    for repeat in range(repeats):  # interleaved: every schedule at every policy, then again
+        for policy in compared:
+            for mode in MODES + (("sequential",) if policy in sequential_at else ()):
+                run = measure_schedule(model_dir, prompts, gen_len, policy, mode, reference, hot, options, table,
+                                       hot_count)
+                record({**run, "repeat": repeat}, "compared")
+    if sweep:
+        plan = _klotski_plan(result["klotski_times"], table, hot, sweep, hot_count, spec, fingerprint.top_k)
+        result["klotski_plan"] = plan
+        ns = sorted(set(sweep[2]) | {plan["group_size"]})
+        for repeat in range(repeats):
+            for n in ns:
+                policy = BatchPolicy(n * sweep[0], sweep[0], sweep[1])
+                run = measure_schedule(model_dir, prompts, gen_len, policy, "klotski", reference, hot, options, table,
+                                       plan["hot_count"])
+                record({**run, "repeat": repeat, "group_size": n}, "sweep")
+    for policy in grid:
+        run = measure_schedule(model_dir, prompts, gen_len, policy, "cgopipe", reference, hot, options)
+        run["predicted_tokens_per_s"] = predicted_decode_tokens_per_s(spec, profile, mean_prompt, gen_len, policy)
+        record(run, "grid")
     result.update(summary(result))
     save()
     if plot_path:
@@ -246,27 +331,82 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, main: Bat
     return result
 
 
+def _klotski_times(plain, layers, spec, profile, micro_batch: int, context: int) -> dict[str, float]:
+    from offload_runtime.planning.klotski_measure import measure_klotski_times
+
+    return measure_klotski_times(plain, layers, micro_batch, context, spec.expert_bytes,
+                                 profile.link_bandwidth).to_dict()
+
+
+def _klotski_plan(times: dict[str, float], table, hot, sweep: tuple[int, float, list[int]], hot_count: int | None,
+                  spec, top_k: int) -> dict[str, Any]:
+    """Klotski's planner on the measured times and the table's layer shares (uniform without one)."""
+    import torch
+
+    from offload_runtime.planning.klotski import KlotskiTimes, plan_group
+
+    micro_batch, resident_fraction, ns = sweep
+    n_experts = spec.num_experts
+    resident = round(resident_fraction * n_experts)
+    ranked = torch.argsort(-torch.as_tensor(hot, dtype=torch.float64), dim=-1, stable=True).tolist()
+    if table is not None and table.layer0_counts.sum() > 0:
+        counts = torch.cat([table.layer0_counts.sum(0), table.pairs[0].sum(1)])  # [L, E]: layer 0, then 1..L-1
+        shares = (counts / counts.sum(-1, keepdim=True) * top_k).tolist()
+    else:
+        shares = [[top_k / n_experts] * n_experts for _ in ranked]
+    plan = plan_group(KlotskiTimes(**times), shares, [set(order[:resident]) for order in ranked], micro_batch,
+                      max_group=max(ns), top_k=top_k, hot_count=hot_count)
+    return plan.to_dict()
+
+
+def _median_spread(values: list[float]) -> dict[str, Any]:
+    import statistics
+
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
 def summary(result: dict[str, Any]) -> dict[str, Any]:
-    main = result["settings"]["main_policy"]
+    """Medians and spreads per policy and schedule; the ratios the issue's targets name."""
     runs = result["runs"]
-    at_main = {r["mode"]: r for r in runs if all(r[k] == v for k, v in main.items())}
-    grid = [r for r in runs if r["mode"] == "cgopipe" and r["label"] in result["settings"]["grid"]]
-    choice = max(grid, key=lambda r: r["predicted_tokens_per_s"])
-    best = max(grid, key=lambda r: r["tokens_per_s"])
-    cgopipe, sequential = at_main["cgopipe"]["tokens_per_s"], at_main["sequential"]["tokens_per_s"]
-    by_policy = {r["label"]: r["tokens_per_s"] for r in runs if r["mode"] == "cgopipe"}
-    return {
-        "cgopipe_over_sequential_by_policy": {r["label"]: by_policy[r["label"]] / r["tokens_per_s"]
-                                              for r in runs if r["mode"] == "sequential"},
-        "cgopipe_tokens_per_s": cgopipe, "sequential_tokens_per_s": sequential,
-        "resident_tokens_per_s": result["resident"]["tokens_per_s"],
-        "cgopipe_over_sequential": cgopipe / sequential,
-        "cgopipe_over_resident": cgopipe / result["resident"]["tokens_per_s"],
-        "spearman": spearman([r["predicted_tokens_per_s"] for r in grid], [r["tokens_per_s"] for r in grid]),
-        "planner_choice": choice["label"], "best_measured": best["label"],
-        "planner_gap": 1 - choice["tokens_per_s"] / best["tokens_per_s"],
-        "all_exact": all(r["exact"] for r in runs), "grid_size": len(grid),
-    }
+    by_policy: dict[str, Any] = {}
+    for label in result["settings"]["compared"]:
+        mine = [r for r in runs if r["part"] == "compared" and r["label"] == label]
+        modes = {}
+        for mode in dict.fromkeys(r["mode"] for r in mine):
+            of = [r for r in mine if r["mode"] == mode]
+            modes[mode] = {key: _median_spread([r[key] for r in of])
+                           for key in ("tokens_per_s", "decode_tokens_per_s", "bytes_per_token", "decode_bytes_per_token")}
+            if mode == "klotski":
+                modes[mode]["activated_share"] = of[0]["activated_share"]
+
+        def ratio(a: str, b: str) -> float:
+            return modes[a]["tokens_per_s"]["median"] / modes[b]["tokens_per_s"]["median"]
+
+        by_policy[label] = {"modes": modes, "klotski_over_cgopipe": ratio("klotski", "cgopipe"),
+                            "cgopipe_over_zigzag": ratio("cgopipe", "zigzag"),
+                            "klotski_over_zigzag": ratio("klotski", "zigzag")}
+        if "sequential" in modes:
+            by_policy[label]["cgopipe_over_sequential"] = ratio("cgopipe", "sequential")
+    out: dict[str, Any] = {"by_policy": by_policy, "all_exact": all(r["exact"] for r in runs)}
+    sweep = [r for r in runs if r["part"] == "sweep"]
+    if sweep:
+        measured = {n: _median_spread([r["tokens_per_s"] for r in sweep if r["group_size"] == n])
+                    for n in sorted({r["group_size"] for r in sweep})}
+        best = max(measured, key=lambda n: measured[n]["median"])
+        chosen = result["klotski_plan"]["group_size"]
+        out["klotski_sweep"] = {"tokens_per_s_by_group_size": measured, "best_group_size": best,
+                                "planner_group_size": chosen,
+                                "planner_gap": 1 - measured[chosen]["median"] / measured[best]["median"]}
+    grid = [r for r in runs if r["part"] == "grid"]
+    if grid:
+        choice = max(grid, key=lambda r: r["predicted_tokens_per_s"])
+        best_run = max(grid, key=lambda r: r["decode_tokens_per_s"])
+        out["hrm"] = {"spearman": spearman([r["predicted_tokens_per_s"] for r in grid],
+                                           [r["decode_tokens_per_s"] for r in grid]),
+                      "planner_choice": choice["label"], "best_measured": best_run["label"],
+                      "planner_gap": 1 - choice["decode_tokens_per_s"] / best_run["decode_tokens_per_s"],
+                      "grid_size": len(grid)}
+    return out
 
 
 def _hot_ranking(fingerprint, trace: str | None) -> list[list[float]]:

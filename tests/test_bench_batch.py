@@ -5,6 +5,7 @@ files and a measured hardware profile."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -30,17 +31,43 @@ def test_bench_batch_end_to_end(tmp_path, tiny_tokenizer):
     model = save_tiny_model(tiny_test_config("mixtral", tiny_tokenizer, num_hidden_layers=4), tmp_path / "model",
                             tokenizer=tiny_tokenizer)
     out = tmp_path / "bench-batch.json"
-    main = BatchPolicy(4, 2, 0.25)
-    grid = [main, BatchPolicy(2, 1, 0.5), BatchPolicy(4, 4, 0.75)]
-    result = bench_batch(str(model), str(out), str(tmp_path / "bench-batch.png"), main, grid,
-                         sequential_at=[BatchPolicy(2, 1, 0.5)], gen_len=3, shortest=3, longest=6,
-                         hardware=None, trace=None)
+    main, other = BatchPolicy(4, 2, 0.25), BatchPolicy(2, 1, 0.5)
+    grid = [main, BatchPolicy(4, 4, 0.75)]
+    result = bench_batch(str(model), str(out), str(tmp_path / "bench-batch.png"), [main, other], grid,
+                         sequential_at=[main], gen_len=3, shortest=3, longest=6, hardware=None, trace=None,
+                         repeats=2, sweep=(1, 0.5, [1, 2]))
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
-    assert result["all_exact"] and result["grid_size"] == 3
-    modes = [(r["label"], r["mode"]) for r in result["runs"]]
-    assert modes.count((main.label, "sequential")) == 1 and len(modes) == 3 + 2
-    for key in ("cgopipe_tokens_per_s", "sequential_tokens_per_s", "resident_tokens_per_s"):
-        assert result[key] > 0
-    assert -1 <= result["spearman"] <= 1 and 0 <= result["planner_gap"] < 1
+    assert result["all_exact"]
+    compared = [(r["label"], r["mode"], r["repeat"]) for r in result["runs"] if r["part"] == "compared"]
+    first = [("klotski", "cgopipe", "zigzag", "sequential"), ("klotski", "cgopipe", "zigzag")]
+    assert compared == [(p.label, mode, repeat) for repeat in (0, 1) for p, modes in zip((main, other), first)
+                        for mode in modes]  # interleaved: every schedule once, then again
+    row = result["by_policy"][main.label]
+    assert set(row["modes"]) == {"klotski", "cgopipe", "zigzag", "sequential"}
+    for stats in row["modes"].values():
+        assert stats["tokens_per_s"]["n"] == 2 and stats["tokens_per_s"]["min"] <= stats["tokens_per_s"]["median"]
+        assert stats["bytes_per_token"]["median"] > 0
+    assert 0 < row["modes"]["klotski"]["activated_share"] <= 1 and row["klotski_over_cgopipe"] > 0
+    sweep = result["klotski_sweep"]
+    assert sweep["planner_group_size"] in (1, 2) and 0 <= sweep["planner_gap"] < 1
+    assert result["klotski_times"]["io_expert"] > 0 and result["klotski_plan"]["hot_count"] >= 0
+    assert result["hrm"]["grid_size"] == 2 and -1 <= result["hrm"]["spearman"] <= 1
     assert result["hardware_profile"]["gpu"] is None and result["hardware_profile"]["disk_to_cpu"] > 0
     assert (tmp_path / "bench-batch.png").stat().st_size > 0
+
+
+def test_bad_group_size_and_hot_count_are_one_error_line(tmp_path, tiny_moe_dir, capsys, caplog):
+    from cli.main import main as prescient
+
+    path = tiny_moe_dir("mixtral")  # 8 experts: at r_w = 0.5, 4 stream
+    for argv, message in ((["--sweep-groups", "0,2"], "group sizes are whole numbers of at least 1"),
+                          (["--policy", "6:4:0.5"], "N must be a multiple of the micro-batch size"),
+                          (["--hot-count", "5", "--compare", "none", "--grid", "none"], "K=5 hot experts")):
+        capsys.readouterr()
+        caplog.clear()
+        with caplog.at_level(logging.INFO), pytest.raises(SystemExit) as exit_:
+            prescient(["bench-batch", "--model", str(path), "--json", str(tmp_path / "out.json"), *argv])
+        logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        lines = [line for line in capsys.readouterr().err.splitlines() + logged if line.startswith("error:")]
+        assert exit_.value.code == 2 and len(lines) == 1 and message in lines[0]
+        assert not (tmp_path / "out.json").exists()

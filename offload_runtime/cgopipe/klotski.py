@@ -48,6 +48,14 @@ class KlotskiError(PrescientError):
     """A Klotski schedule was asked for with a hot-expert count K out of range."""
 
 
+def check_hot_count(hot_count: int, n_experts: int, resident_fraction: float) -> None:
+    """Refuse a K outside 0..(the experts a layer streams at r_w)."""
+    streamed = n_experts - round(resident_fraction * n_experts)
+    if not 0 <= hot_count <= streamed:
+        raise KlotskiError(f"K={hot_count} hot experts: at r_w={resident_fraction:g} a layer streams {streamed} of "
+                           f"{n_experts} experts, so K must lie in 0..{streamed}")
+
+
 class KlotskiPipe(ZigZagDecoder):
     name = "klotski"
 
@@ -58,12 +66,8 @@ class KlotskiPipe(ZigZagDecoder):
         top-k, as Klotski); `hot`: the static ranking that picks the resident experts."""
         super().__init__(model, resident_fraction, hot=hot, attention_device=attention_device,
                          record_events=record_events, arrival_order=True)
-        streamed = self.n_experts - len(self.resident[0])
-        k = self.runtime.top_k if hot_count is None else hot_count
-        if not 0 <= k <= streamed:
-            raise KlotskiError(f"K={k} hot experts: at r_w={resident_fraction:g} a layer streams {streamed} experts, "
-                               f"so K must lie in 0..{streamed}")
-        self.hot_count = k
+        self.hot_count = self.runtime.top_k if hot_count is None else hot_count
+        check_hot_count(self.hot_count, self.n_experts, resident_fraction)
         fingerprint = self.runtime.fingerprint
         if table is None:
             table = CorrelationTable([torch.zeros(self.n_layers - 1, self.n_experts, self.n_experts)],
@@ -73,6 +77,7 @@ class KlotskiPipe(ZigZagDecoder):
             fingerprint.require_same(table.meta.fingerprint, "the correlation table")
         self.table = CorrelationTable([p.clone() for p in table.pairs], table.layer0_counts.clone(), table.meta)
         self.selected: dict[int, torch.Tensor] = {}  # layer → [T, k] the group's choices in the current pass
+        self.activated_share: list[float] = []  # per decode step and layer: share of its experts the group chose
         self._routed: torch.Tensor | None = None
         self._hooks = [layer.router.register_forward_hook(self._record(layer)) for layer in self.runtime.layers]
 
@@ -108,6 +113,8 @@ class KlotskiPipe(ZigZagDecoder):
             mb.hidden = part.reshape(mb.hidden.shape)
         self._log("moe", layer, -1)
         self.selected[layer] = self._routed[_real_rows(micro)]
+        if not self._prefilling:
+            self.activated_share.append(len(torch.unique(self.selected[layer])) / self.n_experts)
         if layer >= 1:
             self.table.update(layer - 1, self.selected[layer - 1], self.selected[layer], self.selected.get(layer - 2))
 

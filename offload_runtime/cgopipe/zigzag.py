@@ -54,6 +54,7 @@ class DecodeStats:
     decode_seconds: float = 0.0
     generated_tokens: int = 0
     decode_tokens: int = 0  # rows × decode steps (the first token comes from prefill)
+    decode_bytes: int = 0  # expert bytes the runtime moved during decode steps
     late_tables: int = 0
 
     @property
@@ -157,7 +158,7 @@ class ZigZagDecoder:
         outputs: list[list[int]] = [[] for _ in prompts]
         for batch in partition_requests(lengths, n_micro, micro_batch_size, max_new_tokens, kv_tokens):
             micro = self._prefill([[prompts[r] for r in requests] for requests in batch], batch, pad_token_id)
-            start = time.perf_counter()
+            start, moved = time.perf_counter(), self.runtime.stats().bytes_moved
             for _ in range(max_new_tokens - 1):
                 if all(eos.intersection(row) for mb in micro for row in mb.out):
                     break
@@ -167,6 +168,7 @@ class ZigZagDecoder:
                 self._step_done(micro)
                 self.stats.decode_tokens += sum(len(mb.requests) for mb in micro)
             self.stats.decode_seconds += time.perf_counter() - start
+            self.stats.decode_bytes += self.runtime.stats().bytes_moved - moved
             for mb in micro:
                 for row, request in enumerate(mb.requests):
                     outputs[request] = _until_eos(mb.out[row], eos)
