@@ -26,9 +26,10 @@ only fused experts run this way. Mixed precision's slots come in two tiers (`Pac
 slots, then int4 ones), each expert parameter a `PackedWeights` over both.
 
 When a layer selects more experts than slots exist (a long prefill under a small budget), or the
-runtime computes experts in arrival order (CGOPipe), the experts run in groups given by the
-runtime's `parts`, each group on its own tokens, and the outputs are combined as the model
-combines them.
+runtime computes experts as their copies land (EPS-MoE's expert pipeline, CGOPipe), the experts
+run in groups given by the runtime's `parts`, each (token, choice) row at routing weight one;
+the outputs are then weighted and summed as the model's own experts code does (`_combine`), so
+that bf16, where a sum of partial sums rounds differently from one sum, stays bit-identical.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ class ExpertSlots(Protocol):
 
     def parts(self, layer: int, experts: list[int],
               device: torch.device) -> Iterator[tuple[list[int], torch.Tensor]]: ...
+
+    def landed(self, layer: int, experts: list[int]) -> bool: ...
 
 
 def twin(module: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
@@ -141,6 +144,17 @@ class OffloadedExperts(_Offloaded):
         slot_twin = _fused_twin(layer, buffers, runtime.pool.num_slots, packed or [])
         super().__init__(layer, set(expert_spec(layer)[0].shapes), buffers, slot_twin, runtime)
         self._weightless = torch.arange(layer.num_choices - layer.num_experts) + runtime.pool.num_slots
+        self._k = layer.top_k
+        # choice columns per row when experts run per (token, choice): transformers' dispatching
+        # experts take one, so each expert's matmul has the model's rows (float32 GEMMs round by row
+        # count); other experts code may index k columns (LongCat's squeezes them), and gets the model's k
+        self._columns = 1 if self._implementation is not None else self._k
+
+    @property
+    def _implementation(self) -> str | None:
+        """transformers' experts implementation the twin dispatches to (read at each call: a user
+        may `set_experts_implementation`); None for experts code of its own."""
+        return getattr(getattr(self._twin, "config", None), "_experts_implementation", None)
 
     def _ids(self, slots: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
         """Expert and weightless ids → slot ids and the ids after the slots."""
@@ -150,30 +164,52 @@ class OffloadedExperts(_Offloaded):
         weighted = top_k_index < self.num_experts
         experts = torch.unique(top_k_index[weighted]).tolist()
         device = top_k_index.device
-        if len(experts) <= self._runtime.pool.num_slots and not self._runtime.arrival_order:
+        sums_in_router_order = self._implementation in ("batched_mm", "grouped_mm")
+        # one call of the twin on slot ids sums as the model does, unless the eager loop adds more
+        # than two outputs a token: it adds in expert-id order, and slot order is not expert order
+        if (len(experts) <= self._runtime.pool.num_slots and (sums_in_router_order or self._k <= 2)
+                and (not self._runtime.arrival_order or self._runtime.landed(self.layer, experts))):
             with self._runtime.use(self.layer, experts, device) as slots:
                 return self._twin(hidden_states, self._ids(slots, top_k_index), top_k_weights)
-        # each group of experts runs on its own (token, choice) rows, the weightless choices last;
-        # then every token's k outputs are summed in router order, as transformers' batched and
-        # grouped kernels sum them
+        # each group of experts runs on its own (token, choice) rows at routing weight one, the
+        # weightless choices last; the outputs are then weighted and summed as the model's own code
+        # does (`_combine`): a sum of partial sums rounds differently in bf16
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        per_choice = flat.new_zeros(*top_k_index.shape, flat.shape[-1])
+        unweighted = flat.new_zeros(*top_k_index.shape, flat.shape[-1])
 
         def run(rows: torch.Tensor, slots: torch.Tensor) -> None:
-            # each (token, choice) row as a token of its own, with the model's k columns: the choice, then
-            # the same id at weight zero (adds exact zeros; some experts code, e.g. LongCat's, needs k > 1)
+            # each (token, choice) row as a token of its own: the choice at weight one, then (`_columns`
+            # > 1) the same id at weight zero, adding exact zeros
             token, choice = torch.nonzero(rows, as_tuple=True)
-            ids = self._ids(slots, top_k_index[token, choice]).unsqueeze(1).expand(-1, top_k_index.shape[1])
-            weights = torch.zeros(len(token), top_k_index.shape[1], dtype=top_k_weights.dtype, device=device)
-            weights[:, 0] = top_k_weights[token, choice]
+            ids = self._ids(slots, top_k_index[token, choice]).unsqueeze(1).expand(-1, self._columns)
+            weights = torch.zeros(len(token), self._columns, dtype=top_k_weights.dtype, device=device)
+            weights[:, 0] = 1
             out = self._twin(flat[token], ids, weights)
-            per_choice[token, choice] = out.reshape(len(token), -1).to(per_choice.dtype)
+            unweighted[token, choice] = out.reshape(len(token), -1).to(unweighted.dtype)
 
         for part, slots in self._runtime.parts(self.layer, experts, device):
             run(torch.isin(top_k_index, torch.tensor(part, device=device)), slots)
         if not weighted.all():
             run(~weighted, self._runtime.pool.map.table[self.layer].to(device))
-        return per_choice.sum(dim=1).to(hidden_states.dtype).reshape(hidden_states.shape)
+        combined = self._combine(unweighted, top_k_index, top_k_weights, sums_in_router_order)
+        return combined.reshape(hidden_states.shape)
+
+    @staticmethod
+    def _combine(unweighted: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 sums_in_router_order: bool) -> torch.Tensor:
+        """Each token's k expert outputs [N, k, H] weighted and summed as the model's experts code
+        sums them: transformers' batched and grouped kernels weight in the promoted dtype (a float32
+        router weight makes it float32), sum the k in router order and round once; the eager loop
+        rounds each weighted output to the hidden dtype and adds them in expert-id order."""
+        weighted = unweighted * top_k_weights.unsqueeze(-1)
+        if sums_in_router_order:
+            return weighted.sum(dim=1).to(unweighted.dtype)
+        weighted = weighted.to(unweighted.dtype)
+        order = torch.argsort(top_k_index, dim=1, stable=True)
+        total = torch.zeros_like(weighted[:, 0])
+        for j in range(order.shape[1]):
+            total += weighted.gather(1, order[:, j, None, None].expand(-1, 1, weighted.shape[-1])).squeeze(1)
+        return total
 
 
 class OffloadedDenseExperts(_Offloaded):

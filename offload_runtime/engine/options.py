@@ -62,7 +62,9 @@ class RuntimeOptions:
     are stored finer, e.g. int8 per channel beside this model's int4; needs packed slots; None:
     off), `fine_share` (the share of the budget's bytes in fine slots), `precision_rule` (what
     picks a loaded expert's copy: "router", its router weight; "forecast", the predictor's chance
-    that coming tokens use it; "hotness", its use count so far; see `cache.tiered`)."""
+    that coming tokens use it; "hotness", its use count so far; see `cache.tiered`),
+    `expert_pipeline` (EPS-MoE: a layer's resident experts compute while its misses are copied,
+    then each miss as it lands; False: the layer waits for all its copies first)."""
 
     policy: str = "lru"
     budget: Budget = Budget(0.5, "fraction")
@@ -78,6 +80,7 @@ class RuntimeOptions:
     fine_model: str | None = None
     fine_share: float = 0.25
     precision_rule: str = "router"  # the best of the three on the bench (README)
+    expert_pipeline: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str):
@@ -87,8 +90,9 @@ class RuntimeOptions:
         object.__setattr__(self, "budget", Budget.of(self.budget))
         if self.store not in STORES:
             raise OptionsError(f"store must be one of {', '.join(STORES)}, got {self.store!r}")
-        if not isinstance(self.drop_page_cache, bool):
-            raise OptionsError(f"drop_page_cache must be True or False, got {self.drop_page_cache!r}")
+        for flag in ("drop_page_cache", "expert_pipeline"):
+            if not isinstance(getattr(self, flag), bool):
+                raise OptionsError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         object.__setattr__(self, "device", str(check_device(self.device)))
         _whole("transfer_workers", self.transfer_workers, 1)
         if self.prefetch_per_layer is not None:
@@ -146,4 +150,4 @@ class RuntimeOptions:
                 "link_timing": self.link_timing.to_dict() if self.link_timing is not None else None,
                 "next_token_min_chance": self.next_token_min_chance, "dtype": self.dtype,
                 "slot_format": self.slot_format, "fine_model": self.fine_model, "fine_share": self.fine_share,
-                "precision_rule": self.precision_rule}
+                "precision_rule": self.precision_rule, "expert_pipeline": self.expert_pipeline}

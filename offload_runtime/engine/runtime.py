@@ -101,7 +101,7 @@ class OffloadRuntime:
                                       len(layers), self.n_experts, self.top_k, self._on_evict)
         stores = [store] if fine_store is None else [fine_store, store]  # in the pool's tier order
         self.options = options
-        self.arrival_order = False  # see parts(); CGOPipe turns it on
+        self.arrival_order = options.expert_pipeline  # see parts()
         self._step = -1
         self._tickets: dict[Key, Ticket] = {}
         self.sequence_ids: list | None = None  # serving: each batch row's sequence id (see the module doc)
@@ -205,32 +205,30 @@ class OffloadRuntime:
 
     def parts(self, layer: int, experts: list[int], device: torch.device) -> Iterator[tuple[list[int], torch.Tensor]]:
         """`experts` of `layer` in the groups they compute in, each with the slot table while it
-        is resident and pinned. By default: groups of at most the slot count, each made resident
-        in turn. With `arrival_order` (Klotski): all are requested at once, the resident ones
-        compute first, then each as its copy completes."""
-        if not self.arrival_order:
-            room = self.pool.num_slots
-            for start in range(0, len(experts), room):
-                part = experts[start:start + room]
-                with self.use(layer, part, device) as slots:
+        is resident and pinned: the resident ones first, at most the slot count made resident at a
+        time (a long prefill under a small budget). With `arrival_order` (EPS-MoE's expert
+        pipeline, `RuntimeOptions.expert_pipeline`; CGOPipe turns it on too) the experts whose
+        copies have landed compute while the others' copies run, then each as it lands; without
+        it, a group computes once all its copies are in."""
+        resident_first = sorted(experts, key=lambda e: self.pool.map.slot_of((layer, e)) is None)
+        room = self.pool.num_slots
+        for start in range(0, len(resident_first), room):
+            part = resident_first[start:start + room]
+            with self.use(layer, part, device, wait=not self.arrival_order) as slots:
+                if not self.arrival_order:
                     yield part, slots
-            return
-        with self.use(layer, experts, device, wait=False) as slots:
-            pending = {}
-            for e in experts:
-                future = self._tickets[(layer, e)].future
-                if not future.done():
-                    pending[future] = e
-            group = [e for e in experts if e not in pending.values()]
-            while True:
-                if group:
-                    for e in group:
-                        self.engine.wait((layer, e))  # a CUDA copy's event; re-raises a failed copy
-                    yield group, slots
-                if not pending:
-                    return
-                done = futures.wait(list(pending), return_when=futures.FIRST_COMPLETED).done
-                group = [pending.pop(future) for future in done]
+                    continue
+                waiting = [(layer, e) for e in part]
+                while waiting:
+                    landed = [key for key in waiting if self.engine.ready(key)] or self.engine.wait_any(waiting)
+                    for key in landed:
+                        self.engine.wait(key)  # a CUDA copy's event; re-raises a failed copy
+                    waiting = [key for key in waiting if key not in landed]
+                    yield [e for _, e in landed], slots
+
+    def landed(self, layer: int, experts: list[int]) -> bool:
+        """Whether every one of `experts` of `layer` is in its slot, its copy done."""
+        return all(self.engine.ready((layer, e)) for e in experts)
 
     def prefetch(self, keys: list[Key], priority: float = 0.0) -> list[Key]:
         """Insert `keys` that are not resident (a prefetch: not an access; none of `keys` is

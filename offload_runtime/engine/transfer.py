@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent import futures
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -169,6 +170,29 @@ class TransferEngine:
                 self._stats.stall_seconds += time.perf_counter() - start
         if ticket.event is not None:
             torch.cuda.current_stream(self.pool.device).wait_event(ticket.event)
+
+    def wait_any(self, keys: Sequence[Key]) -> list[Key]:
+        """Block until at least one of `keys`' requested copies is done (each of them still queued
+        as a prefetch is raised to a demand load first); return the keys whose copies are done.
+        `wait` on each of them then raises a failed or cancelled copy (and orders CUDA streams)."""
+        start = time.perf_counter()
+        with self._cond:
+            self._raise_failure()
+            waiting: dict[Future, Key] = {}
+            for key in keys:
+                ticket = self._tickets.get(key)
+                if ticket is None:
+                    raise TransferError(f"expert {key} was never requested; call request() first")
+                if not ticket.demand and not ticket.future.done() and not ticket.future.running():
+                    ticket.demand = True
+                    self._push(ticket)
+                waiting[ticket.future] = key
+        try:
+            done = futures.wait(list(waiting), return_when=futures.FIRST_COMPLETED).done
+        finally:
+            with self._cond:
+                self._stats.stall_seconds += time.perf_counter() - start
+        return [waiting[future] for future in done]
 
     def ready(self, key: Key) -> bool:
         """Whether `key`'s last requested copy has finished, without blocking."""
