@@ -1,4 +1,4 @@
-"""`prescient plan`: choose a MoE-Lightning policy (N, μ, attention place, r_w, r_c) for a model,
+"""`prescient plan`: choose a MoE-Lightning policy (N, μ, attention place, FFN place, r_w, r_c) for a model,
 hardware and workload with the HRM; print it with its predicted throughput, and write the
 policy, prediction, per-layer time breakdown, memory use and the inputs as JSON with `--json`."""
 
@@ -57,4 +57,12 @@ def summary(record: dict) -> str:
         f"decode layer: T = {step['layer_seconds'] * 1e3:.1f} ms ({step['bottleneck']}-bound; {tiers}); "
         f"step {step['seconds']:.2f} s, prefill {prefill['seconds']:.1f} s",
         f"memory: {memory}",
+        *([turning(record["turning_points"])] if record["turning_points"] else []),
     ])
+
+
+def turning(points: dict) -> str:
+    """MoE-Lightning's turning points of the FFN, in one line."""
+    where = {"cpu": "better on the CPU (F_g=0)", "link": "bound by the CPU→GPU link", "gpu": "bound by the GPU"}
+    return (f"FFN intensity {points['intensity_cpu']:.1f} FLOP/byte of streamed experts: {where[points['region']]} "
+            f"(turning points P1 {points['p1']:.1f}, P2 {points['p2']:.1f}; balance {points['balance']:.2f}, 1 = balanced)")

@@ -9,12 +9,19 @@ parallel, so a layer takes T = max(T_link, T_cpu, T_gpu) (Eq. 12), each tier the
 ops (Eq. 13). The link is full duplex: T_link = max(into the compute device, GPU → CPU).
 
 A policy (N, μ, attention place, FFN place, r_w, r_c) processes N requests in N/μ micro-batches.
+The dense weights (projections, router, LM head) sit on the GPU when there is one; the MoE FFN
+runs where F_g says: on the GPU (F_g = 1, streamed experts cross the link) or on the CPU beside
+it (F_g = 0: the experts stay in CPU memory and compute there; the hidden states cross instead).
 The paper says the optimiser "minimises T"; T alone favours tiny batches, so the quantity to
 maximise is throughput, N tokens per decode step (`Estimate.decode_tokens_per_s`), or over a
 whole workload with the prefill (`Estimate.tokens_per_s`, what `predict` returns).
 
 On a machine without GPU the CPU runs attention and the FFN (their times add in T_cpu) and the
 link is disk → CPU memory, the slow tier of experts that are not resident.
+
+`turning_points` gives the paper's turning points (Eq. 9, 10) and balance point (Eq. 11) of a
+policy's MoE FFN: where, by its operational intensity over the CPU-resident expert bytes, the FFN
+is better computed on the CPU, bound by the link, or bound by the GPU.
 """
 
 from __future__ import annotations
@@ -223,9 +230,9 @@ class Policy:
         """Raise BatchPolicyError unless `hardware` can run this policy as modelled."""
         if hardware.gpu is None and "gpu" in (self.attention_on, self.ffn_on):
             raise BatchPolicyError(f"{hardware.name} has no GPU: use attention_on='cpu', ffn_on='cpu'")
-        if hardware.gpu is not None and self.ffn_on != "gpu":
-            raise BatchPolicyError("with a GPU the expert FFN runs on it (the paper's F_g=1); the FFN on the CPU "
-                              "beside a GPU is not modelled")
+        if hardware.gpu is not None and self.ffn_on == "cpu" and self.r_w:
+            raise BatchPolicyError(f"r_w={self.r_w} with the FFN on the CPU beside a GPU (F_g=0): the experts stay in "
+                                   "CPU memory and compute there; use r_w=0")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -301,22 +308,36 @@ class Estimate:
                 "prefill": self.prefill.to_dict()}
 
 
-def _projection_ops(spec: ModelSpec, where: str, tokens: float, n_mb: int, mb_tokens: float) -> list[Op]:
+def dense_on(hardware: HardwareProfile) -> str:
+    """Where the dense weights (projections, router, LM head) live and compute: the GPU if any."""
+    return "cpu" if hardware.gpu is None else "gpu"
+
+
+def experts_stream(hardware: HardwareProfile, policy: Policy) -> bool:
+    """Whether streamed experts cross the link: not when they compute in CPU memory beside a GPU (F_g=0)."""
+    return policy.r_w < 1 and not (hardware.gpu is not None and policy.ffn_on == "cpu")
+
+
+def _projection_ops(spec: ModelSpec, dense: str, ffn: str, tokens: float, n_mb: int, mb_tokens: float) -> list[Op]:
     """The weight-bound ops of a layer for `tokens` tokens in `n_mb` micro-batches of
-    `mb_tokens`: every micro-batch reads the weights it uses once."""
+    `mb_tokens`, the dense ones on `dense`, the experts on `ffn`: every micro-batch reads the
+    weights it uses once. The FFN away from the dense weights gets its hidden states over the
+    link and sends its output back."""
     h, b = spec.hidden_size, spec.bytes_per_param
     qkv = spec.q_dim + 2 * spec.kv_dim
     ops = [
-        Op("qkv_proj", where, 2 * tokens * h * qkv, (n_mb * h * qkv + tokens * (h + qkv)) * b),
-        Op("o_proj", where, 2 * tokens * spec.q_dim * h, (n_mb * spec.q_dim * h + tokens * (spec.q_dim + h)) * b),
-        Op("router", where, 2 * tokens * h * spec.num_experts, (n_mb * h * spec.num_experts + tokens * h) * b),
-        Op("experts", where, 6 * tokens * spec.top_k * h * spec.intermediate_size,
+        Op("qkv_proj", dense, 2 * tokens * h * qkv, (n_mb * h * qkv + tokens * (h + qkv)) * b),
+        Op("o_proj", dense, 2 * tokens * spec.q_dim * h, (n_mb * spec.q_dim * h + tokens * (spec.q_dim + h)) * b),
+        Op("router", dense, 2 * tokens * h * spec.num_experts, (n_mb * h * spec.num_experts + tokens * h) * b),
+        Op("experts", ffn, 6 * tokens * spec.top_k * h * spec.intermediate_size,
            n_mb * expected_experts(mb_tokens, spec.num_experts, spec.top_k) * spec.expert_bytes
            + 2 * tokens * h * b),
     ]
     if spec.shared_intermediate_size:
         i_s = spec.shared_intermediate_size
-        ops.append(Op("shared_expert", where, 6 * tokens * h * i_s, (n_mb * 3 * h * i_s + 2 * tokens * h) * b))
+        ops.append(Op("shared_expert", ffn, 6 * tokens * h * i_s, (n_mb * 3 * h * i_s + 2 * tokens * h) * b))
+    if ffn != dense:
+        ops += [Op("ffn_in_to_cpu", "link_back", 0, tokens * h * b), Op("ffn_out_to_gpu", "link", 0, tokens * h * b)]
     return ops
 
 
@@ -324,40 +345,40 @@ def decode_ops(spec: ModelSpec, hardware: HardwareProfile, workload: Workload, p
     """One layer of one decode step for all N requests, at the average context."""
     n, b = policy.n_requests, spec.bytes_per_param
     ctx = workload.decode_context
-    compute = policy.ffn_on
-    ops = _projection_ops(spec, compute, n, policy.n_micro_batches, policy.micro_batch)
+    dense = dense_on(hardware)
+    ops = _projection_ops(spec, dense, policy.ffn_on, n, policy.n_micro_batches, policy.micro_batch)
     ops.append(Op("attention", policy.attention_on, 4 * n * spec.q_dim * ctx,
                   n * (ctx * 2 * spec.kv_dim + 2 * spec.q_dim) * b))
-    if policy.attention_on != compute:  # CPU attention beside a GPU: q, k, v go down, the output comes back
+    if policy.attention_on != dense:  # CPU attention beside a GPU: q, k, v go down, the output comes back
         ops.append(Op("qkv_to_cpu", "link_back", 0, n * (spec.q_dim + 2 * spec.kv_dim) * b))
         ops.append(Op("attn_out_to_gpu", "link", 0, n * spec.q_dim * b))
     elif hardware.gpu is not None and policy.r_c < 1:
         ops.append(Op("kv_to_gpu", "link", 0, (1 - policy.r_c) * n * ctx * 2 * spec.kv_dim * b))
-    if policy.r_w < 1:
+    if experts_stream(hardware, policy):
         ops.append(Op("expert_weights", "link", 0, (1 - policy.r_w) * spec.layer_expert_bytes))
     return ops
 
 
 def prefill_ops(spec: ModelSpec, hardware: HardwareProfile, workload: Workload, policy: Policy) -> list[Op]:
-    """One layer of the prefill for all N prompts. All of it runs on the compute device (prompt
-    attention is compute-bound); the KV cache not kept on the GPU is written back to the CPU."""
+    """One layer of the prefill for all N prompts. Its attention runs beside the dense weights
+    (prompt attention is compute-bound); the KV cache not kept on the GPU is written back to the CPU."""
     n, s, b = policy.n_requests, workload.prompt_len, spec.bytes_per_param
-    compute = policy.ffn_on
-    ops = _projection_ops(spec, compute, n * s, policy.n_micro_batches, policy.micro_batch * s)
-    ops.append(Op("attention", compute, 2 * n * spec.q_dim * s * (s + 1),  # causal: s(s+1)/2 scores, 2 matmuls
+    dense = dense_on(hardware)
+    ops = _projection_ops(spec, dense, policy.ffn_on, n * s, policy.n_micro_batches, policy.micro_batch * s)
+    ops.append(Op("attention", dense, 2 * n * spec.q_dim * s * (s + 1),  # causal: s(s+1)/2 scores, 2 matmuls
                   n * s * (2 * spec.q_dim + 2 * spec.kv_dim) * b))
     if hardware.gpu is not None and policy.r_c < 1:
         ops.append(Op("kv_to_cpu", "link_back", 0, (1 - policy.r_c) * n * s * 2 * spec.kv_dim * b))
-    if policy.r_w < 1:
+    if experts_stream(hardware, policy):
         ops.append(Op("expert_weights", "link", 0, (1 - policy.r_w) * spec.layer_expert_bytes))
     return ops
 
 
-def head_op(spec: ModelSpec, policy: Policy) -> Op:
-    """Embedding lookup, final norm and LM head for one token of each request."""
+def head_op(spec: ModelSpec, policy: Policy, where: str) -> Op:
+    """Embedding lookup, final norm and LM head for one token of each request, on `where`."""
     n, h, v = policy.n_requests, spec.hidden_size, spec.vocab_size
     nbytes = (policy.n_micro_batches * v * h + n * (2 * h + v)) * spec.bytes_per_param
-    return Op("lm_head", policy.ffn_on, 2 * n * h * v, nbytes)
+    return Op("lm_head", where, 2 * n * h * v, nbytes)
 
 
 def stage_time(spec: ModelSpec, hardware: HardwareProfile, ops: list[Op], head: Op) -> StageTime:
@@ -373,7 +394,7 @@ def stage_time(spec: ModelSpec, hardware: HardwareProfile, ops: list[Op], head: 
 def estimate(spec: ModelSpec, hardware: HardwareProfile, workload: Workload, policy: Policy) -> Estimate:
     """The HRM's prediction for `policy`, with the per-layer breakdown of decode and prefill."""
     policy.fit(hardware)
-    head = head_op(spec, policy)
+    head = head_op(spec, policy, dense_on(hardware))
     decode = stage_time(spec, hardware, decode_ops(spec, hardware, workload, policy), head)
     prefill = stage_time(spec, hardware, prefill_ops(spec, hardware, workload, policy), head)
     total = prefill.seconds + (workload.gen_len - 1) * decode.seconds
@@ -384,3 +405,44 @@ def estimate(spec: ModelSpec, hardware: HardwareProfile, workload: Workload, pol
 def predict(spec: ModelSpec, hardware: HardwareProfile, workload: Workload, policy: Policy) -> float:
     """Predicted generation throughput (tokens/s over the workload, prefill included)."""
     return estimate(spec, hardware, workload, policy).tokens_per_s
+
+
+@dataclass(frozen=True)
+class TurningPoints:
+    """MoE-Lightning's turning points (Eq. 9, 10) and balance point (Eq. 11) for the MoE FFN of
+    one decode layer, level i the GPU, level j the CPU memory holding the streamed experts.
+    Intensities are FLOPs per byte; `region` names what bounds the FFN at this policy."""
+
+    intensity_cpu: float  # I^j: FFN FLOPs per byte of streamed expert weights (in CPU memory)
+    intensity_gpu: float  # I^i: FFN FLOPs per byte the GPU reads doing it
+    p1: float  # Eq. 9: below this I^j, computing on the CPU beats moving the weights to the GPU
+    p2: float  # Eq. 10: below this I^j, the link bounds the FFN on the GPU
+    balance: float  # B^{j,i}·I^j / (B^i·I^i): 1 at the balance point (Eq. 11)
+
+    @property
+    def region(self) -> str:
+        if self.intensity_cpu < self.p1:
+            return "cpu"  # F_g = 0 pays
+        return "link" if self.intensity_cpu < self.p2 else "gpu"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "region": self.region}
+
+
+def turning_points(spec: ModelSpec, hardware: HardwareProfile, policy: Policy) -> TurningPoints | None:
+    """The FFN's turning and balance points at `policy` (F_g = 1, some experts streamed); None
+    without a GPU (the disk under a CPU-only machine computes nothing) or with nothing streamed."""
+    if hardware.gpu is None or policy.r_w >= 1:
+        return None
+    n = policy.n_requests
+    flops = 6 * n * spec.top_k * spec.hidden_size * spec.intermediate_size
+    gpu_bytes = (policy.n_micro_batches * expected_experts(policy.micro_batch, spec.num_experts, spec.top_k)
+                 * spec.expert_bytes + 2 * n * spec.hidden_size * spec.bytes_per_param)
+    i_cpu = flops / ((1 - policy.r_w) * spec.layer_expert_bytes)
+    i_gpu = flops / gpu_bytes
+    cpu, gpu, link = hardware.cpu, hardware.gpu, hardware.link_bandwidth
+    return TurningPoints(
+        intensity_cpu=i_cpu, intensity_gpu=i_gpu,
+        p1=min(cpu.peak_flops, cpu.memory_bandwidth * i_cpu) / link,
+        p2=min(gpu.peak_flops, gpu.memory_bandwidth * i_gpu) / link,
+        balance=link * i_cpu / (gpu.memory_bandwidth * i_gpu))

@@ -1,5 +1,6 @@
 """A MoE-Lightning plan for a model, hardware and workload: the HRM's best policy with its
-predicted throughput, per-layer time breakdown, memory use and the inputs, as one record."""
+predicted throughput, per-layer time breakdown, memory use, the FFN's turning and balance points
+and the inputs, as one record."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from offload_runtime.planning.hardware import load_profile, parse_size
-from offload_runtime.planning.hrm import ModelSpec, Workload
+from offload_runtime.planning.hrm import ModelSpec, Workload, turning_points
 from offload_runtime.planning.planner import SearchSpace, search
 
 
@@ -35,4 +36,5 @@ def make_plan(hardware: str, model_config: str | Path, prompt_len: int, gen_len:
         "memory": {"use": dataclasses.asdict(plan.usage), "gpu_bytes": profile.gpu and profile.gpu.memory_bytes,
                    "cpu_bytes": profile.cpu.memory_bytes},
         **plan.best.to_dict(),
+        "turning_points": points.to_dict() if (points := turning_points(spec, profile, plan.policy)) else None,
     }

@@ -9,7 +9,9 @@ Memory, per policy (`Limits.usage`):
 - CPU memory beside a GPU holds the streamed expert weights and the rest of the KV cache;
 - the disk under a CPU-only machine is unbounded;
 - an optional expert budget caps resident + double-buffered expert bytes, as the offload
-  runtime's `--budget` does.
+  runtime's `--budget` does;
+- with the FFN on the CPU beside a GPU (F_g = 0), every expert stays in CPU memory and none on
+  the GPU (r_w = 0).
 
 Every usage is affine in r_w (the resident share grows, the streamed share and its double buffer
 shrink) and throughput never falls as r_w grows, so `search` takes, for each (N, μ, placement,
@@ -58,7 +60,8 @@ class Limits:
     def usage(self, policy: Policy) -> MemoryUse:
         spec, workload = self.spec, self.workload
         streamed = (1 - policy.r_w) * spec.layer_expert_bytes
-        experts = policy.r_w * spec.expert_total_bytes + 2 * streamed
+        ffn_beside_gpu = self.hardware.gpu is not None and policy.ffn_on == "cpu"  # F_g = 0
+        experts = 0.0 if ffn_beside_gpu else policy.r_w * spec.expert_total_bytes + 2 * streamed
         kv = policy.n_requests * workload.max_context * spec.kv_bytes_per_token
         activations = max(2 * spec.activation_bytes(policy.micro_batch),
                           spec.activation_bytes(policy.micro_batch * workload.prompt_len))
@@ -129,8 +132,15 @@ class SearchSpace:
         return [round(i * step, 9) for i in range(int(round(1 / step)) + 1)]
 
     def placements(self, hardware: HardwareProfile) -> list[tuple[str, str]]:
-        """(attention_on, ffn_on) choices: the FFN on the GPU when there is one."""
-        return [("cpu", "gpu"), ("gpu", "gpu")] if hardware.gpu is not None else [("cpu", "cpu")]
+        """(attention_on, ffn_on) choices: with a GPU, each of A_g and F_g either way."""
+        if hardware.gpu is None:
+            return [("cpu", "cpu")]
+        return [("cpu", "gpu"), ("gpu", "gpu"), ("cpu", "cpu"), ("gpu", "cpu")]
+
+    @staticmethod
+    def weights_grid(hardware: HardwareProfile, ffn_on: str, step: float) -> list[float]:
+        """r_w choices: none with the FFN on the CPU beside a GPU (the experts stay there)."""
+        return [0.0] if hardware.gpu is not None and ffn_on == "cpu" else SearchSpace.grid(step)
 
     def policies(self, hardware: HardwareProfile) -> Iterator[Policy]:
         """Every policy of the space, feasible or not (what `search` prunes)."""
@@ -138,7 +148,7 @@ class SearchSpace:
             for mu in self.micro_batches():
                 for n in self.request_counts(mu):
                     for r_c in self.grid(self.rc_step) if attention_on == "gpu" else [0.0]:
-                        for r_w in self.grid(self.rw_step):
+                        for r_w in self.weights_grid(hardware, ffn_on, self.rw_step):
                             yield Policy(n, mu, attention_on, ffn_on, r_w, r_c)
 
     def to_dict(self) -> dict[str, Any]:
@@ -186,7 +196,11 @@ def search(spec: ModelSpec, hardware: HardwareProfile, workload: Workload, *,
             for n in space.request_counts(mu):
                 fits = False
                 for r_c in space.grid(space.rc_step) if attention_on == "gpu" else [0.0]:
-                    r_w = limits.max_r_w(Policy(n, mu, attention_on, ffn_on, 0.0, r_c), space.rw_step)
+                    at_zero = Policy(n, mu, attention_on, ffn_on, 0.0, r_c)
+                    if space.weights_grid(hardware, ffn_on, space.rw_step) == [0.0]:
+                        r_w = None if limits.check(at_zero) else 0.0
+                    else:
+                        r_w = limits.max_r_w(at_zero, space.rw_step)
                     if r_w is None:
                         continue
                     fits = True

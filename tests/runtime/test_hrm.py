@@ -89,7 +89,7 @@ def test_throughput_counts_prefill_and_gen_len_minus_one_steps():
     assert est.decode_tokens_per_s == pytest.approx(4 / est.decode.seconds)
     assert predict(TINY, WITH_GPU, workload, policy) == est.tokens_per_s
     assert est.decode.seconds == pytest.approx(est.decode.layer_seconds + est.decode.head_seconds)
-    assert head_op(TINY, policy).flops == 2 * 4 * 4 * 10
+    assert head_op(TINY, policy, "gpu").flops == 2 * 4 * 4 * 10
 
 
 def test_resident_experts_shorten_a_link_bound_step():
@@ -108,8 +108,42 @@ def test_policy_errors():
         Policy(4, 2, "cpu", "gpu", r_c=0.5)
     with pytest.raises(BatchPolicyError, match="no GPU"):
         estimate(TINY, CPU_ONLY, Workload(4, 4), Policy(4, 2, "cpu", "gpu"))
-    with pytest.raises(BatchPolicyError, match="not modelled"):
-        estimate(TINY, WITH_GPU, Workload(4, 4), Policy(4, 2, "cpu", "cpu"))
+    with pytest.raises(BatchPolicyError, match="F_g=0"):
+        estimate(TINY, WITH_GPU, Workload(4, 4), Policy(4, 2, "cpu", "cpu", r_w=0.5))
+
+
+def test_ffn_on_the_cpu_beside_a_gpu_moves_hidden_states_not_experts():
+    """F_g = 0: the experts compute where they lie (CPU memory); each token's hidden state goes
+    down and its output comes back; the dense weights stay on the GPU."""
+    ops = {op.name: op for op in decode_ops(TINY, WITH_GPU, Workload(3, 2), Policy(2, 1, "gpu", "cpu"))}
+    assert "expert_weights" not in ops and ops["experts"].tier == "cpu" and ops["qkv_proj"].tier == "gpu"
+    assert (ops["ffn_in_to_cpu"].tier, ops["ffn_in_to_cpu"].nbytes) == ("link_back", 2 * 4)
+    assert (ops["ffn_out_to_gpu"].tier, ops["ffn_out_to_gpu"].nbytes) == ("link", 2 * 4)
+    slow_link = dataclasses.replace(WITH_GPU, cpu_to_gpu=1e3)  # a link so slow that moving experts loses
+    streamed, beside = (estimate(TINY, slow_link, Workload(64, 8), Policy(8, 4, "cpu", ffn)).decode
+                        for ffn in ("gpu", "cpu"))
+    assert beside.layer_seconds < streamed.layer_seconds
+
+
+def test_turning_points_by_hand():
+    """N=8 top-2 on TINY: 6·8·2·4·8 = 3072 FFN FLOPs; all 4 experts (384 B) streamed: I^j = 8;
+    μ=8 touches 4·(1 − 0.5^8) experts, 96 B each, + 64 B of hidden: I^i = 3072/(96·3.984375 + 64).
+    P1 = min(1e11, 1e10·8)/1e9 = 80 > 8: the CPU beats the link. A 5e10 link: P1 = 1.6,
+    P2 = min(1e12, 1e11·I^i)/5e10 = 2·I^i ≈ 13.8 > 8: link-bound. A 1e11 link: P2 = I^i ≈ 6.9 ≤ 8:
+    the GPU's memory binds."""
+    from offload_runtime.planning.hrm import turning_points
+
+    policy = Policy(8, 8, "cpu", "gpu", r_w=0.0)
+    points = turning_points(TINY, WITH_GPU, policy)
+    i_gpu = 3072 / (96 * 4 * (1 - 0.5**8) + 64)
+    assert points.intensity_cpu == pytest.approx(8) and points.intensity_gpu == pytest.approx(i_gpu)
+    assert points.p1 == pytest.approx(80) and points.region == "cpu"
+    middle = turning_points(TINY, dataclasses.replace(WITH_GPU, cpu_to_gpu=5e10), policy)
+    assert middle.p1 == pytest.approx(1.6) and middle.p2 == pytest.approx(2 * i_gpu) and middle.region == "link"
+    fast = turning_points(TINY, dataclasses.replace(WITH_GPU, cpu_to_gpu=1e11), policy)
+    assert fast.p2 == pytest.approx(i_gpu) and fast.region == "gpu"
+    assert fast.balance == pytest.approx(8 / i_gpu)  # B^{j,i}·I^j / (B^i·I^i), both bandwidths 1e11
+    assert turning_points(TINY, CPU_ONLY, Policy(8, 8, "cpu", "cpu")) is None
 
 
 def test_mixtral_spec_from_config():

@@ -118,3 +118,13 @@ def test_plan_cli_errors():
     with pytest.raises(HardwareError, match="cannot read size"):
         plan(["--hardware", "t4", "--model", str(MIXTRAL), "--prompt-len", "8", "--gen-len", "8",
               "--memory-budget", "a lot"])
+
+
+def test_search_puts_the_ffn_on_the_cpu_when_the_link_is_too_slow():
+    """F_g = 0 is searched: behind a link 1000x slower, computing the experts where they lie (CPU
+    memory, r_w = 0) beats streaming them; with the usual link the FFN goes to the GPU."""
+    roomy = dataclasses.replace(WITH_GPU, cpu=dataclasses.replace(CPU, memory_bytes=1e9))
+    assert ("cpu", "cpu") in SPACE.placements(roomy) and SPACE.placements(CPU_ONLY) == [("cpu", "cpu")]
+    assert search(SPEC, roomy, WORKLOAD, space=SPACE).policy.ffn_on == "gpu"
+    slow = search(SPEC, dataclasses.replace(roomy, cpu_to_gpu=1e6), WORKLOAD, space=SPACE).policy
+    assert (slow.ffn_on, slow.r_w) == ("cpu", 0.0)
