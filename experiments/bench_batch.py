@@ -387,7 +387,8 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
                             "klotski_over_zigzag": ratio("klotski", "zigzag")}
         if "sequential" in modes:
             by_policy[label]["cgopipe_over_sequential"] = ratio("cgopipe", "sequential")
-    out: dict[str, Any] = {"by_policy": by_policy, "all_exact": all(r["exact"] for r in runs)}
+    out: dict[str, Any] = {"by_policy": by_policy, "all_exact": all(r["exact"] for r in runs),
+                           "more_experts": more_experts([r["requests"] for r in runs if r["part"] == "compared"])}
     sweep = [r for r in runs if r["part"] == "sweep"]
     if sweep:
         measured = {n: _median_spread([r["tokens_per_s"] for r in sweep if r["group_size"] == n])
@@ -407,6 +408,17 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
                       "planner_gap": 1 - choice["decode_tokens_per_s"] / best_run["decode_tokens_per_s"],
                       "grid_size": len(grid)}
     return out
+
+
+def more_experts(requests: list[int], layouts: tuple[tuple[int, int], ...] = ((16, 2), (64, 2), (64, 8), (128, 8),
+                                                                           (256, 8))) -> dict[str, dict[int, float]]:
+    """The share of a layer's experts one decode step of N requests activates under uniform
+    routing (the HRM's `expected_experts`), for layouts of E experts and top-k as real models
+    have them: what Klotski saves against CGOPipe's every-expert stream is at most 1 − that share
+    (skewed routing activates fewer)."""
+    from offload_runtime.planning.hrm import expected_experts
+
+    return {f"E={e} top-{k}": {n: expected_experts(n, e, k) / e for n in sorted(set(requests))} for e, k in layouts}
 
 
 def _hot_ranking(fingerprint, trace: str | None) -> list[list[float]]:

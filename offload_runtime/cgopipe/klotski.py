@@ -57,8 +57,6 @@ def check_hot_count(hot_count: int, n_experts: int, resident_fraction: float) ->
 
 
 class KlotskiPipe(ZigZagDecoder):
-    name = "klotski"
-
     def __init__(self, model: nn.Module, resident_fraction: float, table: CorrelationTable | None = None,
                  hot_count: int | None = None, hot: Sequence[Sequence[float]] | None = None,
                  attention_device: str | None = "cpu", record_events: bool = False) -> None:

@@ -49,16 +49,12 @@ log = logging.getLogger(__name__)
 
 
 class CGOPipe(ZigZagDecoder):
-    name = "cgopipe"
-
     def __init__(self, model: nn.Module, resident_fraction: float, hot: Sequence[Sequence[float]] | None = None,
                  predictor: ExpertPredictor | None = None, overlap: bool = True,
                  attention_device: str | None = "cpu", record_events: bool = False) -> None:
         super().__init__(model, resident_fraction, hot=hot, attention_device=attention_device,
                          record_events=record_events, arrival_order=overlap)
         self.overlap = overlap
-        if overlap is False:
-            self.name = "sequential"
         if predictor is not None:
             self.runtime.fingerprint.require_same(predictor.meta.fingerprint, f"predictor {predictor.kind!r}")
         self.builder = HashBuilder(predictor) if predictor is not None else None

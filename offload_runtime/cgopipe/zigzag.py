@@ -95,8 +95,6 @@ class ZigZagDecoder:
     runtime computes a layer's resident experts first, then each copy as it lands (Klotski's
     order, which CGOPipe and Klotski use); FlexGen computes in the model's order."""
 
-    name = "zigzag"
-
     def __init__(self, model: nn.Module, resident_fraction: float, hot: Sequence[Sequence[float]] | None = None,
                  attention_device: str | None = "cpu", record_events: bool = False,
                  arrival_order: bool = False) -> None:
