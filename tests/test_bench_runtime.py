@@ -14,6 +14,7 @@ import pytest
 
 from cli import bench as bench_cli
 from experiments.bench_runtime import bench
+from experiments.bench_runtime.records import NotExactError
 from experiments.bench_runtime.grid import (BASELINES, BenchError, RunSpec, check_grid, default_grid, full_grid,
                                             parse_runs)
 from prescient.fingerprint import fingerprint_model
@@ -115,7 +116,8 @@ def test_sampled_decoding_draws_alike_in_every_run(tiny_moe_dir, text_corpus, tm
 
 def test_command_line_runs_each_configuration_in_a_fresh_process(tiny_moe_dir, text_corpus, tmp_path):
     """Three processes besides this one; corr is fit on a train trace; a run that fails (its
-    artifact lost its tensors) is recorded with the error and the others go on."""
+    artifact lost its tensors) is recorded with the error, the others go on, and the bench then
+    fails naming it."""
     model = tiny_moe_dir("mixtral")
     broken = random_sida(model, tmp_path)
     broken.with_suffix(".safetensors").unlink()
@@ -128,8 +130,10 @@ def test_command_line_runs_each_configuration_in_a_fresh_process(tiny_moe_dir, t
         "--train-trace", str(trace), "--runs", "none:lru@1.0,broken:lru@0.5,corr:fifo@0.5",
         "--baselines", "all_resident", "--dataset", f"json:{text_corpus}", "--split", "train", "--prompts", "1",
         "--new-tokens", "3", "--threads", "1"])
-    result = bench_cli.run(args)
-    assert json.loads(out.read_text())["complete"] and result["settings"]["isolated_processes"]
+    with pytest.raises(NotExactError, match=r"1 run\(s\) failed .*: broken\+lru@0\.5;"):
+        bench_cli.run(args)
+    result = json.loads(out.read_text())  # every run recorded; never complete with one not exact
+    assert not result["complete"] and result["settings"]["isolated_processes"]
     good = [result["baselines"]["all_resident"], result["runs"][0], result["runs"][2]]
     assert all(r["exact"] and r["peak_rss_scope"] == "after load (VmHWM reset)" for r in good), good
     pids = {r["pid"] for r in good}
@@ -173,3 +177,22 @@ def test_simulate_puts_the_simulators_prediction_beside_each_run(tiny_moe_dir, t
         limit = simulator["bounds"][budget]
         assert limit["belady_hit_rate"] >= sim["hit_rate"]  # no policy on demand loads less than Belady
         assert limit["physical_limit_tokens_per_s"] >= limit["belady_simulated_tokens_per_s"] > 0
+
+
+def test_a_run_that_is_not_exact_fails_the_bench_naming_it(tiny_moe_dir, text_corpus, tmp_path, monkeypatch):
+    """A reference that the runs cannot match (every token id shifted by one): the bench writes
+    its JSON marked incomplete and raises one error naming each run, instead of `exact: false`."""
+    real = bench._reference
+
+    def shifted(*args, **kwargs):
+        ids, fingerprint = real(*args, **kwargs)
+        return [[token + 1 for token in run] for run in ids], fingerprint
+
+    monkeypatch.setattr(bench, "_reference", shifted)
+    out = tmp_path / "bench.json"
+    with pytest.raises(NotExactError, match=r"none\+lru@0\.5.*"):
+        bench.bench_runtime(tiny_moe_dir("mixtral"), corpus_texts(text_corpus), predictors={"none": None},
+                            runs=parse_runs("none:lru@0.5"), baselines=("all_resident",), new_tokens=3,
+                            isolate=False, json_path=out)
+    written = json.loads(out.read_text())
+    assert not written["complete"] and [r["exact"] for r in written["runs"]] == [False]

@@ -36,7 +36,7 @@ from cache.timing import LinkTiming
 from experiments.bench_runtime.grid import BASELINES, BenchError, RunSpec, check_grid
 from experiments.bench_runtime.load import Job
 from experiments.bench_runtime.measure import Executor
-from experiments.bench_runtime.records import ratios, record_of, record_run
+from experiments.bench_runtime.records import not_exact, ratios, record_of, record_run, require_exact
 from experiments.machine import machine_info
 from experiments.timing_calibration import load_timing
 from offload_runtime.engine.options import RuntimeOptions
@@ -123,10 +123,12 @@ def bench_runtime(
     next_token_min_chance: float = 0.5,
     json_path: str | Path | None = None,
     plot_path: str | Path | None = None,
+    fail_if_not_exact: bool = True,
 ) -> dict[str, Any]:
     """Measure the baselines, every run of `runs` and the hash thread's cost; returns the JSON
     of the module doc, also written to `json_path` after every run (`complete` turns true at
-    the end). Prompts: the first `timed_prompts` + 1 of `texts` with `prompt_tokens` tokens
+    the end, unless a run failed or was not exact: then a `NotExactError` names them, unless
+    not `fail_if_not_exact`). Prompts: the first `timed_prompts` + 1 of `texts` with `prompt_tokens` tokens
     (the first is the warm-up). `predictors`: name -> artifact path, or None for a built-in
     (freq, token, corr: fit on `train_trace`; oracle; none). `sample_seed`: sampled decoding
     (see METHOD["decoding"]) instead of greedy. `options`: the runtime options every run shares
@@ -194,21 +196,16 @@ def bench_runtime(
             bar.set_postfix_str("simulating")
             simulate_bench(result, oracle_trace, paths, next_token_min_chance)
     result["ratios"] = ratios(result["runs"], result["baselines"], HEADLINE_BUDGET)
-    result["complete"] = True
+    bad = not_exact([*result["runs"], *result["baselines"].values()])
+    result["complete"] = not bad  # kept for inspection, never complete with a run that is not exact
     save()
-    _report(result, plot_path)
-    return result
-
-
-def _report(result: dict[str, Any], plot_path: str | Path | None) -> None:
-    """The plot, if asked for, and a warning naming the runs that failed or were not exact."""
     if plot_path is not None:
         from experiments.bench_runtime.plot import plot_bench  # matplotlib only when plotting
 
         plot_bench(result, plot_path)
-    bad = [r["label"] for r in [*result["runs"], *result["baselines"].values()] if not r["exact"]]
-    if bad:
-        log.warning("failed or not exact: %s", ", ".join(bad))
+    if fail_if_not_exact:
+        require_exact(bad, json_path)
+    return result
 
 
 def _work_dir(work_dir: str | Path | None) -> AbstractContextManager[str]:

@@ -10,6 +10,7 @@ from typing import Any
 from experiments.bench_runtime.grid import BASELINES, RunSpec
 from experiments.bench_runtime.load import Job
 from experiments.bench_runtime.measure import Executor
+from prescient.errors import PrescientError
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,22 @@ def record_run(execute: Executor, job: Job, spec: RunSpec | None, reference: lis
         log.error("run %s failed: %r", _head(spec, job.kind)["label"], exc)
         return {**_head(spec, job.kind), "tokens_per_s": None, "peak_rss_mb": None, "exact": False,
                 "error": f"{type(exc).__name__}: {exc}", **options}
+
+
+class NotExactError(PrescientError):
+    """A benchmark run generated other tokens than the all-resident model of the same dtype, or failed."""
+
+
+def not_exact(records: list[dict[str, Any]]) -> list[str]:
+    """The labels of the records that failed or were not exact (a None `exact`: not comparable)."""
+    return [r["label"] for r in records if r.get("exact") is False]
+
+
+def require_exact(bad: list[str], json_path: object) -> None:
+    """Fail loudly, naming the runs, when any run failed or was not exact."""
+    if bad:
+        raise NotExactError(f"{len(bad)} run(s) failed or generated other tokens than the all-resident model: "
+                            f"{', '.join(bad)}; their records are in {json_path}, marked incomplete")
 
 
 def ratios(runs: list[dict[str, Any]], baselines: dict[str, dict[str, Any]], budget: float) -> dict[str, Any]:
