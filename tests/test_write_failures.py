@@ -1,0 +1,50 @@
+"""Writes that fail part-way, as on a full disk (simulated by a file-size limit, see `commands.prescient`),
+through the real `prescient` command: exit 2 and one `error:` line naming the path and the cause, no
+traceback, nothing half-written where the finished output belongs, and the same command succeeds once
+there is room."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from tests.commands import error_line, prescient
+from tests.test_reference_model import MICRO
+
+LIMIT = 16 * 1024  # bytes per file: room for configs, manifests and tokenizers, not for weights or shards
+
+
+def test_quantize_on_a_full_disk_leaves_nothing_and_a_rerun_succeeds(tiny_moe_dir, tmp_path):
+    model, out = tiny_moe_dir("mixtral"), tmp_path / "int4"
+    args = ("quantize", "--model", model, "--bits", "4", "--out", out)
+    done = prescient(*args, file_limit=LIMIT)
+    assert done.returncode == 2
+    assert error_line(done.stderr).startswith(f"error: cannot write {out}: File too large; free space")
+    assert list(tmp_path.iterdir()) == []  # neither the output nor its hidden build folder
+    assert prescient(*args).returncode == 0
+    assert json.loads((out / "quantize.json").read_text())["bits"] == 4
+
+
+def test_trace_on_a_full_disk_stays_resumable_and_a_rerun_completes_it(tiny_moe_dir, text_corpus, tmp_path):
+    out = tmp_path / "trace"
+    args = ("trace", "--model", tiny_moe_dir("mixtral"), "--dataset", f"json:{text_corpus}", "--split", "train",
+            "--max-tokens", "2000", "--seq-len", "16", "--out", out)
+    done = prescient(*args, file_limit=LIMIT)
+    assert done.returncode == 2
+    assert error_line(done.stderr).startswith(f"error: cannot write {out / 'shard-00000.safetensors'}: File too large")
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json"]  # no torn shard, no temporary
+    assert json.loads((out / "manifest.json").read_text())["complete"] is False
+    assert prescient(*args).returncode == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is True and manifest["shards"]
+
+
+def test_reference_model_on_a_full_disk_writes_no_model(tmp_path):
+    recipe, out = tmp_path / "micro.yaml", tmp_path / "micro"
+    recipe.write_text(yaml.safe_dump(MICRO))
+    done = prescient("reference-model", "--recipe", recipe, "--out", out, file_limit=LIMIT)  # checkpoints exceed it
+    assert done.returncode == 2
+    assert error_line(done.stderr).startswith(f"error: cannot write {out}: File too large")
+    assert sorted(p.name for p in out.iterdir()) == [".train"]  # no model file, no reference.json
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp") or p.name == ".saving"]
