@@ -1,18 +1,50 @@
 """`prescient plan`: choose a MoE-Lightning policy (N, μ, attention place, FFN place, r_w, r_c) for a model,
 hardware and workload with the HRM; print it with its predicted throughput, and write the
-policy, prediction, per-layer time breakdown, memory use and the inputs as JSON with `--json`."""
+policy, prediction, per-layer time breakdown, memory use and the inputs as JSON with `--json`.
+With `--schedule klotski`: Klotski's group size n (and K) for a model directory, from times
+measured on this machine (`offload_runtime.planning.klotski_plan`)."""
 
 from __future__ import annotations
 
 import argparse
 
 from cli.args import output_file, positive_int
+from prescient.errors import PrescientError
+
+
+class PlanArgumentError(PrescientError):
+    """A plan was asked for without what its schedule needs."""
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} must lie in [0, 1]")
+    return value
+
+
+def count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 0")
+    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="choose an offloading policy with the HRM performance model")
-    p.add_argument("--hardware", required=True, help="a preset (t4, l4, a100, h100, t4-pcie4, ...) or a profile JSON")
-    p.add_argument("--model", required=True, help="a config.json or a model directory holding one")
+    p.add_argument("--schedule", choices=("cgopipe", "klotski"), default="cgopipe",
+                   help="cgopipe: MoE-Lightning's policy search with the HRM (needs --hardware); klotski: Klotski's "
+                        "group size from times measured with the model's weights on this machine")
+    p.add_argument("--hardware", help="a preset (t4, l4, a100, h100, t4-pcie4, ...) or a profile JSON "
+                                      "(klotski: default, this machine measured)")
+    p.add_argument("--model", required=True, help="a config.json or a model directory holding one (klotski: a model "
+                                                  "directory with its weights)")
     p.add_argument("--prompt-len", type=positive_int, required=True)
     p.add_argument("--gen-len", type=positive_int, required=True)
     p.add_argument("--cpu-memory", default=None, metavar="SIZE", help="override the profile's CPU memory, e.g. 192GiB")
@@ -22,23 +54,60 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-micro-batch", type=positive_int, default=256, help="largest micro-batch μ searched")
     p.add_argument("--rw-step", type=float, default=0.01, help="grid step of r_w")
     p.add_argument("--rc-step", type=float, default=0.1, help="grid step of r_c")
+    klotski = p.add_argument_group("klotski")
+    klotski.add_argument("--micro-batch", type=positive_int, default=4, help="requests per batch of the group")
+    klotski.add_argument("--resident", type=fraction, default=0.5, help="r_w: share of each layer's experts kept resident")
+    klotski.add_argument("--memory", default=None, metavar="SIZE",
+                         help="memory for weights, expert slots and the group's KV caches (default: this machine's)")
+    klotski.add_argument("--max-group", type=positive_int, default=64, help="largest group size n considered")
+    klotski.add_argument("--hot-count", type=count, default=None, help="K hot experts (default: the planner picks)")
+    klotski.add_argument("--trace", help="a trace of the model whose expert shares the planner uses (default: uniform)")
     p.add_argument("--json", type=output_file, default=None, metavar="OUT", help="write the plan here")
     return p
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Search, print, write `--json`; returns the JSON record."""
-    from offload_runtime.planning.plan import make_plan
-    from offload_runtime.planning.planner import SearchSpace
+    """Search (or, for Klotski, measure and solve), print, write `--json`; returns the JSON record."""
     from prescient.atomic import write_results
 
+    record = klotski(args) if args.schedule == "klotski" else cgopipe(args)
+    if args.json:
+        write_results(record, args.json)
+    return record
+
+
+def klotski(args: argparse.Namespace) -> dict:
+    import psutil
+
+    from offload_runtime.planning.hardware import load_profile, parse_size
+    from offload_runtime.planning.hrm import Workload
+    from offload_runtime.planning.klotski_plan import klotski_plan
+
+    memory = parse_size(args.memory) if args.memory else psutil.virtual_memory().total
+    record = klotski_plan(args.model, args.micro_batch, args.resident, Workload(args.prompt_len, args.gen_len),
+                          memory, args.max_group, load_profile(args.hardware) if args.hardware else None, args.trace,
+                          args.hot_count)
+    verdict = "no bubble" if record["bubble_free"] else "bubbles remain (no n up to the largest group meets 4-7)"
+    times = record["times"]
+    print(f"Klotski: groups of n={record['group_size']} batches of {args.micro_batch} requests, K={record['hot_count']} "
+          f"hot experts per layer: {verdict}; memory holds up to n={record['memory']['largest_group']}")
+    print(f"measured: attention {times['attention'] * 1e3:.2f} ms, gate {times['gate'] * 1e3:.2f} ms per batch; an "
+          f"expert {times['expert_fixed'] * 1e3:.2f} ms + {times['expert_per_token'] * 1e3:.3f} ms/token, its copy "
+          f"{times['io_expert'] * 1e3:.2f} ms")
+    return record
+
+
+def cgopipe(args: argparse.Namespace) -> dict:
+    from offload_runtime.planning.plan import make_plan
+    from offload_runtime.planning.planner import SearchSpace
+
+    if args.hardware is None:
+        raise PlanArgumentError("--hardware is needed for --schedule cgopipe (a preset such as t4, or a profile JSON)")
     space = SearchSpace(max_requests=args.max_requests, max_micro_batch=args.max_micro_batch,
                         rw_step=args.rw_step, rc_step=args.rc_step)
     record = make_plan(args.hardware, args.model, args.prompt_len, args.gen_len, cpu_memory=args.cpu_memory,
                        memory_budget=args.memory_budget, space=space)
     print(summary(record))
-    if args.json:
-        write_results(record, args.json)
     return record
 
 

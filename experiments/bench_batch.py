@@ -246,12 +246,11 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, compared:
     import torch
 
     from experiments.machine import machine_info
+    from offload_runtime.cgopipe.klotski import check_hot_count
     from offload_runtime.planning.hardware import load_profile, measure_profile
     from offload_runtime.planning.hrm import ModelSpec
     from prescient.fingerprint import fingerprint_model
     from prescient.loading import load_model, load_tokenizer
-
-    from offload_runtime.cgopipe.klotski import check_hot_count
 
     spec = ModelSpec.from_config(model_dir)
     if hot_count is not None:  # refused before any work
@@ -379,7 +378,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
             if mode == "klotski":
                 modes[mode]["activated_share"] = of[0]["activated_share"]
 
-        def ratio(a: str, b: str) -> float:
+        def ratio(a: str, b: str, modes: dict[str, Any] = modes) -> float:
             return modes[a]["tokens_per_s"]["median"] / modes[b]["tokens_per_s"]["median"]
 
         by_policy[label] = {"modes": modes, "klotski_over_cgopipe": ratio("klotski", "cgopipe"),

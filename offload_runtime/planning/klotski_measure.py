@@ -59,7 +59,7 @@ def measure_klotski_times(model: nn.Module, layers: list[MoELayer], batch_size: 
     for tokens in EXPERT_TOKENS:
         x = torch.randn(tokens, normed.shape[-1], generator=generator)
         chosen, weights = torch.zeros(tokens, 1, dtype=torch.long), torch.ones(tokens, 1)
-        expert_times.append(_median_seconds(lambda: layer.experts(x, chosen, weights), repeats))
+        expert_times.append(_median_seconds(lambda x=x, c=chosen, w=weights: layer.experts(x, c, w), repeats))
     per_token, fixed = np.polyfit(EXPERT_TOKENS, expert_times, 1)
     return KlotskiTimes(attention=_median_seconds(attention, repeats), gate=gate,
                         expert_fixed=max(float(fixed), 0.0), expert_per_token=max(float(per_token), 0.0),

@@ -67,3 +67,28 @@ def test_memory_and_bad_inputs_are_refused_in_one_line():
         plan_group(TIMES, [[1.0, 0, 0, 0]], [set()], 0, 16, top_k=1)
     with pytest.raises(KlotskiPlanError, match="one row per layer"):
         plan_group(TIMES, [[1.0, 0, 0, 0], [1.0, 0]], [set(), set()], 1, 16, top_k=1)
+
+
+def test_plan_cli_klotski_on_a_model_and_its_refusals(tiny_moe_dir, tmp_path, capsys, caplog):
+    """`prescient plan --schedule klotski` measures the model's times and plans; a memory that
+    cannot hold one batch, and a K beyond the streamed experts, are one error line, exit 2."""
+    import json
+    import logging
+
+    from cli.main import main
+
+    path = str(tiny_moe_dir("mixtral"))  # 8 experts; r_w = 0.5 streams 4
+    common = ["plan", "--schedule", "klotski", "--model", path, "--hardware", "t4", "--prompt-len", "16",
+              "--gen-len", "8", "--micro-batch", "2"]
+    main([*common, "--json", str(tmp_path / "plan.json")])
+    record = json.loads((tmp_path / "plan.json").read_text())
+    assert 1 <= record["group_size"] <= record["memory"]["largest_group"] and 0 <= record["hot_count"] <= 4
+    assert record["times"]["attention"] > 0 and len(record["layers"]) == 2
+    assert f"n={record['group_size']}" in capsys.readouterr().out
+    for extra, message in ((["--memory", "1KiB"], "cannot hold one batch of 2 requests"),
+                           (["--hot-count", "5"], "K=5 hot experts")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO), pytest.raises(SystemExit) as exit_:
+            main([*common, *extra])
+        lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert exit_.value.code == 2 and len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]
