@@ -1,8 +1,8 @@
 """Load test of `prescient serve`: concurrent clients against a real server process on localhost.
 
 For each server setting (a predictor or none) and each repeat, a server process starts (`cli.serve`,
-one torch thread), takes one warm-up request, then serves each concurrency level in turn: C
-clients, each sending streamed completions (prompts of the corpus, token ids, sampled with a
+one torch thread, an API key of its own), takes one warm-up request, then serves each concurrency
+level in turn: C clients of the official `openai` client, each sending streamed completions (prompts of the corpus, token ids, sampled with a
 per-request seed) one after another until the level's request count is issued or its time is
 up. Every request must end answered (200, all its tokens) or refused (429); anything else —
 an error, a broken stream, a client timeout — is counted as lost. Per level: aggregate
@@ -17,9 +17,9 @@ request; localhost only.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import statistics
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 
 from experiments.machine import machine_info
 from offload_runtime.engine.options import RuntimeOptions
@@ -38,6 +39,7 @@ from prescient.atomic import write_json_atomic
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
+API_KEY_ENV = "PRESCIENT_API_KEY"  # where `prescient serve` reads its keys (out of the process list)
 _RUNTIME = ("expert_cache_hits_total", "expert_cache_misses_total", "expert_loads_total", "expert_bytes_moved_total",
             "expert_stall_seconds_total", "prefetches_issued_total", "prefetches_used_total",
             "prefetches_wasted_total", "hash_tables_late_total", "hash_tables_on_time_total", "decode_steps_total",
@@ -63,17 +65,19 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 class ServerProcess:
-    """`prescient serve` in a child process; `stop()` sends SIGTERM and returns its exit status."""
+    """`prescient serve` in a child process behind a fresh API key; `stop()` sends SIGTERM and returns
+    its exit status."""
 
     def __init__(self, model_dir: str, predictor: str | None, options: RuntimeOptions, threads: int,
                  max_batch: int, max_queue: int) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = secrets.token_urlsafe(24)
         args = [sys.executable, "-m", "cli.main", "serve", "--model", model_dir, *serve_flags(options),
                 "--port", str(self.port), "--served-model-name", "bench", "--threads", str(threads),
                 "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--log-level", "warning"]
         args += ["--predictor", predictor] if predictor else []
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT), API_KEY_ENV: self.api_key}
         self.proc = subprocess.Popen(args, cwd=ROOT, env=env)
         deadline = time.monotonic() + 600
         while True:
@@ -98,31 +102,22 @@ class ServerProcess:
             return self.proc.wait()
 
 
-async def _one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, seed: int,
+async def _one(client: openai.AsyncOpenAI, prompt: list[int], max_tokens: int, seed: int,
                timeout: float) -> dict[str, Any]:
     """One streamed completion; its outcome: answered (all `max_tokens`), refused (429), failed
     (another status, an error event, a broken or short stream) or timed_out."""
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
-            "stream": True}
     record: dict[str, Any] = {"sent": time.perf_counter(), "status": None, "first_token": None, "tokens": 0}
 
     async def run() -> str:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-            record["status"] = response.status_code
-            if response.status_code != 200:
-                await response.aread()
-                return "refused" if response.status_code == 429 else "failed"
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return "failed"
-                if chunk["choices"][0]["finish_reason"] is None:
-                    record["first_token"] = record["first_token"] or time.perf_counter()
-                else:
-                    record["tokens"] = chunk["usage"]["completion_tokens"]
-                    record["finish_reason"] = chunk["choices"][0]["finish_reason"]
+        stream = await client.completions.create(model="bench", prompt=prompt, max_tokens=max_tokens,
+                                                 temperature=1.0, seed=seed, stream=True)
+        record["status"] = 200
+        async for chunk in stream:
+            choice = chunk.choices[0]
+            if choice.finish_reason is None:
+                record["first_token"] = record["first_token"] or time.perf_counter()
+            else:
+                record["tokens"], record["finish_reason"] = chunk.usage.completion_tokens, choice.finish_reason
         # all max_tokens, or fewer ending at the end-of-text token (sampling may draw it)
         complete = (record.get("finish_reason") == "length" and record["tokens"] == max_tokens) or \
             (record.get("finish_reason") == "stop" and 0 < record["tokens"] <= max_tokens)
@@ -132,25 +127,30 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: list[int], max_token
         record["outcome"] = await asyncio.wait_for(run(), timeout)
     except asyncio.TimeoutError:
         record["outcome"] = "timed_out"
-    except httpx.HTTPError as exc:
+    except openai.APIStatusError as exc:  # an answer other than 200
+        record["status"] = exc.status_code
+        record["outcome"] = "refused" if exc.status_code == 429 else "failed"
+    except openai.APIError as exc:  # a broken stream, or an error event in it
         record["outcome"], record["error"] = "failed", repr(exc)
     record["done"] = time.perf_counter()
     return record
 
 
-async def _level(url: str, prompts: list[list[int]], clients: int, requests: int, max_tokens: int,
+async def _level(url: str, api_key: str, prompts: list[list[int]], clients: int, requests: int, max_tokens: int,
                  time_limit: float, timeout: float, seed: int) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     issued = iter(range(requests))
     deadline = time.perf_counter() + time_limit
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    http = openai.DefaultAsyncHttpxClient(limits=limits)
 
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout)) as client:
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=timeout,
+                                  http_client=http) as client:
         async def worker() -> None:
             for i in issued:
                 if time.perf_counter() > deadline:
                     return
-                records.append(await _one(client, url, prompts[i % len(prompts)], max_tokens, seed + i, timeout))
+                records.append(await _one(client, prompts[i % len(prompts)], max_tokens, seed + i, timeout))
 
         await asyncio.gather(*(worker() for _ in range(clients)))
     return records
@@ -220,12 +220,13 @@ def bench_serve(model_dir: str, json_path: str, plot_path: str | None = None,
         for name, predictor in predictors.items():
             server = ServerProcess(model_dir, predictor, options, threads, max_batch, max_queue)
             try:
-                asyncio.run(_level(server.url, prompts, 1, 1, max_tokens, level_time_s, request_timeout_s, 10**6))
+                asyncio.run(_level(server.url, server.api_key, prompts, 1, 1, max_tokens, level_time_s,
+                                   request_timeout_s, 10**6))
                 for c in clients:
                     before = _metrics(server.url)
                     requests = min(max_requests, max(c, c * rounds))
-                    records = asyncio.run(_level(server.url, prompts, c, requests, max_tokens, level_time_s,
-                                                 request_timeout_s, seed=1000 * repeat))
+                    records = asyncio.run(_level(server.url, server.api_key, prompts, c, requests, max_tokens,
+                                                 level_time_s, request_timeout_s, seed=1000 * repeat))
                     after = _metrics(server.url)
                     run = {"repeat": repeat, "predictor": name, "clients": c, **summarize(records),
                            "runtime": {k: round(after.get(k, 0) - before.get(k, 0), 4) for k in _RUNTIME}}
