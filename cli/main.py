@@ -4,13 +4,15 @@ Each command is a module of this package with `add_parser(subparsers)` and `run(
 `prescient train` hands its arguments to LightningCLI, which parses its own YAML.
 
 Exit statuses, set here alone: 0 done; 2 an error the user can act on (`PrescientError`: bad
-input, a write that failed), as one `error:` line; 128 + the signal's number when SIGINT (130) or
-SIGTERM (143) stopped the command, after its cleanup left nothing half-written.
+input, a write that failed; or an OSError that only a lack of room makes, from a writer outside
+`prescient.atomic`), as one `error:` line; 128 + the signal's number when SIGINT (130) or SIGTERM
+(143) stopped the command, after its cleanup left nothing half-written.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import signal
@@ -19,9 +21,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from cli.args import Parser
+from prescient.atomic import cannot_write
 from prescient.errors import PrescientError, StoppedBySignal
 
 log = logging.getLogger("prescient")
+
+NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # a write fails for want of room, not by a bug
 
 # command -> module of this package, in the order `prescient --help` lists them
 COMMANDS = {
@@ -96,6 +101,11 @@ def main(argv: list[str] | None = None) -> None:
             run_command(list(sys.argv[1:] if argv is None else argv))
     except PrescientError as exc:
         log.error("error: %s", " ".join(str(exc).split()))  # one line, whatever the message holds
+        raise SystemExit(2) from None
+    except OSError as exc:
+        if exc.errno not in NO_ROOM:
+            raise
+        log.error("error: %s", cannot_write(exc.filename or "an output file", exc.strerror))
         raise SystemExit(2) from None
     except StoppedBySignal as exc:
         log.error("error: stopped by %s; nothing is left half-written: run the command again (trace and "

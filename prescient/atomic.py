@@ -80,13 +80,14 @@ def write_errors(target: str | os.PathLike) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        raise OutputWriteError(_cannot_write(target, exc.strerror or str(exc), exc.filename)) from exc
+        raise OutputWriteError(cannot_write(target, exc.strerror or str(exc), exc.filename)) from exc
     except SafetensorError as exc:
         code = _OS_ERROR.search(str(exc))
-        raise OutputWriteError(_cannot_write(target, os.strerror(int(code[1])) if code else str(exc))) from exc
+        raise OutputWriteError(cannot_write(target, os.strerror(int(code[1])) if code else str(exc))) from exc
 
 
-def _cannot_write(target: str | os.PathLike, cause: str, filename: str | os.PathLike | None = None) -> str:
+def cannot_write(target: str | os.PathLike, cause: str, filename: str | os.PathLike | None = None) -> str:
+    """The message of a write to `target` that failed with `cause` (on `filename`, where it differs)."""
     where = f" ({filename})" if filename is not None and os.fspath(filename) != os.fspath(target) else ""
     return f"cannot write {target}: {cause}{where}; free space or choose another path, then run the command again"
 

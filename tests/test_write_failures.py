@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
-from tests.commands import error_line, prescient
+from tests.commands import ROOT, error_line, prescient
 from tests.test_reference_model import MICRO
+from training.tracing import trace_model
 
 LIMIT = 16 * 1024  # bytes per file: room for configs, manifests and tokenizers, not for weights or shards
 
@@ -48,3 +50,17 @@ def test_reference_model_on_a_full_disk_writes_no_model(tmp_path):
     assert error_line(done.stderr).startswith(f"error: cannot write {out}: File too large")
     assert sorted(p.name for p in out.iterdir()) == [".train"]  # no model file, no reference.json
     assert not [p for p in out.rglob("*") if p.name.endswith(".tmp") or p.name == ".saving"]
+
+
+@pytest.mark.slow  # a trace, then Lightning in a child process: ~45 s on 2 busy cores
+def test_train_on_a_full_disk_is_one_line(tiny_moe_dir, text_corpus, tmp_path):
+    """Lightning writes its checkpoints itself: `cli.main` still ends a lack of room in one line."""
+    trace = trace_model(tiny_moe_dir("mixtral"), f"json:{text_corpus}", tmp_path / "trace", split="train",
+                        max_tokens=60, seq_len=16)
+    done = prescient("train", "--config", ROOT / "configs/predictor/sida.yaml", "--data.trace_dir", trace,
+                     "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+                     "--trainer.default_root_dir", tmp_path / "run", "--model.sizes.compress_dim", "8",
+                     "--model.sizes.hidden_dim", "16", "--export", tmp_path / "sida", file_limit=4096)
+    assert done.returncode == 2
+    assert error_line(done.stderr).startswith("error: cannot write an output file: File too large")
+    assert not list(tmp_path.glob("sida*"))
