@@ -53,8 +53,9 @@ class OutputWriteError(PrescientError):
     cannot hold files); nothing half-written is left where the finished output belongs."""
 
 
-class TLSFilesError(PrescientError):
-    """The server's TLS key and certificate are not both given, cannot be read, or do not match."""
+class ServerSettingsError(PrescientError):
+    """The server's settings cannot be used together: a TLS key without its certificate, or one that
+    cannot be read; /metrics behind a key when no key is given."""
 
 
 class StoppedBySignal(BaseException):

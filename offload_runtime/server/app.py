@@ -42,7 +42,7 @@ from offload_runtime.server.handlers import serve_request
 from offload_runtime.server.metrics import CONTENT_TYPE
 from offload_runtime.server.service import ClientError, ServeConfig, Service
 from predictor.base import ExpertPredictor
-from prescient.errors import TLSFilesError
+from prescient.errors import ServerSettingsError
 
 log = logging.getLogger(__name__)
 
@@ -132,16 +132,19 @@ def run_server(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info
     import uvicorn
 
     if (ssl_keyfile is None) != (ssl_certfile is None):
-        raise TLSFilesError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+        raise ServerSettingsError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     app = create_app(**app_args)
     service: Service = app.state.service
+    if service.config.metrics_need_key and not service.config.api_keys:
+        raise ServerSettingsError("/metrics can need a key only when there is one: give --api-key (or its "
+                                  "environment variable) with --metrics-need-key")
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=service.config.shutdown_timeout, ssl_keyfile=ssl_keyfile,
                             ssl_certfile=ssl_certfile)
     try:
         config.load()  # reads the certificate and key now: a bad one is one error, not a traceback in uvicorn
     except OSError as exc:  # ssl.SSLError included
-        raise TLSFilesError(f"cannot use the TLS key {ssl_keyfile} with the certificate {ssl_certfile}: "
+        raise ServerSettingsError(f"cannot use the TLS key {ssl_keyfile} with the certificate {ssl_certfile}: "
                             f"{exc.strerror or exc}; give a PEM key and the PEM certificate that matches it") from None
     if not service.config.api_keys and not _loopback(host):
         log.warning("serving on %s with no API key: anyone who reaches port %d can use the model; give "
