@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import NoReturn, TypeVar
 
 from cache.tiered import PRECISION_RULES
-from offload_runtime.engine.options import DTYPES, SLOT_FORMATS, STORES, RuntimeOptions
+from offload_runtime.engine.options import DTYPES, MAX_TRANSFER_WORKERS, MAX_LOOKAHEAD_LAYERS, SLOT_FORMATS, STORES, RuntimeOptions
 from prescient.atomic import check_folder, resolve_output
 from prescient.budget import Budget
 from prescient.devices import check_device
@@ -82,6 +82,24 @@ def _number(text: str, read: Callable[[str], T], what: str, fits: Callable[[T], 
 
 def positive_int(text: str) -> int:
     return _number(text, int, "a whole number", lambda v: v >= 1, "must be at least 1")
+
+
+def lookahead_layers(text: str) -> int:
+    """How many MoE layers in-token lookahead guesses ahead: 0 (off) to `MAX_LOOKAHEAD_LAYERS`."""
+    return _number(text, int, "a whole number", lambda v: 0 <= v <= MAX_LOOKAHEAD_LAYERS,
+                   f"is not a number of layers in 0..{MAX_LOOKAHEAD_LAYERS} (0: off)")
+
+
+def transfer_workers(text: str) -> int | str:
+    """Copies in flight: a whole number in 1..MAX_TRANSFER_WORKERS, or `auto` (the queue depth a
+    `prescient profile-hw` JSON chose, given with --link-profile)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    workers = positive_int(text)
+    if workers > MAX_TRANSFER_WORKERS:
+        raise argparse.ArgumentTypeError(f"{workers} is out of range: give 1 to {MAX_TRANSFER_WORKERS} copies in "
+                                         "flight, or auto")
+    return workers
 
 
 def port(text: str) -> int:
@@ -201,13 +219,25 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
             help="with --fine-model: which experts get the fine copy: router (its router weight; the best on the "
                  "bench), forecast (the predictor's chance that coming tokens use it; needs a --predictor with "
                  "forecast heads), hotness (its use count so far)"),
-        "transfer_workers": lambda p: p.add_argument(
-            "--transfer-workers", type=positive_int, default=1, help="expert copies that run at once"),
+        "transfer_workers": lambda p: (p.add_argument(
+            "--transfer-workers", type=transfer_workers, default=1,
+            help="expert copies that run at once (reads in flight); auto: the queue depth that --link-profile chose"),
+            p.add_argument("--link-profile", metavar="PROFILE.json",
+                           help="with --transfer-workers auto: a `prescient profile-hw --model DIR` JSON whose random-"
+                                "read curve chose the queue depth")),
         "hide_only": lambda p: p.add_argument(
             "--hide-only", metavar="BENCH.json|PROFILE.json",
             help="prefetch an expert only if the link can move it before its layer runs, the link calibrated from a "
                  "`prescient bench` JSON or a `prescient profile-hw` JSON (default: prefetch as many as the slots "
                  "allow)"),
+        "expert_pipeline": lambda p: p.add_argument(
+            "--expert-pipeline", action=argparse.BooleanOptionalAction, default=True,
+            help="EPS-MoE: a layer's resident experts compute while its misses are copied, then each miss as it "
+                 "lands (default); --no-expert-pipeline: the layer waits for all its copies first"),
+        "lookahead_layers": lambda p: p.add_argument(
+            "--lookahead", dest="lookahead_layers", type=lookahead_layers, default=0, metavar="LAYERS",
+            help="in-token lookahead (HybriMoE): when a MoE block starts, the routers of the next 1-3 layers on its "
+                 "input pick experts to prefetch (default 0: off)"),
         "next_token": lambda p: p.add_argument(
             "--next-token", action="store_true",
             help="cross-token prefetch: load the next token's likely experts while this token's layers compute "
@@ -243,6 +273,10 @@ def runtime_options(args: argparse.Namespace, **fields: object) -> RuntimeOption
     without a flag keeps its default), and `fields` the command sets itself."""
     names = set(args.runtime_flags)
     flags = {name: getattr(args, name) for name in names & RuntimeOptions.names()}
+    if "transfer_workers" in names and args.transfer_workers == "auto":
+        from offload_runtime.planning.link_profile import profiled_depth
+
+        flags["transfer_workers"] = profiled_depth(args.link_profile)
     if "hide_only" in names and args.hide_only:
         from experiments.timing_calibration import load_timing
 

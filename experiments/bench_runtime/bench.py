@@ -258,10 +258,11 @@ def _link(result: dict[str, Any], link_timing: str | Path, model_dir: str | Path
 
 def _run_job(base: Job, spec: RunSpec, paths: dict[str, str], link: LinkTiming | None,
              next_token_min_chance: float) -> Job:
-    """The job of run `spec`: the shared options with its policy, budget and prefetch modes."""
+    """The job of run `spec`: the shared options with its policy, budget, prefetch and scheduler modes."""
     options = replace(base.options, budget=spec.budget, policy=spec.policy,
                       link_timing=link if "hide" in spec.modes else None,
-                      next_token_min_chance=next_token_min_chance if "next" in spec.modes else None)
+                      next_token_min_chance=next_token_min_chance if "next" in spec.modes else None,
+                      expert_pipeline="serial" not in spec.modes, lookahead_layers=1 if "look" in spec.modes else 0)
     return replace(base, options=options, predictor_path=paths.get(spec.predictor),
                    predictor=None if spec.predictor == "none" else spec.predictor)
 

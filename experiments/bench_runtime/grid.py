@@ -19,6 +19,10 @@ class BenchError(PrescientError):
 
 
 PREFETCH_MODES = ("hide", "next")  # hide-only prefetch (needs a link timing), cross-token prefetch
+# the runtime's schedulers, switched per run: in-token lookahead on (`look`, HybriMoE), the expert
+# pipeline off (`serial`: a layer waits for all its copies, the runtime before EPS-MoE's order)
+SCHEDULER_MODES = ("look", "serial")
+RUN_MODES = PREFETCH_MODES + SCHEDULER_MODES
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,7 @@ class RunSpec:
     predictor: str  # "none", a built-in name, or the NAME of a NAME=PATH artifact
     policy: str
     budget: float
-    modes: tuple[str, ...] = ()  # of PREFETCH_MODES, in that order
+    modes: tuple[str, ...] = ()  # of RUN_MODES, in that order
 
     @property
     def label(self) -> str:
@@ -50,7 +54,8 @@ def full_grid(budgets: list[float], predictors: list[str], policies: list[str]) 
 
 def parse_runs(text: str) -> list[RunSpec]:
     """`none:lru@0.5,sida:mrs@0.25+hide+next` -> run specs (budgets are fractions of all experts;
-    `+hide`, `+next`: the prefetch modes of `PREFETCH_MODES`)."""
+    `+hide`, `+next`: the prefetch modes of `PREFETCH_MODES`, which need a predictor; `+look`,
+    `+serial`: the scheduler modes of `SCHEDULER_MODES`)."""
     runs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         head, _, tail = item.partition("@")
@@ -59,16 +64,16 @@ def parse_runs(text: str) -> list[RunSpec]:
         try:
             if not (predictor and policy and budget):
                 raise ValueError("a part is missing")
-            unknown = [m for m in modes if m not in PREFETCH_MODES]
+            unknown = [m for m in modes if m not in RUN_MODES]
             if unknown or len(set(modes)) < len(modes):
-                raise ValueError(f"prefetch modes are +{' +'.join(PREFETCH_MODES)}, each once; got {modes}")
-            if modes and canonical_name(predictor) == "none":
+                raise ValueError(f"run modes are +{' +'.join(RUN_MODES)}, each once; got {modes}")
+            if set(modes) & set(PREFETCH_MODES) and canonical_name(predictor) == "none":
                 raise ValueError("prefetch modes need a predictor")
             runs.append(RunSpec(canonical_name(predictor), policy, fraction(Budget.parse(budget)),
-                                tuple(m for m in PREFETCH_MODES if m in modes)))
+                                tuple(m for m in RUN_MODES if m in modes)))
         except (ValueError, BenchError) as exc:  # CapacityError is a ValueError
-            raise BenchError(f"--runs entry {item!r} is not PREDICTOR:POLICY@BUDGET[+hide][+next] (e.g. "
-                             f"sida:mrs@0.5): {exc}") from None
+            raise BenchError(f"--runs entry {item!r} is not PREDICTOR:POLICY@BUDGET[+hide][+next][+look][+serial] "
+                             f"(e.g. sida:mrs@0.5): {exc}") from None
     return runs
 
 

@@ -29,6 +29,8 @@ from prescient.errors import PrescientError
 STORES = ("disk", "host")
 SLOT_FORMATS = ("expanded", "packed")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MAX_TRANSFER_WORKERS = 64  # reads in flight; storage queues gain nothing past a few dozen
+MAX_LOOKAHEAD_LAYERS = 3  # HybriMoE's reach; the residual stream drifts farther out
 
 
 class OptionsError(PrescientError, ValueError):
@@ -64,7 +66,9 @@ class RuntimeOptions:
     picks a loaded expert's copy: "router", its router weight; "forecast", the predictor's chance
     that coming tokens use it; "hotness", its use count so far; see `cache.tiered`),
     `expert_pipeline` (EPS-MoE: a layer's resident experts compute while its misses are copied,
-    then each miss as it lands; False: the layer waits for all its copies first)."""
+    then each miss as it lands; False: the layer waits for all its copies first),
+    `lookahead_layers` (in-token lookahead, HybriMoE's: when a MoE block starts, the routers of the
+    next 1 to 3 layers on its input pick experts to prefetch; 0: off)."""
 
     policy: str = "lru"
     budget: Budget = Budget(0.5, "fraction")
@@ -81,6 +85,7 @@ class RuntimeOptions:
     fine_share: float = 0.25
     precision_rule: str = "router"  # the best of the three on the bench (README)
     expert_pipeline: bool = True
+    lookahead_layers: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str):
@@ -95,8 +100,13 @@ class RuntimeOptions:
                 raise OptionsError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         object.__setattr__(self, "device", str(check_device(self.device)))
         _whole("transfer_workers", self.transfer_workers, 1)
+        if self.transfer_workers > MAX_TRANSFER_WORKERS:
+            raise OptionsError(f"transfer_workers must be 1 to {MAX_TRANSFER_WORKERS}, got {self.transfer_workers}")
         if self.prefetch_per_layer is not None:
             _whole("prefetch_per_layer", self.prefetch_per_layer, 1)
+        _whole("lookahead_layers", self.lookahead_layers, 0)
+        if self.lookahead_layers > MAX_LOOKAHEAD_LAYERS:
+            raise OptionsError(f"lookahead_layers must be 0 (off) to {MAX_LOOKAHEAD_LAYERS}, got {self.lookahead_layers}")
         if self.link_timing is not None and not isinstance(self.link_timing, LinkTiming):
             raise OptionsError(f"link_timing must be a cache.timing.LinkTiming, got {self.link_timing!r}")
         if self.dtype not in DTYPES:
@@ -150,4 +160,5 @@ class RuntimeOptions:
                 "link_timing": self.link_timing.to_dict() if self.link_timing is not None else None,
                 "next_token_min_chance": self.next_token_min_chance, "dtype": self.dtype,
                 "slot_format": self.slot_format, "fine_model": self.fine_model, "fine_share": self.fine_share,
-                "precision_rule": self.precision_rule, "expert_pipeline": self.expert_pipeline}
+                "precision_rule": self.precision_rule, "expert_pipeline": self.expert_pipeline,
+                "lookahead_layers": self.lookahead_layers}

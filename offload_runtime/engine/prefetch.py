@@ -23,7 +23,7 @@ from offload_runtime.engine.hash_builder import HashTable
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.transfer import TransferEngine
 
-_STEP_PRIORITY = 2.0**24  # a newer forward's prefetches go before an older one's
+STEP_PRIORITY = 2.0**24  # a newer forward's prefetches go before an older one's
 
 
 class Prefetcher:
@@ -84,7 +84,7 @@ class Prefetcher:
     @property
     def priority(self) -> float:
         """The priority of the next prefetch call: after the earlier ones of this forward."""
-        return self.step * _STEP_PRIORITY - self._rank - 1
+        return self.step * STEP_PRIORITY - self._rank - 1
 
     def issued(self, inserted: list[Key]) -> None:
         self._rank += len(inserted)

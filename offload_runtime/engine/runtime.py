@@ -4,8 +4,10 @@ Per forward of a stack (the model; an encoder-decoder's encoder and decoder apar
 `prescient.arch.moe_stacks`), a pre-hook hands its new input ids, as that stack's token stream,
 to the hash-building thread. Per MoE layer (inference thread), `use(layer, experts)` serves the
 layer's selected experts: the cache decides hits and misses, each miss gets a slot and a demand
-load, the forward's prefetches are topped up (`prefetch.Prefetcher`), every selected expert is
-waited for, and the model's own expert math runs on the slots (see `offloaded_experts`).
+load, the forward's prefetches are topped up (`prefetch.Prefetcher`; with in-token lookahead,
+`lookahead.InTokenLookahead`, the next layers' guesses from this block's input too), and the
+model's own expert math runs on the slots (see `offloaded_experts`): the resident experts first,
+each miss as its copy lands (EPS-MoE's expert pipeline, `parts`), or once all are in.
 The cache decides residency; the slot map mirrors it: an insert takes a slot and requests its
 copy, an eviction cancels a queued copy and frees the slot. A key evicted while its copy runs
 and wanted again waits for that copy before it is requested into another slot.
@@ -44,7 +46,8 @@ from cache.tiered import tiered_cache
 from offload_runtime.engine.hash_builder import HashBuilder, HashBuilderError
 from offload_runtime.engine.offloaded_experts import offload_experts
 from offload_runtime.engine.options import RuntimeOptions
-from offload_runtime.engine.prefetch import Prefetcher
+from offload_runtime.engine.lookahead import InTokenLookahead
+from offload_runtime.engine.prefetch import STEP_PRIORITY, Prefetcher
 from offload_runtime.engine.slots import SlotPool, TieredSlotPool
 from offload_runtime.engine.store import ExpertStore
 from offload_runtime.engine.transfer import Ticket, TransferEngine
@@ -77,6 +80,7 @@ class RuntimeStats:
     slot_bytes: int
     predictor_failures: int = 0  # hash-building thread failures survived (on_predictor_error="demand")
     fine_accesses: int = 0  # mixed precision: accesses served by an expert's fine copy
+    lookahead_prefetches: int = 0  # keys inserted by in-token lookahead (`RuntimeOptions.lookahead_layers`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,15 +114,19 @@ class OffloadRuntime:
         packed = list(zip(pool.tier_buffers(), [s.packed for s in stores])) if store.packed else None
         for layer in layers:  # the resident expert tensors are dropped with the old module
             layer.block.experts = layer.experts = offload_experts(layer, pool.tier_buffers()[0], self, packed=packed)
+        stacks = moe_stacks(model, layers)
         self._handles = [stack.module.register_forward_pre_hook(self._on_forward(stream, stack.layers),
                                                                 with_kwargs=True)
-                         for stream, stack in enumerate(moe_stacks(model, layers))]
+                         for stream, stack in enumerate(stacks)]
         tiered = fine_store is not None  # the precision rule reads router scores or forecasts too
         if getattr(self.policy, "uses_scores", False) or (tiered and self.cache.uses_scores):
             self._handles += [layer.router.register_forward_hook(self._router_scores(layer)) for layer in layers]
         self.engine = TransferEngine(stores, pool, workers=options.transfer_workers)
         self.prefetcher = Prefetcher(self.cache, self.engine, len(layers), self.n_experts,
                                      options.prefetch_per_layer or self.top_k, options)
+        self.lookahead = None if not options.lookahead_layers else InTokenLookahead(
+            self, layers, [stack.layers for stack in stacks], options.lookahead_layers,
+            options.prefetch_per_layer or self.top_k, STEP_PRIORITY)
         self.builder = None if predictor is None else HashBuilder(
             predictor, forecasts=policy.uses_forecasts or (tiered and self.cache.uses_forecasts),
             next_token=options.next_token_min_chance is not None)
@@ -195,6 +203,8 @@ class OffloadRuntime:
             missing = [key for key in keys if self.pool.map.slot_of(key) is None]
             for key in missing:
                 self._load(key, demand=True)
+            if self.lookahead is not None:  # the next layers' routers on this block's input
+                self.lookahead.issue(layer)
             if self.builder is not None:  # meanwhile, the predicted experts of the layers ahead
                 self._prefetch_after(layer, len(missing))
             for key in keys if wait else ():  # the layer computes once its experts are in
@@ -289,6 +299,7 @@ class OffloadRuntime:
             late_tables=self.prefetcher.late_tables, tables_on_time=self.prefetcher.tables_on_time,
             slots=self.pool.num_slots, slot_bytes=self.pool.nbytes, predictor_failures=self.predictor_failures,
             fine_accesses=self.cache.fine_accesses if self.fine_store is not None else 0,
+            lookahead_prefetches=self.lookahead.issued if self.lookahead is not None else 0,
         )
 
     def close(self) -> None:
@@ -296,6 +307,8 @@ class OffloadRuntime:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self.lookahead is not None:
+            self.lookahead.remove()
         self._stop()
 
     def __enter__(self) -> "OffloadRuntime":

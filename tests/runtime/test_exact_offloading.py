@@ -24,6 +24,9 @@ from training.reference_recipe import recipe
 
 PROMPT = "def read_config(path):\n    with open(path) as f:\n        return json.load(f)  # the settings"
 NEW_TOKENS = 6
+# a layer computed once all its copies are in; each expert as it lands (EPS-MoE); and with the next
+# two layers' experts prefetched from each block's input (in-token lookahead)
+SCHEDULES = [{"expert_pipeline": False}, {"expert_pipeline": True}, {"expert_pipeline": True, "lookahead_layers": 2}]
 
 
 def plain_model(path: Path, dtype: str):
@@ -69,18 +72,18 @@ def check_exact(path: Path, dtype: str, slot_counts: list[int], reference=None, 
         want_prefill = reference(ids).logits
     wanted = {sample: decode(reference, ids, sample) for sample in (False, True)}
     for slots in slot_counts:
-        for arrival_order in (False, True):
-            model = load_offloaded(path, options=RuntimeOptions(budget=f"{slots}slots", dtype=dtype, **options))
+        for schedule in SCHEDULES:
+            model = load_offloaded(path, options=RuntimeOptions(budget=f"{slots}slots", dtype=dtype, **schedule,
+                                                                **options))
             if experts_implementation is not None:
                 model.set_experts_implementation(experts_implementation)
-            with model.offload_runtime as runtime:
-                runtime.arrival_order = arrival_order
+            with model.offload_runtime:
                 with torch.inference_mode():
-                    assert torch.equal(model(ids).logits, want_prefill), (slots, arrival_order, "prefill")
+                    assert torch.equal(model(ids).logits, want_prefill), (slots, schedule, "prefill")
                 for sample, (tokens, logits) in wanted.items():
                     got_tokens, got_logits = decode(model, ids, sample)
-                    assert torch.equal(got_tokens, tokens), (slots, arrival_order, sample)
-                    assert torch.equal(got_logits, logits), (slots, arrival_order, sample, "decode logits")
+                    assert torch.equal(got_tokens, tokens), (slots, schedule, sample)
+                    assert torch.equal(got_logits, logits), (slots, schedule, sample, "decode logits")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,60 @@
+"""The decode loop's schedulers: in-token lookahead (HybriMoE) guesses the next layers' experts
+from a block's input with their own routers, and issues them once the block's experts are
+pinned; each mechanism is a `RuntimeOptions` field and a bench run mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from experiments.bench_runtime.grid import BenchError, RunSpec, parse_runs
+from offload_runtime.engine.loader import load_offloaded
+from offload_runtime.engine.options import OptionsError, RuntimeOptions
+from prescient.loading import load_tokenizer
+
+PROMPT = "def f(x):\n    return x + 1"
+
+
+def test_lookahead_guesses_the_next_layers_with_their_own_routers(tiny_tokenizer, tmp_path):
+    from prescient.arch_zoo import save_tiny_model
+    from tests.conftest import tiny_test_config
+
+    config = tiny_test_config("mixtral", tiny_tokenizer, num_hidden_layers=4)
+    path = save_tiny_model(config, tmp_path / "mixtral-4", seed=5, tokenizer=tiny_tokenizer)
+    model = load_offloaded(path, budget=0.5, lookahead_layers=2)
+    with model.offload_runtime as runtime:
+        look, layers = runtime.lookahead, runtime.layers
+        hidden = torch.randn(1, 3, config.hidden_size)
+        keys = look.keys(1, hidden)
+        for target in (2, 3):  # nearest layer first; each token's top-2 under that layer's own router
+            with torch.no_grad():
+                probs = torch.softmax(layers[target].router(hidden.reshape(-1, config.hidden_size))[0], -1)
+            want = set(torch.topk(probs, 2, dim=-1).indices.flatten().tolist())
+            assert {e for layer, e in keys if layer == target} == want
+        assert [layer for layer, _ in keys] == sorted(layer for layer, _ in keys)
+        assert {layer for layer, _ in look.keys(3, hidden)} == set()  # the stack's last layer: nothing ahead
+        assert {layer for layer, _ in look.keys(2, hidden)} == {3}
+        ids = load_tokenizer(path)(PROMPT, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=model.config.pad_token_id)
+        stats = runtime.stats()
+        assert stats.lookahead_prefetches > 0 and stats.prefetch_inserts >= stats.lookahead_prefetches
+
+
+def test_scheduler_options_are_checked_and_recorded():
+    assert RuntimeOptions().expert_pipeline and RuntimeOptions().lookahead_layers == 0
+    options = RuntimeOptions(expert_pipeline=False, lookahead_layers=3)
+    assert options.to_json()["expert_pipeline"] is False and options.to_json()["lookahead_layers"] == 3
+    with pytest.raises(OptionsError, match="lookahead_layers must be 0 .* to 3"):
+        RuntimeOptions(lookahead_layers=4)
+    with pytest.raises(OptionsError, match="expert_pipeline must be True or False"):
+        RuntimeOptions(expert_pipeline="yes")
+
+
+def test_bench_run_modes_switch_the_schedulers():
+    runs = parse_runs("none:lru@0.5+serial, none:lru@0.5+look, sida:mrs@0.25+look+next")
+    assert runs == [RunSpec("none", "lru", 0.5, ("serial",)), RunSpec("none", "lru", 0.5, ("look",)),
+                    RunSpec("sida", "mrs", 0.25, ("next", "look"))]
+    assert runs[2].label == "sida+mrs@0.25+next+look"
+    with pytest.raises(BenchError, match="prefetch modes need a predictor"):
+        parse_runs("none:lru@0.5+next")
