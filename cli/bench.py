@@ -24,9 +24,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--grid", choices=("default", "full"), default="default",
                    help="default: per budget none+lru, each predictor with mrs and lru, sida with every policy; "
                         "full: budgets x predictors x policies")
-    p.add_argument("--runs", help="these runs instead of a grid: PREDICTOR:POLICY@BUDGET[+hide][+next],... "
-                                  "(+hide: hide-only prefetch, needs --link-timing; +next: cross-token prefetch, "
-                                  "needs a predictor with forecast heads)")
+    p.add_argument("--runs", help="these runs instead of a grid: PREDICTOR:POLICY@BUDGET[+hide][+next][+look]"
+                                  "[+serial],... (+hide: hide-only prefetch, needs --link-timing; +next: cross-token "
+                                  "prefetch, needs a predictor with forecast heads; +look: in-token lookahead one "
+                                  "layer ahead; +serial: without the expert pipeline, a layer waits for all its "
+                                  "copies)")
     p.add_argument("--train-trace", help="trace that freq / token / corr are fit on")
     p.add_argument("--new-tokens", type=positive_int, default=12, help="new tokens per timed prompt")
     p.add_argument("--prompts", type=positive_int, default=2, help="timed prompts (one more is the warm-up)")
