@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import add_results_args, positive_ints, predictor_specs
+from cli.args import add_results_args, positive_int, positive_ints, predictor_specs
 from predictor.registry import NAMES_HELP
 
 
@@ -30,6 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--model", help="model directory; needed by lookahead and checked by --cross")
     p.add_argument("--predictors", type=predictor_specs, default="freq,token,corr,oracle",
                    help=f"comma list of {NAMES_HELP}, or NAME=ARTIFACT (e.g. sida=runs/sida)")
+    p.add_argument("--ahead", type=positive_int, default=3,
+                   help="in-token lookahead (lookahead, probes) reported 1..N MoE layers ahead")
     p.add_argument("--batch-sizes", type=positive_ints, default="1,8,32", help="for batch precision/recall")
     p.add_argument("--cross", type=cross_spec,
                    help="DATASET=TRAIN_TRACE:EVAL_TRACE:ARTIFACT,... : cross-dataset recall matrix")
@@ -46,7 +48,8 @@ def run(args: argparse.Namespace) -> None:
         raise EvaluationError("nothing to evaluate: pass --trace DIR, --cross ..., or both")
     result = {}
     if args.trace:
-        result = evaluate_predictors(args.trace, args.predictors, args.model, args.train_trace, args.batch_sizes)
+        result = evaluate_predictors(args.trace, args.predictors, args.model, args.train_trace, args.batch_sizes,
+                                     args.ahead)
     if args.cross:
         result["cross_dataset"] = cross_dataset(args.model, *args.cross)
     write_results(result, args.json, args.plot, plot_evaluation)

@@ -17,6 +17,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--text-field", default="text")
     p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per traced window")
     p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--hidden-states", action="store_true",
+                   help="keep each MoE layer's input hidden state per token too (bfloat16), to train a probe")
     p.add_argument("--out", type=output_dir, required=True, help="trace folder (a new one, or one to resume)")
     return p
 
@@ -25,5 +27,6 @@ def run(args: argparse.Namespace) -> None:
     from training.tracing import trace_model
 
     out = trace_model(args.model, args.dataset, args.out, split=args.split, max_tokens=args.max_tokens,
-                      top_t=args.top_t, text_field=args.text_field, seq_len=args.seq_len, batch_size=args.batch_size)
+                      top_t=args.top_t, text_field=args.text_field, seq_len=args.seq_len, batch_size=args.batch_size,
+                      hidden_states=args.hidden_states)
     print(f"trace written to {out}")

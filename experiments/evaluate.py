@@ -8,8 +8,9 @@ Predictors, by name:
     freq, token, corr   fit on `--train-trace` (else on the evaluated trace: "same trace (optimistic)")
     oracle              the evaluated trace's own router choices (recall 1: the upper bound)
     lookahead           gate-lookahead; runs the live `--model` over every traced sequence
-    NAME=PATH           any predictor artifact (SiDA, or a saved table); checked against the
-                        trace's model fingerprint
+    NAME=PATH           any predictor artifact (SiDA, a hidden-state probe, or a saved table);
+                        checked against the trace's model fingerprint; a probe runs the live
+                        `--model` as lookahead does
 
 Each predictor sees what it would see when serving, and the JSON says what that was:
 tables see the token alone; a causal SiDA hash and gate-lookahead see the sequence up to the
@@ -26,6 +27,10 @@ Metrics per predictor, overall and per MoE layer:
                                 top-k, true set = union of their true top-k; precision and
                                 recall are averaged over steps and layers. At B = 1 both sets
                                 hold k experts, so precision = recall = recall_at_k.
+    ahead."a"                   in-token lookahead (gate lookahead, probe), a = 1..`ahead` layers
+                                ahead: recall_at_k / recall_at_2k of every layer j ≥ a guessed from
+                                layer j − a's block input, their mean over those layers, and
+                                per_layer lists with null for the layers j < a (no source that far back)
 
 `cross_dataset` evaluates each dataset's artifact (and the token table fit on that dataset's
 train trace) on every dataset's eval trace: a matrix of recall@k per (train, eval) dataset.
@@ -36,6 +41,7 @@ JSON (`evaluate_predictors`; `run` adds "cross_dataset" when --cross is given):
     model, top_k, batch_sizes
     predictors.NAME         kind, fit_on, [artifact | model], sees, causal, uses_true_previous_layer, [note],
                             recall_at_k, recall_at_2k, per_layer.{recall_at_k, recall_at_2k} (lists over layers),
+                            [ahead."a".{layers, recall_at_k, recall_at_2k, per_layer.{recall_at_k, recall_at_2k}}],
                             batch."B".{precision, recall, mean_predicted_experts, mean_true_experts,
                                        per_layer.{precision, recall}}
     forecasts.NAME          for a predictor with forecast heads: `experiments.forecast_eval.forecast_report`
@@ -56,11 +62,12 @@ import torch
 from tqdm.auto import tqdm
 
 from experiments.forecast_eval import forecast_report
-from experiments.predictor_scores import trace_scores
+from experiments.predictor_scores import _equal_length_batches, trace_scores
 from predictor.base import ExpertPredictor
 from predictor.baselines import OraclePredictor
+from predictor.lookahead import HiddenLookahead
 from predictor.metrics import recall_at
-from predictor.registry import builtin, check_name, resolve_predictor
+from predictor.registry import check_name, needs_model, resolve_predictor
 from prescient.errors import PrescientError
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_model
@@ -69,6 +76,7 @@ from prescient.traces import Trace, load_trace
 log = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 8, 32)
+AHEAD = 3  # in-token lookahead reported 1..AHEAD layers ahead
 Spec = str | Path | ExpertPredictor | None  # None: a built-in name; a path: an artifact
 
 
@@ -83,9 +91,9 @@ def check_specs(predictors: dict[str, Spec], model_dir: str | Path | None) -> No
     for name, spec in predictors.items():
         if spec is None:
             check_name(name)
-    if any(spec is None and getattr(builtin(name), "needs", None) == "model" for name, spec in predictors.items()) \
-            and model_dir is None:
-        raise EvaluationError("the lookahead predictor runs the live model: pass --model DIR")
+    live = [name for name, spec in predictors.items() if not isinstance(spec, ExpertPredictor) and needs_model(name, spec)]
+    if live and model_dir is None:
+        raise EvaluationError(f"predictor {', '.join(map(repr, live))} runs the live model: pass --model DIR")
 
 
 # --- metrics -------------------------------------------------------------------------------
@@ -139,6 +147,35 @@ def predictor_metrics(scores: torch.Tensor, trace: Trace, batch_sizes: tuple[int
     }
 
 
+LOOKAHEAD_INFO = {
+    "sees": "the window up to and including the token", "causal": True, "uses_true_previous_layer": False,
+    "note": "layer 0 is layer 0's own router on its own input (exact); layer j is guessed from MoE layer "
+            "j-1's block input (see `ahead` for j-a)"}
+
+
+def lookahead_scores(pred: HiddenLookahead, trace: Trace, aheads: range) -> dict[int, torch.Tensor]:
+    """{a: scores [N, L, E] of every trace row guessed `a` layers ahead}, one model run per
+    batch of traced sequences (each from its first token)."""
+    fp = trace.fingerprint
+    out = {a: torch.empty(len(trace), fp.n_moe_layers, fp.n_experts) for a in aheads}
+    with torch.inference_mode():
+        for rows in tqdm(_equal_length_batches(trace), desc=f"lookahead {pred.kind}", unit="batch", leave=False):
+            for a, scores in pred.predict_ahead(trace["token_id"][rows], aheads).items():
+                out[a][rows] = scores
+    return out
+
+
+def ahead_metrics(scores: torch.Tensor, trace: Trace, ahead: int) -> dict[str, Any]:
+    """recall@k and recall@2k of layers `ahead`..L−1 (guessed `ahead` layers ahead), per layer and overall."""
+    true = trace["topk_ids"].long()
+    k = true.shape[-1]
+    result: dict[str, Any] = {"layers": list(range(ahead, true.shape[1])), "per_layer": {}}
+    for name, n in (("recall_at_k", k), ("recall_at_2k", 2 * k)):
+        result[name], per_layer = _recalls(scores[:, ahead:], true[:, ahead:], n)
+        result["per_layer"][name] = [None] * ahead + per_layer
+    return result
+
+
 # --- entry points --------------------------------------------------------------------------
 def evaluate_predictors(
     trace_dir: str | Path,
@@ -146,10 +183,12 @@ def evaluate_predictors(
     model_dir: str | Path | None = None,
     train_trace: str | Path | None = None,
     batch_sizes: tuple[int, ...] = BATCH_SIZES,
+    ahead: int = AHEAD,
 ) -> dict[str, Any]:
     """Evaluate every predictor on the trace at `trace_dir`; the result is the JSON of the
     module doc. `predictors` maps a name to None (a built-in: freq, token, corr, oracle,
-    lookahead), an artifact path, or a built predictor."""
+    lookahead), an artifact path, or a built predictor. In-token lookahead is also reported
+    1..`ahead` layers ahead (as far as each predictor and the model reach)."""
     start = time.perf_counter()
     check_specs(predictors, model_dir)
     trace = load_trace(trace_dir)
@@ -167,9 +206,16 @@ def evaluate_predictors(
     for name, spec in tqdm(predictors.items(), desc="predictors", unit="pred"):
         began = time.perf_counter()
         pred, source = resolve_predictor(name, spec, evaluated=trace, fit=fit, fit_on=fit_on, model_dir=model_dir)
-        scores, info = trace_scores(pred, trace, name)
+        by_ahead: dict[int, torch.Tensor] = {}
+        if isinstance(pred, HiddenLookahead):
+            by_ahead = lookahead_scores(pred, trace, range(1, min(ahead, pred.max_ahead) + 1))
+            scores, info = by_ahead[1], LOOKAHEAD_INFO
+        else:
+            scores, info = trace_scores(pred, trace, name)
         result["predictors"][name] = {"kind": pred.kind, **source, **info,
                                       **predictor_metrics(scores, trace, batch_sizes)}
+        if by_ahead:
+            result["predictors"][name]["ahead"] = {str(a): ahead_metrics(s, trace, a) for a, s in by_ahead.items()}
         # forecast heads: recall per horizon beside the training-free forecasters (the oracle's are
         # the trace itself: recall 1 at every horizon)
         if pred.horizon > 0 and not isinstance(pred, OraclePredictor):

@@ -1,7 +1,7 @@
 """Every way to guess a token's experts ahead of its routers, behind one interface.
 
 Kinds (registered by name in `PREDICTORS`): "sida" (learned hash function), "frequency",
-"token-table", "klotski-correlation", "gate-lookahead", "oracle". Artifacts are saved and
+"token-table", "klotski-correlation", "gate-lookahead", "probe" (hidden-state probe), "oracle". Artifacts are saved and
 loaded with `save_predictor` / `load_predictor`.
 """
 
@@ -18,7 +18,8 @@ from predictor.base import (
 )
 from predictor.baselines import FrequencyPredictor, OraclePredictor, TokenTablePredictor
 from predictor.correlation import CorrelationTable
-from predictor.lookahead import GateLookahead
+from predictor.lookahead import GateLookahead, HiddenLookahead
+from predictor.probe import ProbeLookahead, load_probe
 from predictor.metrics import recall_at
 from predictor.sida import SiDAHash, SiDAPredictor, SiDASizes, read_token_embeddings
 
@@ -29,16 +30,19 @@ __all__ = [
     "ForecastHorizonError",
     "FrequencyPredictor",
     "GateLookahead",
+    "HiddenLookahead",
     "OraclePredictor",
     "PredictorArtifactError",
     "PredictorError",
     "PredictorMeta",
+    "ProbeLookahead",
     "SiDAHash",
     "SiDAPredictor",
     "SiDASizes",
     "TokenTablePredictor",
     "TokenwisePredictor",
     "load_predictor",
+    "load_probe",
     "predictor_class",
     "read_predictor_meta",
     "read_token_embeddings",

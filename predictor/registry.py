@@ -3,6 +3,7 @@
 A name is a built-in (below, by its short name or any alias), or a predictor artifact's path.
 Built-ins are fit on a training trace (freq, token, corr), read the evaluated trace (oracle)
 or run the live model (lookahead); artifacts are loaded and checked against the trace's model.
+A hidden-state probe artifact runs the live model too (`needs_model`), bound to `--model`.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from predictor.artifact import artifact_paths, load_predictor
-from predictor.base import ExpertPredictor, PredictorError
+from predictor.artifact import artifact_paths, load_predictor, read_predictor_meta
+from predictor.base import ExpertPredictor, PredictorError, predictor_class
 from predictor.baselines import FrequencyPredictor, OraclePredictor, TokenTablePredictor
 from predictor.correlation import CorrelationTable
+from predictor.lookahead import HiddenLookahead
 from prescient.errors import PrescientError
 from prescient.traces import Trace
 
@@ -72,6 +74,23 @@ def check_name(name: str, path: str | Path | None = None) -> None:
                              "predictor artifact")
 
 
+def needs_model(name: str, spec: str | Path | None = None) -> bool:
+    """Whether the predictor a name (and artifact path) stands for runs the live model."""
+    entry = builtin(name) if spec is None else None
+    if entry is not None:
+        return entry.needs == "model"
+    path = spec if spec is not None else name
+    return is_artifact(path) and issubclass(predictor_class(read_predictor_meta(path).kind), HiddenLookahead)
+
+
+def _load_model(model_dir: str | Path):
+    import torch
+
+    from prescient.loading import load_model
+
+    return load_model(model_dir, dtype=torch.float32)[0]
+
+
 def build_builtin(name: str, *, fit: Trace | None = None, evaluated: Trace | None = None,
                   model_dir: str | Path | None = None, trace_dir: str | None = None) -> ExpertPredictor:
     """The built-in predictor `name`: fit on `fit`, reading `evaluated`, or running `model_dir`."""
@@ -86,13 +105,9 @@ def build_builtin(name: str, *, fit: Trace | None = None, evaluated: Trace | Non
         return FITTED[entry.name](fit, trace_dir=trace_dir)
     if entry.name == "oracle":
         return OraclePredictor(evaluated)
-    import torch
-
     from predictor.lookahead import GateLookahead
-    from prescient.loading import load_model
 
-    model, _ = load_model(model_dir, dtype=torch.float32)
-    return GateLookahead(model)
+    return GateLookahead(_load_model(model_dir))
 
 
 def resolve_predictor(name: str, spec: str | Path | ExpertPredictor | None, *, evaluated: Trace,
@@ -110,6 +125,11 @@ def resolve_predictor(name: str, spec: str | Path | ExpertPredictor | None, *, e
         path = spec if spec is not None else name
         check_name(name, spec)
         pred = load_predictor(path, fingerprint=fp)  # FingerprintMismatchError names both models
+        if isinstance(pred, HiddenLookahead):
+            if model_dir is None:
+                raise MissingPredictorInputError(f"predictor {name!r} ({pred.kind}) runs the live model: pass --model DIR")
+            pred.bind(_load_model(model_dir))
+            return pred, {"artifact": str(path), "model": str(model_dir), "fit_on": pred.meta.training or None}
         return pred, {"artifact": str(path), "fit_on": pred.meta.training or None}
     pred = build_builtin(name, fit=fit, evaluated=evaluated, model_dir=model_dir)
     if entry.needs == "model":

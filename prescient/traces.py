@@ -15,6 +15,11 @@ Each shard holds one row per real token (padding never appears), with columns
     topt_ids    int16  [N, L, T]  the T highest-logit experts, best first
     topt_logits float32[N, L, T]  their router logits
 
+and, in a trace made with `prescient trace --hidden-states` (the manifest's `hidden_states` says so),
+
+    hidden      bfloat16[N, L, H] each MoE layer's block input (after the post-attention norm):
+                what the layer's router reads, and what `predictor.probe` learns from
+
 L runs over the MoE layers in forward order (an encoder-decoder's encoder layers first, then
 its decoder's; see `training.tracing` for what a decoder layer's entry of a row means), and
 T = min(top_t, E).
@@ -24,7 +29,8 @@ with its SHA-256, so a shard named in the manifest is always complete. `complete
 the end. A writer opened on an interrupted trace removes the temporaries a killed write left
 behind and continues the shard numbering after the last listed shard.
 
-`load_trace` checks what it reads (`check_shard`): the SHA-256 (traces written before it was
+`load_trace` reads the hidden column only when asked (`hidden=True`; `require_hidden_states`
+refuses a trace without it). It checks what it reads (`check_shard`): the SHA-256 (traces written before it was
 recorded go without), each column's shape and dtype against the manifest, ids in range and
 finite logits; an error names the shard and the column, so damage never reaches the compiled
 cache or a result.
@@ -48,6 +54,8 @@ from prescient.fingerprint import ModelFingerprint
 FORMAT = "prescient-trace/1"
 MANIFEST = "manifest.json"
 COLUMNS = ("seq_id", "position", "token_id", "topk_ids", "topt_ids", "topt_logits")
+HIDDEN = "hidden"  # the optional column of block inputs
+HIDDEN_DTYPE = torch.bfloat16
 
 
 @dataclass
@@ -59,12 +67,18 @@ class TraceManifest:
     settings: dict = field(default_factory=dict)  # what else decides the rows: seq_len, max_tokens...
     shards: list[dict] = field(default_factory=list)  # {"file", "rows", "sequences"}
     complete: bool = False
+    hidden_size: int | None = None  # H of the `hidden` column; None: the trace holds no hidden states
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return COLUMNS + ((HIDDEN,) if self.hidden_size else ())
 
     @property
     def n_tokens(self) -> int:
         return sum(s["rows"] for s in self.shards)
 
     def to_dict(self) -> dict:
+        hidden = {"hidden_states": {"column": HIDDEN, "dtype": "bfloat16", "size": self.hidden_size}}
         return {
             "format": FORMAT,
             "fingerprint": self.fingerprint.to_dict(),
@@ -75,6 +89,7 @@ class TraceManifest:
             "n_tokens": self.n_tokens,
             "shards": self.shards,
             "complete": self.complete,
+            **(hidden if self.hidden_size else {}),
         }
 
     @classmethod
@@ -91,6 +106,7 @@ class TraceManifest:
             settings=data.get("settings", {}),
             shards=list(data["shards"]),
             complete=data["complete"],
+            hidden_size=data["hidden_states"]["size"] if "hidden_states" in data else None,
         )
         manifest._check()
         return manifest
@@ -98,6 +114,8 @@ class TraceManifest:
     def _check(self) -> None:
         if type(self.top_t) is not int or not 1 <= self.top_t <= self.fingerprint.n_experts:
             raise ValueError(f"top_t {self.top_t!r} is not in 1..{self.fingerprint.n_experts} (the experts per layer)")
+        if self.hidden_size is not None and (type(self.hidden_size) is not int or self.hidden_size < 1):
+            raise ValueError(f"hidden_states size {self.hidden_size!r} is not a positive whole number")
         if not isinstance(self.complete, bool) or not isinstance(self.settings, dict):
             raise TypeError("complete must be true or false, settings an object")
         for shard in self.shards:
@@ -136,11 +154,11 @@ class TraceWriter:
         write_json_atomic(self.dir / MANIFEST, self.manifest.to_dict())
 
     def add_shard(self, columns: dict[str, torch.Tensor], sequences: int) -> None:
-        missing = set(COLUMNS) - set(columns)
+        missing = set(self.manifest.columns) - set(columns)
         if missing:
             raise ValueError(f"shard lacks columns {sorted(missing)}")
         name = f"shard-{len(self.manifest.shards):05d}.safetensors"
-        tensors = {k: columns[k].contiguous() for k in COLUMNS}
+        tensors = {k: columns[k].contiguous() for k in self.manifest.columns}
         data = save(tensors)
         write_atomic(self.dir / name, lambda p: p.write_bytes(data))
         self.manifest.shards.append({"file": name, "rows": int(columns["token_id"].shape[0]), "sequences": sequences,
@@ -185,8 +203,21 @@ class Trace:
         return [torch.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def load_trace(trace_dir: str | Path, require_complete: bool = True) -> Trace:
-    """Load every shard of a trace directory; clear errors for missing or corrupt ones."""
+class MissingHiddenStatesError(TraceError):
+    """A trace without the hidden column was given to what learns from hidden states."""
+
+
+def require_hidden_states(trace_dir: str | Path, manifest: TraceManifest) -> None:
+    """Refuse a trace made without `--hidden-states`, saying how to make one."""
+    if not manifest.hidden_size:
+        raise MissingHiddenStatesError(
+            f"trace {trace_dir} holds no hidden states; trace it again with `prescient trace ... --hidden-states` "
+            "(a hidden-state probe learns from each MoE layer's input)")
+
+
+def load_trace(trace_dir: str | Path, require_complete: bool = True, hidden: bool = False) -> Trace:
+    """Load every shard of a trace directory; clear errors for missing or corrupt ones.
+    `hidden`: load the `hidden` column too (refused, naming the flag, if the trace has none)."""
     trace_dir = Path(trace_dir)
     if not trace_dir.is_dir():
         raise TraceError(f"trace directory {trace_dir} does not exist; make one with `prescient trace`")
@@ -197,10 +228,13 @@ def load_trace(trace_dir: str | Path, require_complete: bool = True) -> Trace:
         raise TraceError(f"trace {trace_dir} is incomplete (interrupted?); run the same `prescient trace` again to resume")
     if not manifest.shards:
         raise TraceError(f"trace {trace_dir} holds no tokens")
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in COLUMNS}
+    if hidden:
+        require_hidden_states(trace_dir, manifest)
+    wanted = manifest.columns if hidden else COLUMNS
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in wanted}
     for shard in manifest.shards:
         data = read_shard(trace_dir, shard, manifest)
-        for k in COLUMNS:
+        for k in wanted:
             parts[k].append(data[k])
     return Trace(manifest, {k: torch.cat(v) for k, v in parts.items()})
 
@@ -229,22 +263,27 @@ def check_shard(path: Path, data: dict[str, torch.Tensor], manifest: TraceManife
     """Raise TraceError naming the shard and column unless `data` holds every column with the
     manifest's shapes, integer ids in range and finite logits."""
     fp = manifest.fingerprint
-    if set(data) != set(COLUMNS):
-        raise TraceError(f"trace shard {path} holds columns {sorted(data)}, expected {list(COLUMNS)}; {redo}")
+    if set(data) != set(manifest.columns):
+        raise TraceError(f"trace shard {path} holds columns {sorted(data)}, expected {list(manifest.columns)}; "
+                         f"{redo}")
     per_layer = (rows, fp.n_moe_layers)
     shapes = {"seq_id": (rows,), "position": (rows,), "token_id": (rows,), "topk_ids": (*per_layer, fp.top_k),
               "topt_ids": (*per_layer, manifest.top_t), "topt_logits": (*per_layer, manifest.top_t)}
+    if manifest.hidden_size:
+        shapes[HIDDEN] = (*per_layer, manifest.hidden_size)
+    floats = ("topt_logits", HIDDEN)
     for column, shape in shapes.items():
         tensor = data[column]
         if tuple(tensor.shape) != shape:
             raise TraceError(f"trace shard {path}: column {column} has shape {list(tensor.shape)}, the manifest "
                              f"says {list(shape)}; {redo}")
-        if tensor.is_floating_point() != (column == "topt_logits") or tensor.dtype == torch.bool:
+        if tensor.is_floating_point() != (column in floats) or tensor.dtype == torch.bool:
             raise TraceError(f"trace shard {path}: column {column} has dtype {tensor.dtype}; {redo}")
-    if not torch.isfinite(data["topt_logits"]).all():
-        bad = (~torch.isfinite(data["topt_logits"])).nonzero()
-        raise TraceError(f"trace shard {path}: column topt_logits holds {data['topt_logits'][tuple(bad[0])].item()} "
-                         f"at index {bad[0].tolist()}; router logits must be finite; {redo}")
+    for column, what in (("topt_logits", "router logits"), (HIDDEN, "hidden states")):
+        if column in shapes and not torch.isfinite(data[column]).all():
+            bad = (~torch.isfinite(data[column])).nonzero()
+            raise TraceError(f"trace shard {path}: column {column} holds {data[column][tuple(bad[0])].item()} "
+                             f"at index {bad[0].tolist()}; {what} must be finite; {redo}")
     experts = (0, fp.n_experts, "expert id", f" (the model has {fp.n_experts} experts)")
     limits = {"seq_id": (0, None, "sequence id", ""), "position": (0, None, "position", ""),
               "token_id": (0, fp.vocab_size, "token id", f" (the vocabulary has {fp.vocab_size} tokens)"),

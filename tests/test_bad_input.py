@@ -33,10 +33,12 @@ from prescient.fingerprint import fingerprint_model_dir
 from prescient.traces import load_trace
 from prescient.arch_zoo import save_tiny_model
 from tests.conftest import tiny_test_config
+from tests.predictor.probes import random_probe
 from training.tracing import trace_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs/predictor/sida.yaml")
+PROBE_CONFIG = str(ROOT / "configs/predictor/probe.yaml")
 TRACE = {"split": "train", "max_tokens": 60, "top_t": 4, "seq_len": 16, "batch_size": 4, "shard_sequences": 2}
 
 
@@ -154,6 +156,7 @@ def world(tmp_path_factory, tiny_moe_dir, tiny_tokenizer, text_corpus) -> dict[s
     torch.save({"state_dict": {}, "hook": Unsafe()}, tmp / "unsafe.ckpt")
     (tmp / "truncated.ckpt").write_bytes((tmp / "unsafe.ckpt").read_bytes()[:200])
     paths.update(unsafe_ckpt=tmp / "unsafe.ckpt", truncated_ckpt=tmp / "truncated.ckpt")
+    paths["probe_other"] = random_probe(paths["other"], tmp / "probe-other").with_suffix("")
     return paths
 
 
@@ -299,6 +302,18 @@ CASES = [
      r"--batch-sizes: '1,8,1' names '1' twice; give each once"),
     ("evaluate: a predictor named twice", [*without(evaluate(), "--predictors"), "--predictors", "freq,sida={sida},sida"],
      r"--predictors: predictor 'sida' is named twice; give each name once"),
+    ("evaluate: a probe trained on another model",
+     [*without(evaluate(), "--predictors"), "--model", "{model}", "--predictors", "probe={probe_other}"],
+     r"predictor .*probe-other.json was built for model mixtral\(.*\) but is used with model mixtral\(.*\); rebuild"),
+    ("evaluate: a probe without the model it runs", [*without(evaluate(), "--predictors"), "--predictors",
+                                                     "probe={probe_other}"],
+     r"predictor 'probe' runs the live model: pass --model DIR"),
+    ("train: a probe on a trace without hidden states",
+     ["train", "--config", PROBE_CONFIG, "--data.trace_dir", "{trace}", "--trainer.logger", "false",
+      "--trainer.default_root_dir", "{run}", "--export", "{out}"],
+     r"trace .*trace holds no hidden states; trace it again with `prescient trace \.\.\. --hidden-states`"),
+    ("compare-caches: the expert pipeline off without a timing", compare("--expert-pipeline", "off"),
+     r"the expert pipeline on or off is a model of the timed clock: give --timing"),
     ("compare-caches: one capacity twice", [*without(compare(), "--capacity"), "--capacity", "0.5,50%"],
      r"--capacity: '0.5,50%' names '50%' twice; give each once"),
     ("evaluate: cross garbage", evaluate("--cross", "garbage"),

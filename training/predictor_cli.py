@@ -1,6 +1,12 @@
-"""`prescient train`: LightningCLI over `PredictorModule` + `PredictorDataModule`.
+"""`prescient train`: LightningCLI over a predictor's LightningModule + LightningDataModule.
 
     prescient train --config configs/predictor/sida.yaml --data.trace_dir DIR [--export PATH]
+    prescient train --config configs/predictor/probe.yaml --data.trace_dir DIR [--export PATH]
+
+Which pair trains is the config's top-level `predictor` key (or `--predictor`; default sida):
+`sida` (`PredictorModule` + `PredictorDataModule`: the hash function on router traces) or
+`probe` (`ProbeModule` + `ProbeDataModule`: the hidden-state probe on a trace made with
+`prescient trace --hidden-states`).
 
 Everything the YAML holds can be overridden on the command line (`--model.lr 1e-3`,
 `--trainer.max_epochs 5`, `--trainer.strategy ddp --trainer.devices 2`; forecast heads:
@@ -17,10 +23,12 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import sys
 import zipfile
 from pathlib import Path
 
 import torch
+import yaml
 from jsonargparse import ArgumentError
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
@@ -29,15 +37,23 @@ from predictor.artifact import save_predictor
 from prescient.errors import PrescientError
 from training.predictor_data import PredictorDataModule
 from training.predictor_module import PredictorModule
+from training.probe_data import ProbeDataModule
+from training.probe_module import ProbeModule
 from training.quiet import quiet_training
 
 log = logging.getLogger(__name__)
 
 
+KINDS = {"sida": (PredictorModule, PredictorDataModule), "probe": (ProbeModule, ProbeDataModule)}
+
+
 class PredictorCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.trace_dir", "model.trace_dir")
-        parser.link_arguments("model.horizon", "data.horizon")  # forecast targets for the forecast heads
+        if self.model_class is PredictorModule:
+            parser.link_arguments("model.horizon", "data.horizon")  # forecast targets for the forecast heads
+        parser.add_argument("--predictor", type=str, default="sida",
+                            help=f"what to train: {', '.join(KINDS)} (set in the config's top level)")
         parser.add_argument("--ckpt_path", type=str | None, default=None,
                             help="checkpoint to resume from, e.g. <run dir>/checkpoints/last.ckpt")
         parser.add_argument(
@@ -99,14 +115,37 @@ def check_checkpoint(path: str | Path) -> None:
                               "<run dir>/checkpoints/last.ckpt") from None
 
 
+def predictor_kind(args: list[str]) -> str:
+    """What `args` train: the last `--predictor`, else the last `--config` file's `predictor` key,
+    else sida. A config that cannot be read is left for LightningCLI to report."""
+    kind = "sida"
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        if name == "--config":
+            try:
+                config = yaml.safe_load(Path(value).read_text())
+            except (OSError, yaml.YAMLError):
+                continue
+            kind = config.get("predictor", kind) if isinstance(config, dict) else kind
+        elif name == "--predictor":
+            kind = value
+    if kind not in KINDS:
+        raise TrainArgumentError(f"predictor {kind!r} is not one `prescient train` trains; known: {', '.join(KINDS)}")
+    return kind
+
+
 def main(args: list[str] | None = None) -> Path:
     """Run LightningCLI on `args` (the command line's, by default): fit, then export the best
     checkpoint; returns the artifact path."""
     quiet_training()
+    args = sys.argv[1:] if args is None else args
+    module, datamodule = KINDS[predictor_kind(args)]
     try:
         cli = PredictorCLI(
-            PredictorModule,
-            PredictorDataModule,
+            module,
+            datamodule,
             args=args,
             run=False,
             save_config_kwargs={"overwrite": True},

@@ -12,6 +12,9 @@ both those of the step that reads the row's token (the decoder's step on the sta
 not a row), so a predictor fed a token stream learns one thing for both: what the layers
 reading a token pick. When serving, the encoder stream is the prompt and the decoder stream the
 start token and then each generated token. The manifest says so in `settings["decoder_reads_row_token"]`.
+
+With `hidden_states`, each MoE layer's block input (what its router reads) is kept per row too,
+in bfloat16 (`prescient.traces`' `hidden` column), for the hidden-state probe (`predictor.probe`).
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from predictor.lookahead import recording_block_inputs
 from prescient.arch import MoELayer, is_encoder_decoder
 from prescient.errors import TraceError
 from prescient.fingerprint import fingerprint_model
 from prescient.loading import load_model, load_tokenizer
-from prescient.traces import MANIFEST, TraceManifest, TraceWriter, read_manifest
+from prescient.traces import HIDDEN, HIDDEN_DTYPE, MANIFEST, TraceManifest, TraceWriter, read_manifest
 from training.corpora import load_corpus
 from training.router_hooks import RouterRecorder
 
@@ -77,10 +81,12 @@ def model_inputs(model, ids: torch.Tensor, mask: torch.Tensor) -> dict:
     return inputs
 
 
-def rows_of_batch(ids, mask, logits, selected, first_seq: int, top_t: int) -> dict[str, torch.Tensor]:
+def rows_of_batch(ids, mask, logits, selected, first_seq: int, top_t: int,
+                  hidden: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Trace columns for the real (unpadded) tokens of one batch.
 
-    `logits` [B, S, L, E] and `selected` [B, S, L, k] come from `RouterRecorder.stacked`.
+    `logits` [B, S, L, E] and `selected` [B, S, L, k] come from `RouterRecorder.stacked`;
+    `hidden` [B, S, L, H], the block inputs, adds the `hidden` column.
     """
     width = ids.shape[1]
     real = mask.flatten().nonzero().squeeze(1)  # flat positions of the real tokens, in row order
@@ -88,7 +94,9 @@ def rows_of_batch(ids, mask, logits, selected, first_seq: int, top_t: int) -> di
     chosen = selected.flatten(0, 1).index_select(0, real)  # [N, L, k]
     ranked_logits, ranked_ids = logits.sort(dim=-1, descending=True)  # faster than topk for small E
     order = logits.gather(-1, chosen).argsort(dim=-1, descending=True)  # the router's choice, best first
+    columns = {} if hidden is None else {HIDDEN: hidden.flatten(0, 1).index_select(0, real).to(HIDDEN_DTYPE)}
     return {
+        **columns,
         "seq_id": real // width + first_seq,
         "position": (real % width).to(torch.int32),
         "token_id": ids.flatten().index_select(0, real),
@@ -98,22 +106,31 @@ def rows_of_batch(ids, mask, logits, selected, first_seq: int, top_t: int) -> di
     }
 
 
+def stacked_inputs(seen: dict[int, torch.Tensor], n_layers: int, batch: int, seq: int) -> torch.Tensor:
+    """[B, S, L, H] block inputs of the last forward: each layer's last S positions (as
+    `RouterRecorder.stacked`)."""
+    return torch.stack([seen[i].reshape(batch, -1, seen[i].shape[-1])[:, -seq:] for i in range(n_layers)], dim=2)
+
+
 @torch.no_grad()
 def trace_windows(model, layers: list[MoELayer], windows: Iterable[list[int]], writer: TraceWriter, *,
                   pad_id: int, top_t: int, batch_size: int, shard_sequences: int, first_seq: int = 0,
                   progress: tqdm | None = None) -> None:
-    """Run `model` over `windows` and append one shard to `writer` per `shard_sequences` windows."""
+    """Run `model` over `windows` and append one shard to `writer` per `shard_sequences` windows
+    (with the hidden column when the writer's manifest has one)."""
     windows = iter(windows)
     recorder = RouterRecorder(layers)
     seq = first_seq
-    with recorder.recording():
+    hidden = bool(writer.manifest.hidden_size)
+    with recorder.recording(), recording_block_inputs(layers if hidden else []) as seen:
         while chunk := list(islice(windows, shard_sequences)):
             parts: list[dict[str, torch.Tensor]] = []
             for start in range(0, len(chunk), batch_size):
                 ids, mask = pad_batch(chunk[start : start + batch_size], pad_id)
                 model(**model_inputs(model, ids, mask))
                 logits, selected = recorder.stacked(*ids.shape)
-                parts.append(rows_of_batch(ids, mask, logits, selected, seq + start, top_t))
+                inputs = stacked_inputs(seen, len(layers), *ids.shape) if hidden else None
+                parts.append(rows_of_batch(ids, mask, logits, selected, seq + start, top_t, inputs))
                 if progress is not None:
                     progress.update(int(mask.sum()))
             writer.add_shard({k: torch.cat([p[k] for p in parts]) for k in parts[0]}, sequences=len(chunk))
@@ -136,6 +153,7 @@ def _resume_point(out: Path, manifest: TraceManifest) -> TraceManifest | None:
             ("dataset", old.dataset, manifest.dataset),
             ("split", old.split, manifest.split),
             ("top_t", old.top_t, manifest.top_t),
+            ("hidden_states", old.hidden_size, manifest.hidden_size),
             *((key, old.settings.get(key), manifest.settings.get(key))
               for key in sorted(set(old.settings) | set(manifest.settings)) if key != "model"),  # by fingerprint
         ]
@@ -162,10 +180,19 @@ def _model_name(model_dir: str | Path) -> str:
     return str(Path(model_dir).resolve()) if Path(model_dir).exists() else str(model_dir)
 
 
+def _hidden_size(model) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    size = getattr(config, "hidden_size", None) or getattr(config, "d_model", None)
+    if not size:
+        raise TraceError(f"{model.config.model_type}: the config names no hidden_size; cannot trace hidden states")
+    return int(size)
+
+
 def trace_model(model_dir: str | Path, dataset: str, out: str | Path, split: str = "validation",
                 max_tokens: int = 50_000, top_t: int = 30, text_field: str = "text", seq_len: int = 128,
-                batch_size: int = 16, shard_sequences: int = 256) -> Path:
-    """Trace `model_dir` over `dataset`'s split into `out`; resumes an interrupted run."""
+                batch_size: int = 16, shard_sequences: int = 256, hidden_states: bool = False) -> Path:
+    """Trace `model_dir` over `dataset`'s split into `out`; resumes an interrupted run.
+    `hidden_states`: keep each MoE layer's block input per row too (bfloat16)."""
     out = Path(out)
     _check_sizes(max_tokens=max_tokens, top_t=top_t, seq_len=seq_len, batch_size=batch_size,
                  shard_sequences=shard_sequences)
@@ -178,6 +205,7 @@ def trace_model(model_dir: str | Path, dataset: str, out: str | Path, split: str
         settings={"model": _model_name(model_dir), "max_tokens": max_tokens, "seq_len": seq_len,
                   "shard_sequences": shard_sequences, "text_field": text_field,
                   **({"decoder_reads_row_token": True} if is_encoder_decoder(model) else {})},
+        hidden_size=_hidden_size(model) if hidden_states else None,
     )
     previous = _resume_point(out, manifest)
     if previous is not None:  # the same model (by fingerprint), perhaps spelled another way: record where it is now
