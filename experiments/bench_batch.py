@@ -5,7 +5,9 @@ At each compared policy (N requests, micro-batch size μ, resident expert fracti
 same requests decode at the same budget (the slots r_w needs) under
 
   klotski      Klotski's multi-batch pipeline: the N/μ micro-batches form one group; hot
-               experts from the correlation table during attention, cold ones after the gate
+               experts from the correlation table (requested once the previous layer's gate
+               chose), cold ones after the gate
+  klotski-paper  the same with the hot experts requested at the layer's attention, as the paper
   cgopipe      MoE-Lightning's CGOPipe: every streamed expert paged in each step
   zigzag       FlexGen's zig-zag block schedule: a layer's streamed experts loaded once per
                block of micro-batches, a layer ahead
@@ -59,7 +61,7 @@ class BatchPolicy:
 
 
 BATCH_OPTIONS = RuntimeOptions(policy="fifo", drop_page_cache=True)  # the schedule chooses what stays resident
-MODES = ("klotski", "cgopipe", "zigzag")
+MODES = ("klotski", "klotski-paper", "cgopipe", "zigzag")
 DEFAULT_GRID = ("8:4:0.5,16:4:0.5,32:4:0.5,32:8:0.5,16:8:0.25,32:8:0.25,32:4:0.25,16:4:0.75,32:16:0.75,8:2:0.75,"
                 "64:16:0.5")
 
@@ -183,8 +185,9 @@ def make_decoder(mode: str, model, policy: BatchPolicy, hot, table, hot_count: i
     from offload_runtime.cgopipe.pipe import CGOPipe
     from offload_runtime.cgopipe.zigzag import ZigZagDecoder
 
-    if mode == "klotski":
-        return KlotskiPipe(model, policy.resident, table=table, hot_count=hot_count, hot=hot)
+    if mode.startswith("klotski"):
+        return KlotskiPipe(model, policy.resident, table=table, hot_count=hot_count, hot=hot,
+                           early_hot=mode == "klotski")
     if mode == "zigzag":
         return ZigZagDecoder(model, policy.resident, hot=hot)
     return CGOPipe(model, policy.resident, hot=hot, overlap=mode == "cgopipe")
@@ -218,7 +221,7 @@ def measure_schedule(model_dir: str, prompts: list[list[int]], gen_len: int, pol
         "wasted_prefetches": stats.wasted_prefetches, "stall_seconds": stats.stall_seconds, "slots": stats.slots,
         "options": options.to_json(),
     }
-    if mode == "klotski":
+    if mode.startswith("klotski"):
         run["hot_count"] = pipe.hot_count
         run["activated_share"] = sum(pipe.activated_share) / max(len(pipe.activated_share), 1)
     return run
@@ -375,13 +378,14 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
             of = [r for r in mine if r["mode"] == mode]
             modes[mode] = {key: _median_spread([r[key] for r in of])
                            for key in ("tokens_per_s", "decode_tokens_per_s", "bytes_per_token", "decode_bytes_per_token")}
-            if mode == "klotski":
+            if mode.startswith("klotski"):
                 modes[mode]["activated_share"] = of[0]["activated_share"]
 
         def ratio(a: str, b: str, modes: dict[str, Any] = modes) -> float:
             return modes[a]["tokens_per_s"]["median"] / modes[b]["tokens_per_s"]["median"]
 
         by_policy[label] = {"modes": modes, "klotski_over_cgopipe": ratio("klotski", "cgopipe"),
+                            "klotski_paper_over_cgopipe": ratio("klotski-paper", "cgopipe"),
                             "cgopipe_over_zigzag": ratio("cgopipe", "zigzag"),
                             "klotski_over_zigzag": ratio("klotski", "zigzag")}
         if "sequential" in modes:

@@ -39,11 +39,12 @@ def test_bench_batch_end_to_end(tmp_path, tiny_tokenizer):
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert result["all_exact"]
     compared = [(r["label"], r["mode"], r["repeat"]) for r in result["runs"] if r["part"] == "compared"]
-    first = [("klotski", "cgopipe", "zigzag", "sequential"), ("klotski", "cgopipe", "zigzag")]
+    first = [("klotski", "klotski-paper", "cgopipe", "zigzag", "sequential"),
+             ("klotski", "klotski-paper", "cgopipe", "zigzag")]
     assert compared == [(p.label, mode, repeat) for repeat in (0, 1) for p, modes in zip((main, other), first)
                         for mode in modes]  # interleaved: every schedule once, then again
     row = result["by_policy"][main.label]
-    assert set(row["modes"]) == {"klotski", "cgopipe", "zigzag", "sequential"}
+    assert set(row["modes"]) == {"klotski", "klotski-paper", "cgopipe", "zigzag", "sequential"}
     for stats in row["modes"].values():
         assert stats["tokens_per_s"]["n"] == 2 and stats["tokens_per_s"]["min"] <= stats["tokens_per_s"]["median"]
         assert stats["bytes_per_token"]["median"] > 0

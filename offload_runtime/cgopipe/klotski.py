@@ -5,7 +5,8 @@ layer i of a pass (the prefill, or a decode step):
 
     1. request layer i's K hot experts: the top K of the correlation table's rows summed over
        every token's real choice at layer i−1 (layer 0: the table's per-token counts of layer 0
-       for the group's input tokens), leaving out the resident ones, hottest first
+       for the group's input tokens), leaving out the resident ones, hottest first; with
+       `early_hot` (the default) they were requested already, the moment layer i−1's gate chose
     2. the attention half of each micro-batch, while those copies run
     3. the gate over all the group's tokens, as one call of the layer's MoE block: the runtime
        requests every activated expert that is not in (the cold ones) at once, right after the
@@ -27,7 +28,11 @@ Where this deviates from the paper, and why:
   the double buffer's budget the slot is not needed sooner, and a copy still in when the next
   pass reaches its layer is not moved again;
 - layer 0 has no previous layer in the token's path; its hot experts come from the table's
-  per-token counts of layer 0, which the online update leaves as built.
+  per-token counts of layer 0, which the online update leaves as built;
+- `early_hot`: layer i's hot experts need only layer i−1's choices, so they are requested as soon
+  as layer i−1's gate has chosen, queued behind layer i−1's cold copies (demand loads go first):
+  the link keeps moving through layer i−1's expert compute instead of idling until layer i's
+  attention starts. `early_hot=False` requests them at layer i's attention, as the paper says.
 """
 
 from __future__ import annotations
@@ -59,9 +64,10 @@ def check_hot_count(hot_count: int, n_experts: int, resident_fraction: float) ->
 class KlotskiPipe(ZigZagDecoder):
     def __init__(self, model: nn.Module, resident_fraction: float, table: CorrelationTable | None = None,
                  hot_count: int | None = None, hot: Sequence[Sequence[float]] | None = None,
-                 attention_device: str | None = "cpu", record_events: bool = False) -> None:
+                 attention_device: str | None = "cpu", record_events: bool = False, early_hot: bool = True) -> None:
         """`hot_count`: K, the hot experts requested during attention (default: the model's
-        top-k, as Klotski); `hot`: the static ranking that picks the resident experts."""
+        top-k, as Klotski); `hot`: the static ranking that picks the resident experts;
+        `early_hot`: request layer i's hot experts once layer i−1's gate has chosen (see above)."""
         super().__init__(model, resident_fraction, hot=hot, attention_device=attention_device,
                          record_events=record_events, arrival_order=True)
         self.hot_count = self.runtime.top_k if hot_count is None else hot_count
@@ -76,7 +82,8 @@ class KlotskiPipe(ZigZagDecoder):
         self.table = CorrelationTable([p.clone() for p in table.pairs], table.layer0_counts.clone(), table.meta)
         self.selected: dict[int, torch.Tensor] = {}  # layer → [T, k] the group's choices in the current pass
         self.activated_share: list[float] = []  # per decode step and layer: share of its experts the group chose
-        self._routed: torch.Tensor | None = None
+        self.early_hot = early_hot
+        self._real: torch.Tensor | None = None  # the group's token rows that are not padding, during a MoE call
         self._hooks = [layer.router.register_forward_hook(self._record(layer)) for layer in self.runtime.layers]
 
     def close(self) -> None:
@@ -100,26 +107,30 @@ class KlotskiPipe(ZigZagDecoder):
     def _request_ahead(self, micro: list[MicroBatch], layer: int) -> None:
         if layer == 0:
             self.selected.clear()
-        self._request([(layer, e) for e in self.hot_experts(layer, micro)])
+        if layer == 0 or not self.early_hot:
+            self._request([(layer, e) for e in self.hot_experts(layer, micro)])
 
     def _experts(self, micro: list[MicroBatch], layer: int) -> None:
         """The layer's MoE block once over every token of the group, then the online update."""
         width = micro[0].hidden.shape[-1]
         rows = [mb.hidden.reshape(-1, width) for mb in micro]
-        out = self.stack.ffn_half(layer, torch.cat(rows).unsqueeze(0))[0]
+        self._real = _real_rows(micro)
+        out = self.stack.ffn_half(layer, torch.cat(rows).unsqueeze(0))[0]  # the gate's hook fills selected[layer]
         for mb, part in zip(micro, out.split([len(r) for r in rows])):
             mb.hidden = part.reshape(mb.hidden.shape)
         self._log("moe", layer, -1)
-        self.selected[layer] = self._routed[_real_rows(micro)]
         if not self._prefilling:
             self.activated_share.append(len(torch.unique(self.selected[layer])) / self.n_experts)
         if layer >= 1:
             self.table.update(layer - 1, self.selected[layer - 1], self.selected[layer], self.selected.get(layer - 2))
 
     def _record(self, layer):
+        """After `layer`'s gate: its real choices; with `early_hot`, the next layer's hot experts requested."""
         def hook(_module: nn.Module, _inputs: tuple, output) -> None:
             _, chosen = layer.adapter.routing(layer, output)
-            self._routed = chosen.reshape(-1, chosen.shape[-1]).cpu()
+            self.selected[layer.index] = chosen.reshape(-1, chosen.shape[-1]).cpu()[self._real]
+            if self.early_hot and layer.index + 1 < self.n_layers:
+                self._request([(layer.index + 1, e) for e in self.hot_experts(layer.index + 1, [])])
         return hook
 
 

@@ -107,6 +107,25 @@ def test_each_expert_runs_once_per_layer_over_the_whole_group(deep_mixtral):
             assert ops[-3:] == ["attention", "attention", "moe"] and set(ops[:-3]) <= {"page"}
 
 
+@pytest.mark.parametrize("early_hot", [True, False])
+def test_hot_experts_are_requested_after_the_previous_gate_or_at_attention(deep_mixtral, early_hot):
+    """early_hot: layer i's hot experts go out while layer i−1's MoE block runs (its gate has
+    chosen), before that block ends; as the paper: at layer i, before its attention."""
+    requests = prompts(vocab=300)[:4]
+    with offloaded(deep_mixtral, 0.25).offload_runtime as runtime, \
+            KlotskiPipe(runtime.model, 0.25, table=random_table(deep_mixtral), record_events=True,
+                        early_hot=early_hot) as pipe:
+        got = pipe.generate(requests, 3, micro_batch_size=2, n_micro=2)
+    assert got == [out[:3] for out in alone(deep_mixtral, requests)]
+    events = [(e.op, e.layer, e.micro_batch) for e in pipe.events if e.step == 1]
+    for layer in range(1, 4):
+        page = events.index(("page", layer, -1))
+        if early_hot:
+            assert events[page + 1] == ("moe", layer - 1, -1)
+        else:
+            assert events[page + 1] == ("attention", layer, 0)
+
+
 def test_cold_experts_move_only_when_activated(deep_mixtral):
     """At one budget, CGOPipe streams every non-resident expert each step; Klotski with K = 0
     moves only the experts the group activates."""
