@@ -307,10 +307,15 @@ class ExpertCache:
                      predicted: tuple[np.ndarray, np.ndarray] | None = None, layers_ahead: int = 1,
                      forecasts: Forecasts | None = None,
                      hide_only: bool = False,
-                     next_predicted: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[int, np.ndarray, np.ndarray]:
+                     next_predicted: tuple[np.ndarray, np.ndarray] | None = None,
+                     copy_s: Sequence[float] | None = None, expert_s: float | None = None,
+                     pipeline: bool = False) -> tuple[int, np.ndarray, np.ndarray]:
         """`replay` on a clock: each layer-step computes `compute_s` seconds once its experts are
         in, each expert's copy takes `transfer_s` on one link, demand loads ahead of prefetches
-        (see `cache.simulator`). The cache's decisions are those of `replay`; with `hide_only` a
+        (see `cache.simulator`). `copy_s`: a link keeping len(copy_s) copies in flight, one taking
+        copy_s[n - 1] seconds when n run at once (`transfer_s` then the seconds per copy at full
+        depth, for the hide-only rule); None: (transfer_s,). `pipeline`: each expert computes as it
+        lands, `expert_s` (default `compute_s`) being the layer-step's expert compute. The cache's decisions are those of `replay`; with `hide_only` a
         prefetch is issued only if its copy can end before its layer starts. `next_predicted`
         (keys, offsets per layer-step (t, l): the keys forecast at token t for (t+1, l)) adds
         cross-token prefetch. Returns (late prefetches, clock [simulated s, link idle at, stall
@@ -321,7 +326,13 @@ class ExpertCache:
                 raise CacheError("cross-token prefetch (next_predicted) extends prefetching: give predicted too")
             with self._lock:
                 checks.predicted_keys("next predicted", next_predicted, len(self._keys), len(offsets))
-        checks.durations(compute_s=compute_s, transfer_s=transfer_s)
+        copies = np.array([transfer_s] if copy_s is None else copy_s, np.float64)
+        expert_s = compute_s if expert_s is None else expert_s
+        checks.durations(compute_s=compute_s, transfer_s=transfer_s, expert_s=expert_s,
+                         **{f"copy_s[{i}]": c for i, c in enumerate(copies)})
+        if not len(copies) or expert_s > compute_s:
+            raise CacheError(f"give one copy time or more (got {len(copies)}) and expert_s {expert_s} at most "
+                             f"compute_s {compute_s}")
         score_arrays, inserted, evicted = self._replay_buffers(offsets, scores, predicted, next_predicted)
         none = (np.zeros(0, np.int64), np.zeros(1, np.int64))
         predicted_keys, predicted_offsets = predicted if predicted is not None else none
@@ -331,7 +342,8 @@ class ExpertCache:
             late, off = loops.replay_timed(
                 self.state.struct, n_layers, keys, offsets, *score_arrays, scores is not None,
                 *_forecast_arrays(forecasts), predicted_keys, predicted_offsets, next_keys, next_offsets, layers_ahead,
-                float(compute_s), float(transfer_s), bool(hide_only), inserted, evicted, clock, transfers)
+                float(compute_s), float(expert_s), bool(pipeline), copies, float(transfer_s), bool(hide_only), inserted,
+                evicted, clock, transfers)
             self._check_replay(keys, off)
             return int(late), clock, transfers
 

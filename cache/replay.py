@@ -156,6 +156,46 @@ CUR, END, TOKEN = range(3)  # a queue segment: its next entry, its end, the toke
 
 
 @inline
+def _start_copy(chan, at, copy_s):
+    """Start a copy on the link's first idle channel, at `at` or when that channel frees; a copy
+    that starts with n - 1 others in flight takes `copy_s[n - 1]`. Returns when it ends."""
+    i = np.argmin(chan)
+    start = max(chan[i], at)
+    n = 1
+    for c in range(len(chan)):
+        if c != i and chan[c] > start:
+            n += 1
+    chan[i] = start + copy_s[n - 1]
+    return chan[i]
+
+
+@inline
+def _layer_end(step, done, now, compute_s, expert_s, pipeline, arrivals):
+    """When layer-step `step`, started at `now`, ends. Per layer: once its last copy lands, it
+    computes `compute_s`. Pipelined (EPS-MoE, the runtime's `expert_pipeline`): its experts
+    resident at `now` compute first, then each other one as its copy lands, in arrival order,
+    each `expert_s / len(step)`; the rest of the layer's compute (`compute_s - expert_s`:
+    attention, router, which in the runtime run before the copies are requested) after them."""
+    if not pipeline or len(step) == 0:
+        ready = now
+        for key in step:
+            ready = max(ready, done[key])
+        return ready + compute_s
+    each = expert_s / len(step)
+    t = now
+    n = 0
+    for key in step:
+        if done[key] > now:
+            arrivals[n] = done[key]
+            n += 1
+        else:
+            t += each
+    for landed in np.sort(arrivals[:n]):
+        t = max(t, landed) + each
+    return t + compute_s - expert_s
+
+
+@inline
 def _live(seg, d, q_key, queued, serial):
     """Segment d's first live entry (its cursor moved past cancelled ones), or its end."""
     c, end = seg[d, CUR], seg[d, END]
@@ -190,19 +230,19 @@ def _next_prefetch(seg, depth, q_key, q_time, queued, serial, free):
 
 
 @inline
-def _advance(until, transfer_s, seg, tq, q_key, q_time, queued, serial, done, moved, clock, loads):
+def _advance(until, chan, copy_s, seg, tq, q_key, q_time, queued, serial, done, moved, loads):
     """Start, in the link's order, every queued prefetch the link takes before `until`."""
     while True:
-        c, d, depth = _next_prefetch(seg, tq[1], q_key, q_time, queued, serial, clock[FREE])
+        free = chan.min()
+        c, d, depth = _next_prefetch(seg, tq[1], q_key, q_time, queued, serial, free)
         tq[1] = depth
         if c < 0:
             return
-        start = max(clock[FREE], q_time[c])
-        if start >= until:
+        if max(free, q_time[c]) >= until:
             return
         key = q_key[c]
         queued[key] = False
-        done[key] = clock[FREE] = start + transfer_s
+        done[key] = _start_copy(chan, q_time[c], copy_s)
         moved[key] = True
         loads[PREFETCH] += 1
         seg[d, CUR] = c + 1
@@ -241,27 +281,30 @@ def _issue(st, wanted, token, issued, seg, tq, q_key, q_time, queued, serial, mo
 
 
 @inline
-def _hideable(st, wanted, now, layers_ahead, compute_s, transfer_s, seg, depth, q_key, queued, serial, clock):
+def _hideable(st, wanted, now, layers_ahead, compute_s, transfer_s, seg, depth, q_key, queued, serial, chan):
     """`wanted` less the non-resident keys whose copy would not end before their layer starts,
-    `layers_ahead` layer computes after `now`, behind the copy in flight and the queued
-    prefetches (the rule: `cache.timing.hideable`)."""
+    `layers_ahead` layer computes after `now`, behind the copies in flight and the queued
+    prefetches, the link moving one copy per `transfer_s` (the rule: `cache.timing.hideable`)."""
     backlog = 0
     for d in range(depth):
         for c in range(seg[d, CUR], seg[d, END]):
             if queued[q_key[c]] and serial[q_key[c]] == c:
                 backlog += 1
-    room = copies_in_time(now + layers_ahead * compute_s - max(clock[FREE], now), transfer_s, backlog)
+    room = copies_in_time(now + layers_ahead * compute_s - max(chan.min(), now), transfer_s, backlog)
     return wanted[hideable(st.resident[wanted], room)[0]]
 
 
 @jit
 def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_offsets, use_scores,
                  fc_keys, fc_values, fc_later, fc_offsets, predicted, predicted_offsets, next_predicted, next_offsets,
-                 layers_ahead, compute_s, transfer_s, hide_only, inserted, evicted, clock, loads):
+                 layers_ahead, compute_s, expert_s, pipeline, copy_s, transfer_s, hide_only, inserted, evicted, clock,
+                 loads):
     """`replay_prefetch` (or `replay_demand`, with no predicted keys) on a clock: each layer-step
-    computes `compute_s` once its experts are in; each transfer takes `transfer_s` on one link
-    (see `cache.simulator`); with `hide_only` a prefetch is issued only if its copy can end
-    before its layer starts (`_hideable`). Cross-token prefetch, when `next_predicted` holds keys
+    computes `compute_s`, `expert_s` of it its experts', once its experts are in or, with
+    `pipeline`, each expert as it lands (`_layer_end`); the link keeps up to len(copy_s) copies in
+    flight, one taking copy_s[n - 1] when n run at once, and moves one per `transfer_s` for the
+    hide-only rule (see `cache.simulator`); with `hide_only` a prefetch is issued only if its copy
+    can end before its layer starts (`_hideable`). Cross-token prefetch, when `next_predicted` holds keys
     (per layer-step (t, l): those forecast at token t for (t+1, l)): a layer `layers_ahead` steps on
     that falls in the next token is prefetched from them. Fills `clock` and `loads`; returns
     (late prefetches, -1 or the access number of a key off Belady's sequence)."""
@@ -276,6 +319,8 @@ def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_of
     seg = np.zeros((n_issuable, 3), np.int64)  # a stack of per-token-step queue segments
     tq = np.zeros(2, np.int64)  # entries issued, segments on the stack
     waits = np.empty(len(inserted), np.int64)
+    arrivals = np.empty(len(inserted), np.float64)
+    chan = np.zeros(len(copy_s), np.float64)  # when each of the link's channels is next idle
     prefetching = len(predicted) > 0
     crossing = len(next_offsets) > 1
     n_steps = (len(offsets) - 1) // n_layers
@@ -287,12 +332,12 @@ def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_of
             wanted = predicted[predicted_offsets[base + layer]:predicted_offsets[base + layer + 1]]
             if hide_only:
                 wanted = _hideable(st, wanted, clock[NOW], layer, compute_s, transfer_s, seg, tq[1], q_key, queued,
-                                   serial, clock)
+                                   serial, chan)
             _issue(st, wanted, t, clock[NOW], seg, tq, q_key, q_time, queued, serial, moved, loads, inserted, evicted)
         for layer in range(n_layers):
             j = base + layer
             now = clock[NOW]
-            _advance(now, transfer_s, seg, tq, q_key, q_time, queued, serial, done, moved, clock, loads)
+            _advance(now, chan, copy_s, seg, tq, q_key, q_time, queued, serial, done, moved, loads)
             if use_scores:
                 on_router_scores(st, layer, score_keys[score_offsets[j]:score_offsets[j + 1]],
                                  score_values[score_offsets[j]:score_offsets[j + 1]])
@@ -305,23 +350,18 @@ def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_of
                     n_waits += 1
             n_inserted, n_evicted, _ = load(st, step, True, inserted, evicted)
             _evicted(evicted, n_evicted, queued, moved, loads)
-            free = max(clock[FREE], now)  # behind the copy in flight, if any
-            for k in range(n_inserted):
-                free += transfer_s
-                done[inserted[k]] = free
+            for k in range(n_inserted):  # behind the copies in flight, if any
+                done[inserted[k]] = _start_copy(chan, now, copy_s)
             for k in range(n_waits):
-                free += transfer_s
-                done[waits[k]] = free
-            if n_inserted + n_waits:
-                clock[FREE] = free
-                loads[DEMAND] += n_inserted + n_waits
-            ready = now
+                done[waits[k]] = _start_copy(chan, now, copy_s)
+            loads[DEMAND] += n_inserted + n_waits
             for key in step:
                 if done[key] > now:
-                    ready = max(ready, done[key])
                     late += 1
             late -= n_inserted  # the misses are stalls, not late prefetches
-            clock[STALL] += ready - now
+            end = _layer_end(step, done, now, compute_s, expert_s, pipeline, arrivals)
+            clock[STALL] += max(end - now - compute_s, 0.0)
+            ready = now if pipeline else end - compute_s  # prefetches go out as the layer's compute starts
             off = use(st, step)
             if off >= 0:
                 return late, offsets[j] + off
@@ -339,10 +379,11 @@ def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_of
                                             next_offsets[base + target - n_layers + 1]]
                 if hide_only:
                     wanted = _hideable(st, wanted, ready, layers_ahead, compute_s, transfer_s, seg, tq[1], q_key,
-                                       queued, serial, clock)
+                                       queued, serial, chan)
                 _issue(st, wanted, t, ready, seg, tq, q_key, q_time, queued, serial, moved, loads, inserted, evicted)
                 for key in step:
                     st.pins[key] -= 1
-            clock[NOW] = ready + compute_s
-    _advance(clock[NOW], transfer_s, seg, tq, q_key, q_time, queued, serial, done, moved, clock, loads)
+            clock[NOW] = end
+    _advance(clock[NOW], chan, copy_s, seg, tq, q_key, q_time, queued, serial, done, moved, loads)
+    clock[FREE] = chan.max()
     return late, -1

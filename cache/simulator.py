@@ -18,21 +18,30 @@ prefetched slot whose transfer had not finished (`late_prefetches`); a late tran
 on demand during the stall. Demand loads happen in stall time and do not use the prefetch link.
 
 Timed (`timing=LinkTiming(...)`, instead of `transfer_per_step`): the same cache decisions on a
-clock. A layer-step starts when the previous one ends; it computes `layer_compute_s` once all its
-experts are in. One link moves one expert at a time in `expert_bytes / link_bytes_per_s`, and a
-copy once started runs to its end; its queue is the runtime's transfer engine's: demand loads
-first, in request order, then prefetches, the newest token-step's first, each step's in issue
-order (the best first). A prefetch is issued when its layer-step's compute starts (those of a
-token's first `layers_ahead` layers when the token starts) and cannot start earlier. When a layer-step
-starts, its misses are demand loads behind the copy in flight and the demand loads queued before
-them, a prefetch still queued for it becomes a demand load, and one in flight is waited for: the
-layer stalls until its last expert is in (a late prefetch counts the remaining time as stall).
+clock. A layer-step starts when the previous one ends. With `expert_pipeline` (EPS-MoE's
+per-expert overlap, on by default as in the runtime, `RuntimeOptions.expert_pipeline`) its
+experts resident when it starts compute first while its misses are copied, then each miss as its
+copy lands, in arrival order, each for `expert_compute_s` / the layer-step's experts, and the rest
+of `layer_compute_s` (attention, router: in the runtime they run before the misses are requested)
+after them; without it, the layer-step computes `layer_compute_s` once all its experts are in.
+The link keeps up to `reads_in_flight` copies in flight, as the runtime's transfer workers do: a
+copy starts on the first idle one, and one that starts with n - 1 others in flight takes n
+experts' bytes at the rate measured with n in flight (`LinkTiming.copy_s`; with one in flight,
+`expert_bytes / link_bytes_per_s`); a copy once started runs to its end. The queue is the
+runtime's transfer engine's: demand loads first, in request order, then prefetches, the newest
+token-step's first, each step's in issue order (the best first). A prefetch is issued when its
+layer-step's compute starts: as it starts when pipelined (the runtime requests them right after
+the layer's demand loads), once its experts are in otherwise (those of a token's first
+`layers_ahead` layers when the token starts), and cannot start earlier. When a layer-step
+starts, its misses are demand loads behind the copies in flight and the demand loads queued
+before them, a prefetch still queued for it becomes a demand load, and one in flight is waited
+for; stall is the time the layer-step's compute waits for copies (a late prefetch's included).
 An evicted key's queued copy is cancelled; a prefetch copied and evicted before any use is
 wasted. Reported: simulated seconds, stall seconds, bytes moved and bytes wasted, per generated
 token (trace row), and tokens/s (`SimResult.timed`). With `hide_only` (cost-aware prefetch's link
-half) a predicted key is prefetched only if, behind the copy in flight and the prefetches queued,
-its copy ends before its layer-step starts (the compute of the layer-steps in between, stalls
-not counted); the others are left to demand loads. Cross-token prefetch (a Replay built with
+half) a predicted key is prefetched only if, behind the copies in flight and the prefetches
+queued, the link moving one per `transfer_s`, its copy ends before its layer-step starts (the
+compute of the layer-steps in between, stalls not counted); the others are left to demand loads. Cross-token prefetch (a Replay built with
 `next_chances`, timed only): when a layer-step's `layers_ahead` reaches past the token's last layer,
 it prefetches the layer it reaches in the next token from the forecast made at this token.
 """
@@ -362,6 +371,7 @@ class SimResult:
     evictions: int
     seconds: float
     timed: TimedStats | None = None  # with a LinkTiming: the clock, bytes moved and wasted
+    expert_pipeline: bool | None = None  # timed: each expert computed as it lands (else per layer)
 
     @property
     def hit_rate(self) -> float:
@@ -387,13 +397,16 @@ def simulate(
     transfer_per_step: int | None = None,
     timing: LinkTiming | None = None,
     hide_only: bool = False,
+    expert_pipeline: bool = True,
 ) -> SimResult:
     """Replay through a fresh ExpertCache(capacity, policy). Prefetches when the replay holds
     predictions. `policy` must be a new object (a policy serves one cache). Policies with
     `uses_scores` get the replay's router scores before each layer-step. With `timing` the
     replay runs on a clock (the module doc); `transfer_per_step` is the count-only link.
     `hide_only` (with `timing`): a prefetch is issued only if the link can move it before its
-    layer starts, behind the copy in flight and the prefetches queued."""
+    layer starts, behind the copy in flight and the prefetches queued. `expert_pipeline` (with
+    `timing`): each expert computes as its copy lands (EPS-MoE, as the runtime does by default);
+    False: a layer-step computes once all its experts are in."""
     if replay.max_layer_keys > capacity:
         where = "per layer" if per_layer else "in all"
         raise CapacityError(
@@ -437,7 +450,8 @@ def simulate(
     else:
         late, clock, loads = cache.replay_timed(replay.n_layers, replay.keys, replay.offsets,
                                                 timing.layer_compute_s, timing.transfer_s, hide_only=hide_only,
-                                                next_predicted=replay.next_predicted, **replayed)
+                                                next_predicted=replay.next_predicted, copy_s=timing.copy_s,
+                                                expert_s=timing.expert_s, pipeline=expert_pipeline, **replayed)
         timed = TimedStats(timing, replay.tokens, float(clock[NOW]), float(clock[STALL]),
                            int(loads[DEMAND]), int(loads[PREFETCH]), int(loads[WASTED_LOADS]))
     seconds = time.perf_counter() - started
@@ -460,6 +474,7 @@ def simulate(
         evictions=s.evictions,
         seconds=seconds,
         timed=timed,
+        expert_pipeline=expert_pipeline if timing is not None else None,
     )
 
 

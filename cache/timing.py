@@ -1,7 +1,8 @@
 """The time-true simulator's parameters and what it measures.
 
-`LinkTiming` says how long one MoE layer-step computes and how long one expert takes over the
-link from the slow tier; `simulate(..., timing=...)` then plays the replay on a clock (see
+`LinkTiming` says how long one MoE layer-step computes (and how much of that its experts take),
+how long one expert takes over the link from the slow tier and how many copies the link keeps in
+flight; `simulate(..., timing=...)` then plays the replay on a clock (see
 `cache.simulator` for the model) and reports a `TimedStats`. The hide-only rule of cost-aware
 prefetch (`copies_in_time`, `hideable`) is here once, for the replay and the runtime. Where the numbers come from (a
 `prescient profile-hw` JSON, a runtime bench JSON) is `experiments.timing_calibration`'s business.
@@ -28,30 +29,71 @@ class TimingError(CacheError, ValueError):
 class LinkTiming:
     """`layer_compute_s`: seconds one MoE layer-step computes with its experts resident (a
     token's compute outside the MoE layers spread over them); `expert_bytes`: bytes of one
-    expert; `link_bytes_per_s`: the slow tier → slot link, one transfer at a time."""
+    expert; `link_bytes_per_s`: the slow tier → slot link's rate (all copies in flight together)
+    with `reads_in_flight` copies in flight (the runtime's transfer workers); `depth_rates`: the
+    measured rates with 1, 2, ..., `reads_in_flight` copies in flight (a random-read curve, its
+    last `link_bytes_per_s`), or () for every depth at `link_bytes_per_s`; `expert_compute_s`:
+    seconds of `layer_compute_s` that the layer-step's routed experts compute, together (None:
+    all of it)."""
 
     layer_compute_s: float
     expert_bytes: float
     link_bytes_per_s: float
+    reads_in_flight: int = 1
+    depth_rates: tuple[float, ...] = ()
+    expert_compute_s: float | None = None
 
     def __post_init__(self) -> None:
-        for field in fields(self):
-            value = getattr(self, field.name)
+        named = [(f.name, getattr(self, f.name)) for f in fields(self) if f.name != "depth_rates"]
+        named += [(f"depth_rates[{i}]", r) for i, r in enumerate(self.depth_rates)]
+        for name, value in named:
+            if value is None and name == "expert_compute_s":
+                continue
             if value is None:
-                raise TimingError(f"timing parameter {field.name} is missing; give a positive number")
+                raise TimingError(f"timing parameter {name} is missing; give a positive number")
             if isinstance(value, bool) or not isinstance(value, Real):
-                raise TimingError(f"timing parameter {field.name} must be a number, got {value!r}")
+                raise TimingError(f"timing parameter {name} must be a number, got {value!r}")
             if not math.isfinite(value) or value <= 0:
-                raise TimingError(f"timing parameter {field.name} must be a finite number > 0, got {value!r}")
+                raise TimingError(f"timing parameter {name} must be a finite number > 0, got {value!r}")
+        if int(self.reads_in_flight) != self.reads_in_flight:
+            raise TimingError(f"reads_in_flight must be a whole number, got {self.reads_in_flight!r}")
+        if self.depth_rates and (len(self.depth_rates) != self.reads_in_flight
+                                 or self.depth_rates[-1] != self.link_bytes_per_s):
+            raise TimingError(f"depth_rates are the rates with 1..reads_in_flight ({self.reads_in_flight}) copies "
+                              f"in flight, the last link_bytes_per_s ({self.link_bytes_per_s}); got {self.depth_rates}")
+        if self.expert_compute_s is not None and self.expert_compute_s > self.layer_compute_s:
+            raise TimingError(f"expert_compute_s ({self.expert_compute_s}) is part of layer_compute_s "
+                              f"({self.layer_compute_s}): give at most that")
+
+    @classmethod
+    def of_curve(cls, layer_compute_s: float, expert_bytes: float, rates: tuple[float, ...],
+                 expert_compute_s: float | None = None) -> LinkTiming:
+        """A link that keeps len(`rates`) copies in flight, `rates[n - 1]` bytes/s with n in flight."""
+        return cls(layer_compute_s, expert_bytes, rates[-1], len(rates), tuple(rates), expert_compute_s)
 
     @property
     def transfer_s(self) -> float:
-        """Seconds one expert takes over the link."""
+        """Seconds per expert over the link when it keeps `reads_in_flight` copies in flight (with
+        one, the seconds one copy takes)."""
         return self.expert_bytes / self.link_bytes_per_s
 
-    def to_dict(self) -> dict[str, float]:
+    @property
+    def copy_s(self) -> tuple[float, ...]:
+        """Seconds one copy takes when n = 1, 2, ..., `reads_in_flight` run at once: n experts'
+        bytes at the rate with n in flight."""
+        rates = self.depth_rates or (self.link_bytes_per_s,) * self.reads_in_flight
+        return tuple(n * self.expert_bytes / rate for n, rate in enumerate(rates, 1))
+
+    @property
+    def expert_s(self) -> float:
+        """Seconds the layer-step's routed experts compute, together."""
+        return self.layer_compute_s if self.expert_compute_s is None else self.expert_compute_s
+
+    def to_dict(self) -> dict[str, Any]:
         return {"layer_compute_s": self.layer_compute_s, "expert_bytes": self.expert_bytes,
-                "link_bytes_per_s": self.link_bytes_per_s, "transfer_s": self.transfer_s}
+                "link_bytes_per_s": self.link_bytes_per_s, "transfer_s": self.transfer_s,
+                "reads_in_flight": self.reads_in_flight, "depth_rates": list(self.depth_rates),
+                "expert_compute_s": self.expert_compute_s}
 
 
 @inline

@@ -9,6 +9,7 @@ from cli.args import (Renamed, add_next_token_min_chance, add_results_args, budg
                       positive_ints)
 from predictor.registry import NAMES_HELP
 
+PIPELINES = {"on": (True,), "off": (False,), "both": (True, False)}
 POLICIES_HELP = "lru, lfu, fifo, mrs, static, belady, learned (needs a --predictor with forecast heads), learned-belady"
 
 
@@ -38,6 +39,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--model-config", help="the model's config.json or directory, for --timing PROFILE")
     p.add_argument("--hide-only", action="store_true",
                    help="with --timing: prefetch an expert only if the link can move it before its layer runs")
+    p.add_argument("--expert-pipeline", choices=tuple(PIPELINES), default="on",
+                   help="with --timing: on (default, as the runtime): a layer's resident experts compute while its "
+                        "misses are copied, then each as it lands (EPS-MoE); off: a layer computes once all its "
+                        "experts are in; both: every run simulated each way (the table and plot show on)")
     p.add_argument("--next-token", action="store_true",
                    help="with --timing and a --predictor with forecast heads: cross-token prefetch, the next token's "
                         "layers prefetched from its forecast while this token's layers compute (--layers-ahead all: a "
@@ -64,7 +69,8 @@ def run(args: argparse.Namespace) -> None:
     result = compare_caches(args.trace, args.policies, args.capacity, args.batch_size, args.predictor,
                             args.train_trace, args.layers_ahead, args.transfer_per_step, args.prefetch_k,
                             timing=calibration and calibration.timing, hide_only=args.hide_only,
-                            next_token=args.next_token, next_token_min_chance=args.next_token_min_chance)
+                            next_token=args.next_token, next_token_min_chance=args.next_token_min_chance,
+                            expert_pipelines=PIPELINES[args.expert_pipeline])
     if calibration is not None:
         result["timing_calibration"] = calibration.to_dict()
     print(format_table(result))

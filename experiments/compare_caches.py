@@ -31,7 +31,10 @@ skipped, with a warning and an entry in `skipped`.
 JSON: `trace`, `train_trace`, `predictor` (name, kind, sees, causal, ...), `predictor_fit_on`,
 `static_fit_on`, `settings`, `min_capacity` (slots, per batch size), `skipped`, `runs` (one
 record per simulation: policy, capacity, capacity_fraction, batch_size, prefetch, hit_rate,
-stall_rate and every `SimResult` field), `timing`.
+stall_rate and every `SimResult` field), `timing`. Timed, each run is simulated once per entry
+of `settings.expert_pipelines` (`expert_pipeline` true: each expert computes as its copy lands,
+as the runtime does by default; false: a layer once all its experts are in), so both models
+can be compared in one run; the table and the plot show the first.
 """
 
 from __future__ import annotations
@@ -163,6 +166,7 @@ def compare_caches(
     hide_only: bool = False,
     next_token: bool = False,
     next_token_min_chance: float = 0.5,
+    expert_pipelines: tuple[bool, ...] = (True,),
 ) -> dict[str, Any]:
     """Replay the trace at `trace_dir` through every (batch size, policy, capacity), on demand
     and, with `predictor` (a built-in name, an artifact path or a built predictor),
@@ -173,10 +177,14 @@ def compare_caches(
     (with `timing`): prefetch only what the link can move before its layer runs. `next_token`
     (with `timing` and a predictor with forecast heads): cross-token prefetch, a layer `layers_ahead`
     steps on in the next token is prefetched from the forecast of that token, an expert only if
-    its forecast chance of use is at least `next_token_min_chance`."""
+    its forecast chance of use is at least `next_token_min_chance`. `expert_pipelines` (timed):
+    the runtime's layer models to simulate each run with (`simulate`'s `expert_pipeline`)."""
     start = time.perf_counter()
     policies = check_policies(tuple(policies))
     _check_link(batch_sizes, layers_ahead, transfer_per_step, timing, hide_only, next_token, predictor is not None)
+    if not expert_pipelines or (timing is None and expert_pipelines != (True,)):
+        raise CompareCachesError("the expert pipeline on or off is a model of the timed clock: give --timing (and "
+                                 f"one mode or both), got {list(expert_pipelines)}")
     trace = load_trace(trace_dir)
     fp = trace.fingerprint
     total = fp.n_moe_layers * fp.n_experts
@@ -215,6 +223,7 @@ def compare_caches(
         "layers_ahead": layers_ahead, "transfer_per_step": transfer_per_step,
         "link_timing": timing.to_dict() if timing is not None else None, "hide_only": hide_only,
         "next_token": next_token, "next_token_min_chance": next_token_min_chance if next_token else None,
+        "expert_pipelines": list(expert_pipelines) if timing is not None else None,
         "prefetch_k": prefetch_k if prefetch_k is not None else fp.top_k,
         "mrs": {"alpha": 0.5, "p": 2 * fp.top_k},
     }
@@ -226,15 +235,16 @@ def compare_caches(
     result["skipped"] = _fitting(capacities, slots, need, total)
 
     frequencies = expert_frequencies(fit["topk_ids"].numpy(), fp.n_experts) if "static" in policies else None
-    runs = [(b, prefetch, policy, given, n) for b in batch_sizes for prefetch in ((False, True) if scores is not None
-            else (False,)) for policy in policies for given, n in zip(capacities, slots) if n >= need[b]]
+    runs = [(b, prefetch, policy, given, n, pipeline) for b in batch_sizes
+            for prefetch in ((False, True) if scores is not None else (False,)) for policy in policies
+            for given, n in zip(capacities, slots) if n >= need[b] for pipeline in expert_pipelines]
     result["runs"] = []
-    for b, prefetch, policy, given, n in tqdm(runs, desc="compare caches", unit="run", disable=not progress):
+    for b, prefetch, policy, given, n, pipeline in tqdm(runs, desc="compare caches", unit="run", disable=not progress):
         replay = replays[b, prefetch]
         sim = simulate(replay, n, policy_for(policy, replay, fp.top_k, frequencies),
                        layers_ahead=layers_ahead if prefetch else None,
                        transfer_per_step=transfer_per_step if prefetch else None, timing=timing,
-                       hide_only=hide_only and prefetch)
+                       hide_only=hide_only and prefetch, expert_pipeline=pipeline)
         record = {"policy": policy, "capacity": n, "capacity_fraction": n / total,
                   "capacity_given": capacity_value(given), "batch_size": b, "prefetch": prefetch,
                   "hit_rate": sim.hit_rate, "stall_rate": sim.stall_rate}
@@ -307,7 +317,7 @@ def _fitting(capacities: tuple[float | int, ...], slots: list[int], need: dict[i
 def format_table(result: dict[str, Any]) -> str:
     """One line per (batch size, policy, capacity): demand hit rate, and with prefetch the hit
     and stall rates; then one line per skipped (batch size, capacity), with the reason."""
-    runs = {(r["batch_size"], r["policy"], r["capacity"], r["prefetch"]): r for r in result["runs"]}
+    runs = {(r["batch_size"], r["policy"], r["capacity"], r["prefetch"]): r for r in _shown(result)}
     with_prefetch = result["predictor"] is not None
     head = f"{'B':>3} {'policy':<8} {'slots':>6} {'frac':>6} {'hit':>7} {'stall':>7}"
     if with_prefetch:
@@ -326,6 +336,12 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{skip['batch_size']}: a layer-step there uses up to {skip['min_capacity']} experts at once "
                      "(the union over the batch), more than the slots")
     return "\n".join(lines)
+
+
+def _shown(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs of the first layer model simulated (all runs when untimed)."""
+    first = (result["settings"].get("expert_pipelines") or [None])[0]
+    return [r for r in result["runs"] if r.get("expert_pipeline") == first]
 
 
 def plot_compare_caches(result: dict[str, Any], path: str | Path) -> Path:
@@ -350,7 +366,7 @@ def plot_compare_caches(result: dict[str, Any], path: str | Path) -> Path:
     colors = {p: f"C{i}" for i, p in enumerate(policies)}
 
     def curve(b: int, policy: str, pf: bool, name: str) -> tuple[list[float], list[float]]:
-        runs = sorted((r for r in result["runs"] if (r["batch_size"], r["policy"], r["prefetch"]) == (b, policy, pf)),
+        runs = sorted((r for r in _shown(result) if (r["batch_size"], r["policy"], r["prefetch"]) == (b, policy, pf)),
                       key=lambda r: r["capacity"])
         return [r["capacity_fraction"] for r in runs], [r[name] for r in runs]
 

@@ -8,14 +8,19 @@ Two sources:
   op of a layer (attention projections, attention over `context_tokens`, router, the top-k
   experts, a shared expert) at its roofline time max(FLOPs / peak FLOP/s, bytes / memory
   bandwidth) on the processor that runs it, times the layers, plus the LM head — over the MoE
-  layers. `link_bytes_per_s`: `disk_to_cpu` (the runtime reading experts from disk, its default
-  store) or `cpu_to_gpu` (experts in pinned host memory, `store="host"`).
+  layers; `expert_compute_s`: the routed experts' op of that step. The link: from disk (the
+  runtime's default store), the profile's random-read curve when it has one (`prescient
+  profile-hw --model DIR`): the rates with 1..d reads in flight, d the depth the runtime keeps
+  (`reads_in_flight`, default the depth the curve chose, which `--transfer-workers auto` keeps),
+  else `disk_to_cpu` (sequential reads, one at a time); `cpu_to_gpu` for experts in pinned host
+  memory (`store="host"`).
 - a runtime bench JSON (`prescient bench`). `layer_compute_s`: the all-resident baseline's decode
   seconds per token (`baselines.all_resident.decode_seconds / decode_tokens`) over
   `model.n_moe_layers`. `expert_bytes`: `model.expert_bytes`. `link_bytes_per_s`: Σ `bytes_moved`
   / Σ `stall_seconds` over the runs without prefetching (predictor "none", `stats.prefetch_loads`
   0): there every copy is a demand load that the inference thread waits through from start to
-  end, one at a time (the JSON holds no per-load times).
+  end (the JSON holds no per-load times), with the bench's `transfer_workers` in flight
+  (`reads_in_flight`). `expert_compute_s` is not measured there: the whole layer-step's.
 
 A bench JSON that records `model.fingerprint` must match the trace's model (else an error naming
 both fingerprints); one that does not is checked on its MoE shape (layers, experts, top-k).
@@ -57,9 +62,10 @@ class Calibration:
 
 def load_timing(path: str | Path, *, model_config: str | Path | None = None,
                 fingerprint: ModelFingerprint | None = None, store: str = "disk",
-                context_tokens: int = 256) -> Calibration:
+                context_tokens: int = 256, reads_in_flight: int | None = None) -> Calibration:
     """A runtime bench JSON, or a hardware profile (JSON or preset name) with `model_config`
-    (a config.json or a model directory). `fingerprint`: the model the timing is for."""
+    (a config.json or a model directory). `fingerprint`: the model the timing is for;
+    `reads_in_flight`: a profile's depth to use (default: the one its curve chose)."""
     data = _read_json(path) if Path(path).is_file() else None
     if isinstance(data, dict) and "runs" in data and "baselines" in data:
         return timing_from_bench(path, fingerprint=fingerprint)
@@ -67,13 +73,13 @@ def load_timing(path: str | Path, *, model_config: str | Path | None = None,
         raise TimingCalibrationError(f"{path} is a hardware profile, not a runtime bench JSON: give the model's "
                                      "config too (a config.json or the model directory)")
     return timing_from_profile(path, model_config, fingerprint=fingerprint, store=store,
-                               context_tokens=context_tokens)
+                               context_tokens=context_tokens, reads_in_flight=reads_in_flight)
 
 
 # --- a hardware profile and the model config ----------------------------------------------------
 def timing_from_profile(profile: HardwareProfile | str | Path, model_config: str | Path, *,
                         fingerprint: ModelFingerprint | None = None, store: str = "disk",
-                        context_tokens: int = 256) -> Calibration:
+                        context_tokens: int = 256, reads_in_flight: int | None = None) -> Calibration:
     """The module doc's first source."""
     hardware = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
     spec = ModelSpec.from_config(model_config)
@@ -81,33 +87,49 @@ def timing_from_profile(profile: HardwareProfile | str | Path, model_config: str
         _require_shape(fingerprint, {"arch": spec.name, "n_experts": spec.num_experts, "top_k": spec.top_k},
                        f"model config {model_config}")
     moe_layers = fingerprint.n_moe_layers if fingerprint is not None else spec.num_layers
-    token_s = _decode_seconds(spec, hardware, context_tokens)
-    link = _link_bandwidth(hardware, store)
+    token_s, experts_s = _decode_seconds(spec, hardware, context_tokens)
+    rates, link_field = _link_rates(hardware, store, reads_in_flight)
+    if hardware.random_reads is not None and store == "disk" and hardware.random_reads.expert_bytes != spec.expert_bytes:
+        log.warning("the random-read curve of %s was measured at %d-byte reads, the model's experts are %d bytes",
+                    hardware.name, hardware.random_reads.expert_bytes, spec.expert_bytes)
     source = {"kind": "profile-hw", "profile": str(profile) if not isinstance(profile, HardwareProfile) else None,
               "hardware": hardware.name, "model_config": str(model_config), "store": store,
               "context_tokens": context_tokens, "token_compute_s": token_s, "moe_layers": moe_layers,
               "fields": {"layer_compute_s": "HRM decode step, 1 request, experts resident / MoE layers",
+                         "expert_compute_s": "the HRM decode step's routed-experts op, per layer",
                          "expert_bytes": "ModelSpec.expert_bytes (3 · hidden · intermediate · dtype bytes)",
-                         "link_bytes_per_s": "disk_to_cpu" if store == "disk" else "cpu_to_gpu"}}
-    return Calibration(_timing(token_s / moe_layers, spec.expert_bytes, link, f"hardware {hardware.name!r}"), source)
+                         "link_bytes_per_s": link_field}}
+    what = f"hardware {hardware.name!r}"
+    return Calibration(_timing(token_s / moe_layers, spec.expert_bytes, rates, what, min(experts_s, token_s / moe_layers)),
+                       source)
 
 
-def _decode_seconds(spec: ModelSpec, hardware: HardwareProfile, context_tokens: int) -> float:
+def _decode_seconds(spec: ModelSpec, hardware: HardwareProfile, context_tokens: int) -> tuple[float, float]:
     """The HRM's decode step for one request, every expert resident (r_w = 1): on the GPU if
-    there is one (KV cache there too), else on the CPU."""
+    there is one (KV cache there too), else on the CPU; and the routed experts' op of one layer."""
     place = "gpu" if hardware.gpu is not None else "cpu"
     policy = Policy(1, 1, attention_on=place, ffn_on=place, r_w=1.0, r_c=1.0 if place == "gpu" else 0.0)
-    return estimate(spec, hardware, Workload(context_tokens, 1), policy).decode.seconds
+    decode = estimate(spec, hardware, Workload(context_tokens, 1), policy).decode
+    return decode.seconds, sum(seconds for op, seconds in decode.ops if op.name == "experts")
 
 
-def _link_bandwidth(hardware: HardwareProfile, store: str) -> float:
+def _link_rates(hardware: HardwareProfile, store: str, reads_in_flight: int | None) -> tuple[tuple[float, ...], str]:
+    """The link's rates with 1..d reads in flight, and where they came from."""
     if store not in STORES:
         raise TimingCalibrationError(f"store {store!r}: experts come from 'disk' (disk_to_cpu) or 'host' "
                                      "(pinned host memory, cpu_to_gpu)")
     if store == "host" and hardware.cpu_to_gpu is None:
         raise TimingCalibrationError(f"hardware {hardware.name!r} has no GPU, so no host → GPU link: "
                                      "use store='disk'")
-    return hardware.disk_to_cpu if store == "disk" else hardware.cpu_to_gpu
+    curve = hardware.random_reads
+    if store == "host" or curve is None:
+        if reads_in_flight not in (None, 1):
+            raise TimingCalibrationError(f"hardware {hardware.name!r} has no random-read curve to give the rate with "
+                                         f"{reads_in_flight} reads in flight: measure one with `prescient profile-hw "
+                                         "--model DIR`")
+        return ((hardware.disk_to_cpu,), "disk_to_cpu") if store == "disk" else ((hardware.cpu_to_gpu,), "cpu_to_gpu")
+    depth = curve.depth if reads_in_flight is None else reads_in_flight
+    return curve.rates_up_to(depth), f"random_reads: the curve's rates with 1..{depth} reads in flight"
 
 
 # --- a runtime bench JSON -------------------------------------------------------------------
@@ -129,16 +151,17 @@ def timing_from_bench(source: str | Path | dict[str, Any], *,
     moved = sum(r["bytes_moved"] for r in demand)
     stalled = sum(r["stall_seconds"] for r in demand)
     token_s = decode_s / tokens if tokens else 0.0
+    workers = (data.get("settings") or {}).get("transfer_workers", 1)
     source = {"kind": "bench", "path": str(path), "model_dir": model.get("dir"), "fingerprint": checked,
-              "transfer_workers": (data.get("settings") or {}).get("transfer_workers", 1),
+              "transfer_workers": workers,
               "token_compute_s": token_s, "link_runs": [r.get("label") for r in demand],
               "link_bytes": moved, "link_stall_seconds": stalled,
               "fields": {"layer_compute_s": "baselines.all_resident.decode_seconds / decode_tokens "
                                             "/ model.n_moe_layers",
                          "expert_bytes": "model.expert_bytes",
                          "link_bytes_per_s": "sum(bytes_moved) / sum(stall_seconds) over runs[predictor='none']"}}
-    return Calibration(_timing(token_s / moe_layers if moe_layers else 0.0, expert_bytes, moved / stalled,
-                               f"runtime bench {path}"), source)
+    return Calibration(_timing(token_s / moe_layers if moe_layers else 0.0, expert_bytes,
+                               (moved / stalled,) * workers, f"runtime bench {path}"), source)
 
 
 def _check_model(model: dict[str, Any], fingerprint: ModelFingerprint | None, path: str | Path) -> str:
@@ -180,8 +203,12 @@ def _need(data: Any, key: str, path: str | Path) -> Any:
     return data[key]
 
 
-def _timing(layer_compute_s: float, expert_bytes: float, link_bytes_per_s: float, what: str) -> LinkTiming:
+def _timing(layer_compute_s: float, expert_bytes: float, rates: tuple[float, ...], what: str,
+            expert_compute_s: float | None = None) -> LinkTiming:
+    """A LinkTiming keeping len(rates) reads in flight, rates[n - 1] bytes/s with n in flight."""
     try:
-        return LinkTiming(layer_compute_s, expert_bytes, link_bytes_per_s)
+        if len(rates) == 1:
+            return LinkTiming(layer_compute_s, expert_bytes, rates[0], expert_compute_s=expert_compute_s)
+        return LinkTiming.of_curve(layer_compute_s, expert_bytes, rates, expert_compute_s)
     except TimingError as exc:
         raise TimingCalibrationError(f"{what} gives no usable timing: {exc}") from None

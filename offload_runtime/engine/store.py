@@ -480,11 +480,10 @@ class ExpertStore:
                     raise StoreError(f"weight file {path} ends before byte {offset + len(memory)}: it is truncated")
                 done += got
             if self.drop_page_cache and self._host is None:
-                if fd in self._dropped:  # the pages just read, both edge pages whole
-                    start, end = offset - offset % mmap.PAGESIZE, offset + len(memory)
-                    os.posix_fadvise(fd, start, end - start + -end % mmap.PAGESIZE, os.POSIX_FADV_DONTNEED)
+                if fd in self._dropped:  # the pages just read
+                    drop_pages(fd, offset, len(memory))
                 else:  # the first read: what loading the model's other weights left cached goes too
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    drop_pages(fd)
                     self._dropped.add(fd)
         except OSError as exc:
             raise StoreError(f"reading weight file {path} failed ({exc})") from exc
@@ -498,6 +497,16 @@ class ExpertStore:
             for fd in self._fds.values():
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         log.info("host store: %d experts, %.1f MiB%s", len(keys), self.total_nbytes / 2**20, " pinned" if pin else "")
+
+
+def drop_pages(fd: int, offset: int = 0, length: int = 0) -> None:
+    """Drop file `fd`'s cached pages over bytes [offset, offset + length), both edge pages whole
+    (length 0: the whole file)."""
+    if length == 0:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return
+    start, end = offset - offset % mmap.PAGESIZE, offset + length
+    os.posix_fadvise(fd, start, end - start + -end % mmap.PAGESIZE, os.POSIX_FADV_DONTNEED)
 
 
 def _model_config(model_dir: Path) -> dict:

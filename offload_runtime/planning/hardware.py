@@ -1,7 +1,9 @@
 """Hardware profiles for the HRM performance model: what each processor can compute and move.
 
 A `HardwareProfile` is a CPU, an optional GPU and the links between the memory tiers:
-`cpu_to_gpu` (PCIe, host → device) and `disk_to_cpu` (the slow tier of a machine without GPU).
+`cpu_to_gpu` (PCIe, host → device) and `disk_to_cpu` (the slow tier of a machine without GPU;
+sequential reads), with `random_reads`, when measured, the random expert-sized reads the runtime
+makes at each queue depth (`link_profile.ReadCurve`).
 Presets describe the GPUs of the MoE-Lightning paper and newer ones (`preset_names()`); a profile
 can also be measured on this machine (`measure_profile`) and kept as JSON (`save`,
 `load_profile`).
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from offload_runtime.planning.link_profile import ReadCurve
 from prescient.atomic import write_json_atomic
 from prescient.errors import PrescientError
 from prescient.budget import parse_bytes
@@ -58,6 +61,7 @@ class HardwareProfile:
     cpu_to_gpu: float | None = None  # bytes/s, pinned host → device
     disk_to_cpu: float = 2 * GB      # bytes/s, cold reads
     notes: str = ""
+    random_reads: ReadCurve | None = None  # cold expert-sized random reads per queue depth
 
     def __post_init__(self) -> None:
         if (self.gpu is None) != (self.cpu_to_gpu is None):
@@ -65,8 +69,11 @@ class HardwareProfile:
 
     @property
     def link_bandwidth(self) -> float:
-        """Bytes/s into the compute device's memory from the tier below it."""
-        return self.cpu_to_gpu if self.cpu_to_gpu is not None else self.disk_to_cpu
+        """Bytes/s into the compute device's memory from the tier below it (from disk: the
+        random-read rate at the depth the runtime keeps, when measured)."""
+        if self.cpu_to_gpu is not None:
+            return self.cpu_to_gpu
+        return self.random_reads.rate if self.random_reads is not None else self.disk_to_cpu
 
     def with_cpu_memory(self, memory_bytes: float) -> HardwareProfile:
         return dataclasses.replace(self, cpu=dataclasses.replace(self.cpu, memory_bytes=memory_bytes))
@@ -85,6 +92,7 @@ class HardwareProfile:
         try:
             kwargs["cpu"] = Processor(**data["cpu"])
             kwargs["gpu"] = Processor(**data["gpu"]) if data.get("gpu") else None
+            kwargs["random_reads"] = ReadCurve.from_dict(data["random_reads"]) if data.get("random_reads") else None
         except TypeError as exc:
             raise HardwareError(f"processor of profile {data['name']!r}: {exc}; it needs exactly "
                                 "peak_flops, memory_bandwidth and memory_bytes") from None

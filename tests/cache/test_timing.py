@@ -1,5 +1,6 @@
-"""The time-true simulator: hand-computed clocks, the transfer queue's order, bytes moved and
-wasted, the count-only model untouched, bad parameters refused."""
+"""The time-true simulator: hand-computed clocks (of the per-layer model where a test says
+`expert_pipeline=False`; the per-expert one is in test_expert_pipeline_sim), the transfer queue's
+order, bytes moved and wasted, the count-only model untouched, bad parameters refused."""
 
 import math
 
@@ -41,7 +42,8 @@ def test_a_demand_miss_on_an_idle_link_stalls_for_its_whole_transfer():
 
 
 def test_demand_misses_queue_behind_each_other():
-    r = simulate(hand_replay(1, [[(0, 0), (0, 1), (0, 2)]]), 3, make_policy("lru"), timing=timing(1.0, 0.5))
+    r = simulate(hand_replay(1, [[(0, 0), (0, 1), (0, 2)]]), 3, make_policy("lru"), timing=timing(1.0, 0.5),
+                 expert_pipeline=False)
     assert r.timed.stall_seconds == 1.5 and r.timed.simulated_seconds == 2.5
 
 
@@ -138,7 +140,7 @@ def policy(name, replay):
 def test_the_clock_adds_up_and_the_cache_decides_as_without_it(name, layers_ahead, batch_size):
     replay = random_replay(batch_size=batch_size)
     link = timing(1e-3, 2.5e-3)
-    timed = simulate(replay, 20, policy(name, replay), layers_ahead=layers_ahead, timing=link)
+    timed = simulate(replay, 20, policy(name, replay), layers_ahead=layers_ahead, timing=link, expert_pipeline=False)
     counted = simulate(replay, 20, policy(name, replay), layers_ahead=layers_ahead)
     decisions = ("accesses", "hits", "misses", "prefetch_inserts", "prefetch_hits", "wasted_prefetches", "evictions")
     assert [getattr(timed, k) for k in decisions] == [getattr(counted, k) for k in decisions]
@@ -156,7 +158,7 @@ def test_demand_only_timing_charges_every_miss_a_whole_transfer_in_turn():
     replay = random_replay()
     demand = Replay(replay.n_layers, replay.n_experts, replay.top_k, 1, replay.keys, replay.offsets,
                     n_tokens=replay.n_tokens)
-    r = simulate(demand, 20, make_policy("lru"), timing=timing(1e-3, 2.5e-3))
+    r = simulate(demand, 20, make_policy("lru"), timing=timing(1e-3, 2.5e-3), expert_pipeline=False)
     assert r.timed.stall_seconds == pytest.approx(r.misses * 2.5e-3)
     assert r.timed.demand_loads == r.misses and r.timed.prefetch_loads == 0
 
@@ -187,12 +189,12 @@ def test_timing_is_a_link_timing_and_not_both_link_models():
 def test_hide_only_drops_the_prefetches_that_cannot_end_before_their_layer():
     n = 20  # layer 1's copy (1.5 s) cannot hide behind layer 0's compute (1 s): none is issued
     r = simulate(prefetched_layer_replay(n), 1, make_policy("lru"), per_layer=True, layers_ahead=1,
-                 timing=timing(1.0, 1.5), hide_only=True)
+                 timing=timing(1.0, 1.5), hide_only=True, expert_pipeline=False)
     t = r.timed
     assert (t.prefetch_loads, r.prefetch_inserts, r.late_prefetches) == (0, 0, 0)
     assert r.misses == 1 + n and t.stall_seconds == pytest.approx(1.5 * (1 + n))  # every one a demand load
     fits = simulate(prefetched_layer_replay(n), 1, make_policy("lru"), per_layer=True, layers_ahead=1,
-                    timing=timing(1.0, 0.9), hide_only=True)  # 0.9 s fits behind 1 s: all of layer 1's go
+                    timing=timing(1.0, 0.9), hide_only=True, expert_pipeline=False)  # 0.9 s fits behind 1 s: all of layer 1's go
     assert fits.timed.prefetch_loads == n and fits.misses == 1 and fits.timed.stall_seconds == pytest.approx(0.9)
 
 
@@ -229,10 +231,10 @@ def next_token_replay(n_tokens, forecast=True):
 def test_cross_token_prefetch_hides_the_next_tokens_first_layer_behind_this_ones_compute():
     n = 10  # a copy (1.5 s) outlasts a layer's compute (1 s) but not a token's (2 s)
     alone = simulate(next_token_replay(n, forecast=False), 2, make_policy("lru"), per_layer=True, layers_ahead=None,
-                     timing=timing(1.0, 1.5), hide_only=True)
+                     timing=timing(1.0, 1.5), hide_only=True, expert_pipeline=False)
     assert alone.timed.prefetch_loads == 0 and alone.timed.stall_seconds == pytest.approx(1.5 * (n + 1))
     r = simulate(next_token_replay(n), 2, make_policy("lru"), per_layer=True, layers_ahead=None, timing=timing(1.0, 1.5),
-                 hide_only=True)
+                 hide_only=True, expert_pipeline=False)
     t = r.timed
     # token 0: layer 0 misses (1.5 s); its compute issues token 1's layer-0 expert (1.5-3.0 s), ahead of
     # which layer 1's miss waits (3.0-4.5 s); every later token finds both experts in

@@ -109,6 +109,23 @@ def test_a_profile_gives_the_link_from_disk_to_cpu_and_compute_from_cpu_flops(tm
     assert wider.timing.layer_compute_s > slow.timing.layer_compute_s  # bigger experts compute longer
 
 
+def test_a_profile_with_a_random_read_curve_gives_the_link_at_the_depth_the_runtime_keeps(tmp_path):
+    from offload_runtime.planning.link_profile import ReadCurve
+
+    expert = 3 * 128 * 256 * 4
+    curve = ReadCurve(expert, (1, 2, 4, 8), (4e8, 7e8, 9.6e8, 1e9), ((4e8,), (7e8,), (9.6e8,), (1e9,)), 4)
+    profile = dataclasses.replace(cpu_profile(1e9), random_reads=curve)
+    t = timing_from_profile(profile, model_config(tmp_path), fingerprint=FP).timing
+    assert (t.reads_in_flight, t.depth_rates, t.link_bytes_per_s) == (4, (4e8, 7e8, 7e8, 9.6e8), 9.6e8)
+    assert t.copy_s[0] == pytest.approx(expert / 4e8) and t.copy_s[3] == pytest.approx(4 * expert / 9.6e8)
+    # compute-bound CPU: the routed experts' op is top-k x 6 x hidden x intermediate FLOPs of the layer-step
+    assert t.expert_compute_s == pytest.approx(2 * 6 * 128 * 256 / 1e9) and t.expert_compute_s < t.layer_compute_s
+    two = timing_from_profile(profile, model_config(tmp_path), fingerprint=FP, reads_in_flight=2).timing
+    assert (two.reads_in_flight, two.link_bytes_per_s) == (2, 7e8)
+    with pytest.raises(TimingCalibrationError, match="no random-read curve"):
+        timing_from_profile(cpu_profile(1e9), model_config(tmp_path), reads_in_flight=2)
+
+
 def test_a_profile_needs_the_model_config_and_the_models_shape(tmp_path):
     profile = tmp_path / "profile.json"
     cpu_profile(1e9).save(profile)
@@ -144,10 +161,16 @@ def test_compare_caches_with_a_timing_adds_the_clock_to_every_record(tmp_path):
     timing = LinkTiming(0.01, 1000, 1e5)
     kwargs = {"policies": ("lru", "belady"), "capacities": (0.25, 0.5), "batch_sizes": (1,),
               "predictor": "oracle", "progress": False}
-    timed, counted = compare_caches(trace, timing=timing, **kwargs), compare_caches(trace, **kwargs)
+    timed, counted = compare_caches(trace, timing=timing, expert_pipelines=(False, True), **kwargs), \
+        compare_caches(trace, **kwargs)
     assert timed["settings"]["link_timing"] == timing.to_dict() and counted["settings"]["link_timing"] is None
-    assert len(timed["runs"]) == 8
-    on_the_clock = {"seconds", "stalls", "late_prefetches", "stall_rate"}  # instant transfers are never late
+    assert len(timed["runs"]) == 16 and [r["expert_pipeline"] for r in timed["runs"][:2]] == [False, True]
+    piped = timed["runs"][1::2]
+    timed["runs"] = timed["runs"][::2]  # the per-layer model's runs
+    for t, p in zip(timed["runs"], piped):  # the same decisions; each expert computed as it lands is never slower
+        assert (t["hits"], t["prefetch_inserts"]) == (p["hits"], p["prefetch_inserts"])
+        assert p["simulated_seconds"] <= t["simulated_seconds"] + 1e-12
+    on_the_clock = {"seconds", "stalls", "late_prefetches", "stall_rate", "expert_pipeline"}  # instant: never late
     for t, c in zip(timed["runs"], counted["runs"]):
         assert {k: t[k] for k in c if k not in on_the_clock} == {k: v for k, v in c.items() if k not in on_the_clock}
         assert t["stalls"] == t["misses"] + t["late_prefetches"]
