@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import NoReturn, TypeVar
 
 from cache.tiered import PRECISION_RULES
-from offload_runtime.engine.options import DTYPES, MAX_TRANSFER_WORKERS, MAX_LOOKAHEAD_LAYERS, SLOT_FORMATS, STORES, RuntimeOptions
+from offload_runtime.engine.options import (DTYPES, MAX_LOOKAHEAD_LAYERS, MAX_TRANSFER_WORKERS, SLOT_FORMATS,
+                                            STORES, RuntimeOptions, best_policy)
 from prescient.atomic import check_folder, resolve_output
 from prescient.budget import Budget
 from prescient.devices import check_device
@@ -190,8 +191,10 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
     """Each runtime option's flags, by the `RuntimeOptions` field (or prefetch switch) they set."""
     return {
         "policy": lambda p: p.add_argument(
-            "--policy", type=serving_policy, default="lru",
-            help="cache policy: lru, lfu, fifo, mrs, learned, learned-belady"),
+            "--policy", type=serving_policy, default=None,
+            help="cache policy: lru, lfu, fifo, mrs, learned, learned-belady (default: the best measured, "
+                 "learned-belady with a --predictor that has forecast heads, 1.33x LRU in "
+                 "results/bench-runtime-base-sampled.json; lru otherwise)"),
         "budget": lambda p: p.add_argument(
             "--budget", type=budget, default="0.5",
             help="expert memory: a fraction of all experts (0.5 or 50%%), slots (12slots) or bytes (512MiB)"),
@@ -273,6 +276,8 @@ def runtime_options(args: argparse.Namespace, **fields: object) -> RuntimeOption
     without a flag keeps its default), and `fields` the command sets itself."""
     names = set(args.runtime_flags)
     flags = {name: getattr(args, name) for name in names & RuntimeOptions.names()}
+    if flags.get("policy", "") is None:
+        flags["policy"] = best_policy(getattr(args, "predictor", None))
     if "transfer_workers" in names and args.transfer_workers == "auto":
         from offload_runtime.planning.link_profile import profiled_depth
 

@@ -33,6 +33,18 @@ MAX_TRANSFER_WORKERS = 64  # reads in flight; storage queues gain nothing past a
 MAX_LOOKAHEAD_LAYERS = 3  # HybriMoE's reach; the residual stream drifts farther out
 
 
+def best_policy(predictor: str | os.PathLike | None) -> str:
+    """The serving policy that measured best with `predictor` (an artifact path, or None): with
+    forecast heads, learned-belady (1.33x on-demand LRU at 50% on the bench model, sampled decoding,
+    results/bench-runtime-base-sampled.json; no other policy within its spread); else LRU (no policy
+    measured beyond LRU's spread there)."""
+    if predictor is None:
+        return "lru"
+    from predictor.artifact import read_predictor_meta
+
+    return "learned-belady" if int(read_predictor_meta(predictor).hparams.get("horizon", 0)) > 0 else "lru"
+
+
 class OptionsError(PrescientError, ValueError):
     """A runtime option of the wrong type or out of its range."""
 

@@ -4,13 +4,17 @@ pinned; each mechanism is a `RuntimeOptions` field and a bench run mode."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from experiments.bench_runtime.grid import BenchError, RunSpec, parse_runs
 from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.options import OptionsError, RuntimeOptions
+from cli.main import main
 from prescient.loading import load_tokenizer
+from tests.conftest import random_sida
 
 PROMPT = "def f(x):\n    return x + 1"
 
@@ -58,3 +62,24 @@ def test_bench_run_modes_switch_the_schedulers():
     assert runs[2].label == "sida+mrs@0.25+next+look"
     with pytest.raises(BenchError, match="prefetch modes need a predictor"):
         parse_runs("none:lru@0.5+next")
+
+
+@pytest.mark.parametrize(("horizon", "want"), [(0, "lru"), (2, "learned-belady")])
+def test_without_a_policy_named_the_best_measured_one_serves(tiny_moe_dir, tmp_path, horizon, want):
+    """`generate --predictor P` with no --policy: learned-belady when P has forecast heads, else
+    LRU; plain LRU stays one flag away."""
+    model = tiny_moe_dir("mixtral")
+    predictor = random_sida(model, tmp_path, horizon=horizon)
+    record = main_json(["generate", "--model", str(model), "--predictor", str(predictor), "--prompt", PROMPT,
+                        "--max-new-tokens", "2"], tmp_path)
+    assert record["settings"]["policy"] == want
+    named = main_json(["generate", "--model", str(model), "--predictor", str(predictor), "--policy", "lru",
+                       "--prompt", PROMPT, "--max-new-tokens", "2"], tmp_path)
+    assert named["settings"]["policy"] == "lru"
+
+
+def main_json(argv: list[str], tmp_path) -> dict:
+    out = tmp_path / "out.json"
+    out.unlink(missing_ok=True)
+    main([*argv, "--json", str(out)])
+    return json.loads(out.read_text())
