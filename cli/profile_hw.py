@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> dict:
                                  directory=args.dir, file_bytes=args.disk_mib * 2**20)
     profile = measure_profile(args.dir, disk_bytes=args.disk_mib * 2**20)
     load = (f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} CPUs "
-            "(other processes shared the machine when it exceeds 0)")
+            "(above about 1, other processes shared the machine during the measurement)")
     profile = dataclasses.replace(profile, random_reads=curve, notes=f"{profile.notes}; random reads: {load}")
     cpu, gpu = profile.cpu, profile.gpu
     lines = [f"CPU: {cpu.peak_flops / 1e9:.1f} GFLOP/s, memory {cpu.memory_bandwidth / 1e9:.1f} GB/s, "
