@@ -65,6 +65,11 @@ def test_lookahead_shapes_offsets_and_hooks(world):
     hidden = torch.randn(2, 5, 32)
     assert probe.lookahead(0, hidden).shape == (2, 5, 8)
     assert probe.lookahead(0, hidden[0, 0], ahead=2).shape == (8,)
+    per_layer = torch.randn(5, 3, 32)
+    with torch.no_grad():
+        every = probe.heads(per_layer)  # [5, P, E]: the pairs training runs at once are those lookahead serves
+    for i, (layer, ahead) in enumerate(probe.heads.pairs):
+        torch.testing.assert_close(every[:, i], probe.lookahead(layer, per_layer[:, layer], ahead))
     with pytest.raises(PredictorError, match="looks 1..2 layers ahead, not 3; train one with --model.ahead 3"):
         probe.lookahead(0, hidden, ahead=3)
     with pytest.raises(PredictorError, match="no next MoE layer"):
