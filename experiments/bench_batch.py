@@ -94,21 +94,26 @@ def request_prompts(tokenizer, count: int, shortest: int, longest: int, dataset:
 
 
 def store_read_bandwidth(model_dir: str, options: RuntimeOptions) -> float:
-    """Bytes/s of the expert store of `options` reading one layer's experts into slots, the way
-    a decode step streams them (a test on one sequential file overstates it here: expert reads
-    are split by tensor and jump around the file)."""
+    """Bytes/s of the expert store of `options` reading a layer's experts into slots, the way a
+    decode step streams them (a test on one sequential file overstates it here: expert reads are
+    split by tensor and jump around the file): the median over every layer but the first."""
+    import statistics
+
     from offload_runtime.engine.loader import load_offloaded
 
     model = load_offloaded(model_dir, None, dataclasses.replace(options, budget=1 / 4))
     runtime = model.offload_runtime
+    rates = []
     with runtime:
-        n_experts = runtime.n_experts
-        keys = [(1, e) for e in range(min(n_experts, runtime.pool.num_slots))]  # one layer, as a step streams it
-        start = time.perf_counter()
-        for slot, key in enumerate(keys):
-            runtime.store.read(key, runtime.pool.view(slot))
-        seconds = time.perf_counter() - start
-    return len(keys) * runtime.pool.nbytes / runtime.pool.num_slots / seconds
+        expert_bytes = runtime.pool.nbytes / runtime.pool.num_slots
+        n_layers = len(runtime.layers)
+        for layer in range(min(1, n_layers - 1), n_layers):
+            keys = [(layer, e) for e in range(min(runtime.n_experts, runtime.pool.num_slots))]
+            start = time.perf_counter()
+            for slot, key in enumerate(keys):
+                runtime.store.read(key, runtime.pool.view(slot))
+            rates.append(len(keys) * expert_bytes / (time.perf_counter() - start))
+    return statistics.median(rates)
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -370,6 +375,8 @@ def _median_spread(values: list[float]) -> dict[str, Any]:
 def summary(result: dict[str, Any]) -> dict[str, Any]:
     """Medians and spreads per policy and schedule; the ratios the issue's targets name."""
     runs = result["runs"]
+    link = result["hardware_profile"]["disk_to_cpu"] if result["hardware_profile"]["gpu"] is None \
+        else result["hardware_profile"]["cpu_to_gpu"]
     by_policy: dict[str, Any] = {}
     for label in result["settings"]["compared"]:
         mine = [r for r in runs if r["part"] == "compared" and r["label"] == label]
@@ -380,6 +387,9 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
                            for key in ("tokens_per_s", "decode_tokens_per_s", "bytes_per_token", "decode_bytes_per_token")}
             if mode.startswith("klotski"):
                 modes[mode]["activated_share"] = of[0]["activated_share"]
+            # the link's bound: decode tokens/s if the link moved this mode's bytes and nothing else waited
+            moved = modes[mode]["decode_bytes_per_token"]["median"]
+            modes[mode]["decode_link_bound_tokens_per_s"] = link / moved if moved else None
 
         def ratio(a: str, b: str, modes: dict[str, Any] = modes) -> float:
             return modes[a]["tokens_per_s"]["median"] / modes[b]["tokens_per_s"]["median"]
