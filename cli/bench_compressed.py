@@ -28,6 +28,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--budgets", type=budgets, default="12.5%,25%,50%",
                    help="expert memory: shares of the bytes the first model's experts take in slots; every model "
                         "gets those bytes")
+    p.add_argument("--modes", type=run_modes, default=((),),
+                   help="every run once per comma item, each a +-joined set of `prescient bench` run modes or "
+                        "'base' for none (e.g. base,serial,look: the expert pipeline on, off, and with in-token "
+                        "lookahead)")
     p.add_argument("--repeats", type=positive_int, default=3, help="interleaved repeats (A B C A B C)")
     p.add_argument("--quality", type=named_paths, default={},
                    help="NAME=JSON,... `prescient quality` results shown beside NAME's runs")
@@ -58,6 +62,20 @@ def mixed_entries(text: str) -> dict[str, tuple[str, str, str]]:
     return entries
 
 
+def run_modes(text: str) -> tuple[tuple[str, ...], ...]:
+    """`base,serial,look+serial` → ((), ("serial",), ("look", "serial")), checked against the bench's modes."""
+    from experiments.bench_runtime.grid import RUN_MODES, PREFETCH_MODES
+
+    sets = []
+    for item in names(text):
+        chosen = () if item == "base" else tuple(item.split("+"))
+        if any(mode not in RUN_MODES or mode in PREFETCH_MODES for mode in chosen):
+            raise argparse.ArgumentTypeError(f"{item!r}: modes are 'base' or +-joined of "
+                                             f"{', '.join(m for m in RUN_MODES if m not in PREFETCH_MODES)}")
+        sets.append(tuple(m for m in RUN_MODES if m in chosen))
+    return tuple(sets)
+
+
 def run(args: argparse.Namespace) -> None:
     from experiments.bench_compressed import bench_compressed
     from experiments.bench_runtime.grid import BenchError, fraction
@@ -72,7 +90,7 @@ def run(args: argparse.Namespace) -> None:
                               args.json, args.plot, new_tokens=args.new_tokens, timed_prompts=args.prompts,
                               options=RuntimeOptions(drop_page_cache=True, dtype=args.dtype), packed=args.packed,
                               predictor=(*next(iter(args.predictor.items())), args.policy) if args.predictor else None,
-                              mixed=args.mixed, fine_share=args.fine_share,
+                              mixed=args.mixed, fine_share=args.fine_share, modes=args.modes,
                               sample_seed=args.sample, threads=args.threads)
     for name, rows in result["summary"].items():
         for label, row in rows.items():

@@ -53,10 +53,11 @@ def bench_compressed(models: dict[str, str], texts: list[str], budgets: list[flo
                      options: RuntimeOptions | None = None, packed: tuple[str, ...] = (),
                      predictor: tuple[str, str, str] | None = None,
                      mixed: dict[str, tuple[str, str, str]] | None = None, fine_share: float = 0.25,
-                     **bench: Any) -> dict[str, Any]:
+                     modes: tuple[tuple[str, ...], ...] = ((),), **bench: Any) -> dict[str, Any]:
     """Interleaved repeats of each model's bench; the models named in `packed` keep their experts
-    packed in slots; `bench` passes on to `bench_runtime` (new_tokens, timed_prompts, sample_seed,
-    threads, ...)."""
+    packed in slots; every run once per set of run modes in `modes` (`bench_runtime`'s `+look`,
+    `+serial`, ...; `()`: none); `bench` passes on to `bench_runtime` (new_tokens, timed_prompts,
+    sample_seed, threads, ...)."""
     options = options or RuntimeOptions(drop_page_cache=True)
     kinds = [("none", "lru")] + ([] if predictor is None else [(predictor[0], predictor[2])])
     predictors = {"none": None, **({} if predictor is None else {predictor[0]: predictor[1]})}
@@ -81,6 +82,7 @@ def bench_compressed(models: dict[str, str], texts: list[str], budgets: list[flo
                      "repeats": repeats, "options": options.to_json(), "packed": list(packed),
                      "mixed": {name: list(entry) for name, entry in mixed.items()}, "fine_share": fine_share,
                      "predictor": list(predictor) if predictor else None,
+                     "modes": ["+".join(mode) for mode in modes],
                      **{k: v for k, v in bench.items() if k != "threads"}},
         "machine": machine_info(bench.get("threads") or 1),
         "models": {name: {"dir": path, "slot_format": placed[name].slot_format, "fine_model": placed[name].fine_model,
@@ -95,8 +97,8 @@ def bench_compressed(models: dict[str, str], texts: list[str], budgets: list[flo
             slot_bytes, experts = sizes[name]
             bought = {budget: min(experts, int(budget * first_bytes) // slot_bytes) for budget in budgets}
             own = kinds[1:] if name in mixed and predictor is not None else kinds
-            asked = [RunSpec(kind, policy, budget) for budget in budgets for kind, policy in own]
-            runs = [RunSpec(spec.predictor, spec.policy, bought[spec.budget] / experts) for spec in asked]
+            asked = [RunSpec(kind, policy, budget, mode) for budget in budgets for kind, policy in own for mode in modes]
+            runs = [RunSpec(spec.predictor, spec.policy, bought[spec.budget] / experts, spec.modes) for spec in asked]
             measured = bench_runtime(path, texts, predictors=predictors, runs=runs, baselines=("all_resident",),
                                      fail_if_not_exact=False,
                                      options=placed[name], **bench)
@@ -142,7 +144,7 @@ def summarise(records: list[dict[str, Any]], names: list[str], mixed: set[str] =
     first = names[0]
     for name in names:
         for label, row in out[name].items():
-            lru = label if "@" not in label else RunSpec("none", "lru", float(label.split("@")[1])).label
+            lru = label if "@" not in label else RunSpec("none", "lru", float(label.split("@")[1].split("+")[0])).label
             base = out[first].get(lru, {}).get("tokens_per_s")
             row[f"vs_{first}"] = row["tokens_per_s"] / base if row["tokens_per_s"] and base else None
     return out
