@@ -36,7 +36,8 @@ class ProbeHeads(nn.Module):
     def __init__(self, n_layers: int, hidden_size: int, n_experts: int, ahead: int = 1, hidden_dim: int = 256):
         super().__init__()
         if not 1 <= ahead < max(n_layers, 2):
-            raise PredictorError(f"ahead {ahead} must lie in 1..{n_layers - 1} for a model of {n_layers} MoE layers")
+            raise PredictorError(f"ahead {ahead} must lie in 1..{n_layers - 1} (the model has {n_layers} MoE layers); "
+                                 "set --model.ahead within it")
         self.ahead = ahead
         self.pairs = [(layer, a) for a in range(1, ahead + 1) for layer in range(n_layers - a)]
         self._index = {pair: i for i, pair in enumerate(self.pairs)}
@@ -79,6 +80,11 @@ class ProbeLookahead(HiddenLookahead):
         self.ahead = heads.ahead
         if model is not None:
             self.bind(model)
+
+    def bind(self, model: nn.Module) -> "ProbeLookahead":
+        super().bind(model)
+        self.heads.to(next(model.parameters()).device)  # beside the hidden states it reads
+        return self
 
     @property
     def max_ahead(self) -> int:
