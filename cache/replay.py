@@ -171,8 +171,8 @@ def _start_copy(chan, at, copy_s):
 
 @inline
 def _layer_end(step, done, now, compute_s, expert_s, pipeline, arrivals):
-    """When layer-step `step`, started at `now`, ends. Per layer: once its last copy lands, it
-    computes `compute_s`. Pipelined (EPS-MoE, the runtime's `expert_pipeline`): its experts
+    """When layer-step `step`, started at `now`, starts computing and when it ends. Per layer:
+    once its last copy lands, it computes `compute_s`. Pipelined (EPS-MoE, the runtime's `expert_pipeline`): its experts
     resident at `now` compute first, then each other one as its copy lands, in arrival order,
     each `expert_s / len(step)`; the rest of the layer's compute (`compute_s - expert_s`:
     attention, router, which in the runtime run before the copies are requested) after them."""
@@ -180,7 +180,7 @@ def _layer_end(step, done, now, compute_s, expert_s, pipeline, arrivals):
         ready = now
         for key in step:
             ready = max(ready, done[key])
-        return ready + compute_s
+        return ready, ready + compute_s
     each = expert_s / len(step)
     t = now
     n = 0
@@ -192,7 +192,7 @@ def _layer_end(step, done, now, compute_s, expert_s, pipeline, arrivals):
             t += each
     for landed in np.sort(arrivals[:n]):
         t = max(t, landed) + each
-    return t + compute_s - expert_s
+    return now, t + compute_s - expert_s
 
 
 @inline
@@ -359,9 +359,8 @@ def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_of
                 if done[key] > now:
                     late += 1
             late -= n_inserted  # the misses are stalls, not late prefetches
-            end = _layer_end(step, done, now, compute_s, expert_s, pipeline, arrivals)
-            clock[STALL] += max(end - now - compute_s, 0.0)
-            ready = now if pipeline else end - compute_s  # prefetches go out as the layer's compute starts
+            ready, end = _layer_end(step, done, now, compute_s, expert_s, pipeline, arrivals)
+            clock[STALL] += max(end - now - compute_s, 0.0)  # prefetches go out at `ready`, as its compute starts
             off = use(st, step)
             if off >= 0:
                 return late, offsets[j] + off
