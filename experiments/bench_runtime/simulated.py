@@ -51,7 +51,10 @@ def simulate_bench(result: dict[str, Any], trace_dir: str | Path, predictor_path
     calibration = timing_from_bench(result, fingerprint=fingerprint)
     trace = load_trace(trace_dir)
     fingerprint.require_same(trace.fingerprint, f"generation trace {trace_dir}")
-    runs = [r for r in result["runs"] if r.get("kind") == "offloaded" and r.get("exact")]
+    # the simulator does not model in-token lookahead (a guess from each layer's hidden state, which
+    # a trace does not hold): those runs get no prediction
+    runs = [r for r in result["runs"] if r.get("kind") == "offloaded" and r.get("exact")
+            and "look" not in (r.get("modes") or ())]
     simulated: dict[str, dict[str, Any]] = {}
     for label in dict.fromkeys(r["label"] for r in runs):
         first = next(r for r in runs if r["label"] == label)
@@ -88,7 +91,7 @@ def simulate_run(trace: Trace, run: dict[str, Any], predictor_path: str | None, 
                  next_token_min_chance=next_token_min_chance)
     replay = Replay.build(columns["topk_ids"], columns["seq_id"], 1, **build)
     sim = simulate(replay, slots, policy_for(run["policy"], replay, fp.top_k), layers_ahead=None, timing=timing,
-                   hide_only="hide" in modes)
+                   hide_only="hide" in modes, expert_pipeline="serial" not in modes)
     figures = sim.to_dict()
     return {"tokens_per_s": round(figures["tokens_per_s"], 3),
             "stall_ms_per_token": round(1e3 * figures["stall_seconds_per_token"], 2),
