@@ -53,7 +53,9 @@ def test_sigint_mid_trace_exits_130_and_a_rerun_completes_it(tiny_moe_dir, text_
     assert resumed["complete"] is True and resumed["shards"][:len(manifest["shards"])] == manifest["shards"]
 
 
-@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143),
+                                         pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)],  # one handler
+                         ids=["SIGTERM", "SIGINT"])
 def test_a_signal_mid_training_exits_128_plus_it_with_a_checkpoint_to_resume(tmp_path, sig, status):
     recipe, out = tmp_path / "micro.yaml", tmp_path / "micro"
     recipe.write_text(yaml.safe_dump({**MICRO, "training": {**MICRO["training"], "max_steps": 500}}))

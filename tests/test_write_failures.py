@@ -42,6 +42,7 @@ def test_trace_on_a_full_disk_stays_resumable_and_a_rerun_completes_it(tiny_moe_
     assert manifest["complete"] is True and manifest["shards"]
 
 
+@pytest.mark.slow  # ~45 s on 2 busy cores; its writes fail through the same `write_errors` as quantize's
 def test_reference_model_on_a_full_disk_writes_no_model(tmp_path):
     recipe, out = tmp_path / "micro.yaml", tmp_path / "micro"
     recipe.write_text(yaml.safe_dump(MICRO))

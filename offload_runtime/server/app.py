@@ -11,8 +11,8 @@ lifespan); `GET /health` answers 503 until the model and predictor are loaded, 2
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream`), `GET
 /v1/models`, `GET /health`, `GET /metrics` (Prometheus). With `api_keys`, the /v1 routes (and
 /metrics with `metrics_need_key`) answer 401 unless a key comes as a bearer token (`auth`). Errors a
-client causes are 4xx with OpenAI's error body; a full queue is 429 with `Retry-After`. A client that disconnects cancels
-its request at the next decode step. Shutdown (SIGTERM, Ctrl-C): uvicorn stops accepting, lets
+client causes are 4xx with OpenAI's error body; a full queue is 429 with `Retry-After`. A client
+that disconnects cancels its request at the next decode step. Shutdown (SIGTERM, Ctrl-C): uvicorn stops accepting, lets
 in-flight requests finish for `shutdown_timeout` seconds, cancels the rest; then the inference,
 transfer and hash-building threads stop.
 """
@@ -145,7 +145,8 @@ def run_server(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info
         config.load()  # reads the certificate and key now: a bad one is one error, not a traceback in uvicorn
     except OSError as exc:  # ssl.SSLError included
         raise ServerSettingsError(f"cannot use the TLS key {ssl_keyfile} with the certificate {ssl_certfile}: "
-                            f"{exc.strerror or exc}; give a PEM key and the PEM certificate that matches it") from None
+                                  f"{exc.strerror or exc}; give a PEM key and the PEM certificate that matches it"
+                                  ) from None
     if not service.config.api_keys and not _loopback(host):
         log.warning("serving on %s with no API key: anyone who reaches port %d can use the model; give "
                     "`prescient serve` --api-key (or its environment variable)", host, port)

@@ -16,7 +16,8 @@ from tests.server.serving import MODEL, free_port, serve
 
 KEYS = ("sk-first-key", "sk-second-key")
 V1 = [("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}),
-      ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}),
+      ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                        "max_tokens": 2}),
       ("GET", "/v1/models", None)]
 
 
@@ -52,7 +53,8 @@ def test_every_v1_route_wants_a_bearer_key(keyed_server, method, path, body, aut
     assert answer.status_code == 401 and answer.headers["www-authenticate"] == "Bearer"
     assert answer.json()["error"]["code"] == "invalid_api_key"
     assert "no API key given" in answer.json()["error"]["message"]
-    good = httpx.request(method, keyed_server.url + path, json=body, headers={"Authorization": f"bearer {KEYS[1]}"})
+    good = httpx.request(method, keyed_server.url + path, json=body, headers={"Authorization": f"bearer {KEYS[1]}"},
+                         timeout=60)
     assert good.status_code == 200
 
 
