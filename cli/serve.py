@@ -44,8 +44,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         f"default: ${API_KEY_ENV}, which keeps the keys out of the process list")
     p.add_argument("--metrics-need-key", action="store_true",
                    help="put /metrics behind the API key too (default: open, as /health)")
-    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the PEM private key (with --ssl-certfile)")
-    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the PEM certificate (chain) of the key")
+    p.add_argument("--ssl-keyfile", default=None, metavar="KEY.pem",
+                   help="serve HTTPS: the PEM private key (with --ssl-certfile)")
+    p.add_argument("--ssl-certfile", default=None, metavar="CERT.pem",
+                   help="serve HTTPS: the PEM certificate (chain) of the key")
     add_runtime_args(p)
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
