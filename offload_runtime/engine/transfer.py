@@ -148,12 +148,7 @@ class TransferEngine:
         start = time.perf_counter()
         with self._cond:
             self._raise_failure()
-            ticket = self._tickets.get(key)
-            if ticket is None:
-                raise TransferError(f"expert {key} was never requested; call request() first")
-            if not ticket.demand and not ticket.future.done() and not ticket.future.running():
-                ticket.demand = True
-                self._push(ticket)
+            ticket = self._wanted_now(key)
         try:
             ticket.future.result(timeout)
         except CancelledError:
@@ -178,15 +173,7 @@ class TransferEngine:
         start = time.perf_counter()
         with self._cond:
             self._raise_failure()
-            waiting: dict[Future, Key] = {}
-            for key in keys:
-                ticket = self._tickets.get(key)
-                if ticket is None:
-                    raise TransferError(f"expert {key} was never requested; call request() first")
-                if not ticket.demand and not ticket.future.done() and not ticket.future.running():
-                    ticket.demand = True
-                    self._push(ticket)
-                waiting[ticket.future] = key
+            waiting = {self._wanted_now(key).future: key for key in keys}
         try:
             done = futures.wait(list(waiting), return_when=futures.FIRST_COMPLETED).done
         finally:
@@ -253,6 +240,16 @@ class TransferEngine:
         self.close()
 
     # -- internals (lock held unless said) -----------------------------------------------------
+
+    def _wanted_now(self, key: Key) -> Ticket:
+        """`key`'s ticket, a queued prefetch raised to a demand load (the caller holds the lock)."""
+        ticket = self._tickets.get(key)
+        if ticket is None:
+            raise TransferError(f"expert {key} was never requested; call request() first")
+        if not ticket.demand and not ticket.future.done() and not ticket.future.running():
+            ticket.demand = True
+            self._push(ticket)
+        return ticket
 
     def _push(self, ticket: Ticket) -> None:
         ticket.entry = next(self._seq)
