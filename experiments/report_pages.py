@@ -411,6 +411,14 @@ pages, agrees with measured runs.
     ))
 
 
+def link_rows() -> Rows:
+    """`prescient profile-hw --model`: cold random reads of one expert's bytes per queue depth."""
+    r = load("link-random-reads.json")["random_reads"]
+    rows = [[depth, spread(rate / 1e9, [min(reps) / 1e9, max(reps) / 1e9]), "chosen" if depth == r["depth"] else ""]
+            for depth, rate, reps in zip(r["depths"], r["bytes_per_s"], r["repeats"])]
+    return ["reads in flight", f"GB/s, median (range), reads of {num(r['expert_bytes'] / 2**20, 2)} MiB", ""], rows
+
+
 def runtime_page() -> Page:
     runs = "R (G): the run labels of the table, in order. "
     bench = ("prescient bench --model runs/reference-bench --predictors {p} --runs {r} --new-tokens 24 --prompts 3 "
@@ -422,7 +430,13 @@ faster than on-demand LRU, while prefetching alone moves about as many bytes as 
 forecasts would double LRU's speed, so the forecasts, not the runtime, are the limit. Every run
 generates exactly the plain model's tokens, decodes several times faster than accelerate's disk
 offload at a third of the all-resident model's memory, and the time-true simulator predicts its
-speed within a few percent.
+speed within a few percent. The decode loop's schedulers (EPS-MoE's expert pipeline, HybriMoE's
+in-token lookahead) keep every output exact, bf16 with fewer slots than a layer's routed experts
+included, but their speed is not measured on the bench model yet: on a loaded machine and a
+barely trained stand-in, in-token lookahead from untrained routers evicts more than it saves
+(hit rate 0.73 to 0.34 with 8 slots), which is why it is off by default. Random reads of one
+expert run faster with several in flight than with one. The first three tables were measured
+before the expert pipeline existed: their runs are `+serial` runs in today's terms.
 """, (
         Table("Sampled decoding, 50% and 25% of the experts in slots", ("bench-runtime-base-sampled.json",),
               bench.format(p="none,freq,corr,oracle,sida=runs/base-predictor/sida,sida8=runs/forecast-base/sida-h8",
@@ -436,6 +450,24 @@ speed within a few percent.
               bench.format(p="none,oracle,sida8=runs/forecast-base/sida-h8", r="R,R,R",
                            x="--sample 0 --hash-cost off --simulate"),
               lambda: bench_rows("bench-runtime-oracle-base.json"), note=runs + bench_note("bench-runtime-oracle-base.json")),
+        Table("The decode loop's schedulers: expert pipeline on (base), off (+serial), with in-token lookahead (+look)",
+              ("bench-schedulers-short-wide.json",),
+              "prescient bench-compressed --models bf16=runs/short-wide-w16,int4=runs/short-wide-w4 --packed int4 "
+              "--dtype bfloat16 --budgets 12.5%,25% --modes base,serial,look --repeats 3 --new-tokens 16 --prompts 2",
+              lambda: compressed_rows("bench-schedulers-short-wide.json"),
+              note="Not the bench model: `runs/short-wide` is the tiny recipe trained 40 steps (runs/tiny-short.yaml) "
+                   "with experts widened to 4 096, 4 layers x 16 experts; bf16 and int4 (RTN, group 128) copies by "
+                   "`prescient quantize`. The machine's load average was about 10 on 2 cores (four other jobs): "
+                   "tokens/s ranges span 2-4x, so only stall, MB/token and hit rate are read here."),
+        Table("Quality of the stand-in's int4 copy (packed slots, teacher-forced, 16 windows per corpus)",
+              ("short-wide-quality-w4-packed.json",),
+              "prescient quality --model runs/short-wide-w4 --reference runs/short-wide --dataset stdlib-code,stdlib-docs "
+              "--windows 16 --dtype bfloat16 --slot-format packed",
+              lambda: quality_rows(["short-wide-quality-w4-packed.json"])),
+        Table("The link as a miss uses it: cold random reads of one expert", ("link-random-reads.json",),
+              "prescient profile-hw --model runs/link-probe/mixtral-2mb --repeats 9 --reads 64", link_rows,
+              note="A Mixtral of 2.36 MB float32 experts built with save_tiny_model; page cache dropped before "
+                   "each timed run and after each read; load average about 10 on 2 cores during the run."),
     ))
 
 
