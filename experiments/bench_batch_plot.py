@@ -9,7 +9,7 @@ from typing import Any
 
 from prescient.atomic import write_atomic
 
-COLOURS = {"klotski": "tab:green", "cgopipe": "tab:blue", "zigzag": "tab:orange", "sequential": "tab:red"}
+COLOURS = {"klotski": "tab:green", "klotski-paper": "tab:olive", "cgopipe": "tab:blue", "zigzag": "tab:orange", "sequential": "tab:red"}
 
 
 def plot_bench_batch(result: dict[str, Any], path: str) -> None:
