@@ -27,7 +27,8 @@ layer by layer over the batch's micro-batches, each layer's streamed experts req
 ahead.
 
 `overlap=False` is the baseline: the same runtime and budget decoding the micro-batches one after
-another, each through every layer, loading experts on demand (its prefill too).
+another, each through every layer, loading experts on demand; its prefill goes layer by layer as
+above but requests nothing ahead (on demand too).
 """
 
 from __future__ import annotations
