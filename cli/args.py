@@ -241,6 +241,11 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
             "--lookahead", dest="lookahead_layers", type=lookahead_layers, default=0, metavar="LAYERS",
             help="in-token lookahead (HybriMoE): when a MoE block starts, the routers of the next 1-3 layers on its "
                  "input pick experts to prefetch (default 0: off)"),
+        "lookahead_probe": lambda p: p.add_argument(
+            "--lookahead-probe", metavar="PROBE",
+            help="in-token lookahead (--lookahead N, 1 if not given) with a trained probe artifact guessing the next "
+                 "layers' experts from each block's input instead of their routers (prescient train --config "
+                 "configs/predictor/probe.yaml)"),
         "next_token": lambda p: p.add_argument(
             "--next-token", action="store_true",
             help="cross-token prefetch: load the next token's likely experts while this token's layers compute "
@@ -278,6 +283,8 @@ def runtime_options(args: argparse.Namespace, **fields: object) -> RuntimeOption
     flags = {name: getattr(args, name) for name in names & RuntimeOptions.names()}
     if flags.get("policy", "") is None:
         flags["policy"] = best_policy(getattr(args, "predictor", None))
+    if flags.get("lookahead_probe") and not flags.get("lookahead_layers"):
+        flags["lookahead_layers"] = 1  # a probe given is a probe used: one layer ahead unless --lookahead says
     if "transfer_workers" in names and args.transfer_workers == "auto":
         from offload_runtime.planning.link_profile import profiled_depth
 

@@ -27,7 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--runs", help="these runs instead of a grid: PREDICTOR:POLICY@BUDGET[+hide][+next][+look]"
                                   "[+serial],... (+hide: hide-only prefetch, needs --link-timing; +next: cross-token "
                                   "prefetch, needs a predictor with forecast heads; +look: in-token lookahead one "
-                                  "layer ahead; +serial: without the expert pipeline, a layer waits for all its "
+                                  "layer ahead, by the routers or --lookahead-probe; +serial: without the expert pipeline, a layer waits for all its "
                                   "copies)")
     p.add_argument("--train-trace", help="trace that freq / token / corr are fit on")
     p.add_argument("--new-tokens", type=positive_int, default=12, help="new tokens per timed prompt")
@@ -44,7 +44,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--hash-cost", default="auto",
                    help="predictor of hash_thread_cost; auto: sida if given, else skipped; off: skipped")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads per run (default: torch's)")
-    add_runtime_args(p, "store", "transfer_workers", "dtype", "slot_format")  # each run names its policy, budget and prefetch modes
+    add_runtime_args(p, "store", "transfer_workers", "dtype", "slot_format", "lookahead_probe")  # each run names its policy, budget and prefetch modes
     p.add_argument("--keep-page-cache", action="store_true", help="disk store: leave read pages in the page cache")
     p.add_argument("--in-process", action="store_true", help="every run in this process (quick checks)")
     p.add_argument("--simulate", action="store_true",

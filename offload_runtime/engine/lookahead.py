@@ -1,5 +1,6 @@
 """In-token lookahead (HybriMoE's impact-driven prefetch): when MoE block l starts, the routers
-of the next `ahead` MoE layers are applied to its input hidden state, and the experts they pick
+of the next `ahead` MoE layers are applied to its input hidden state (or a trained probe per
+layer reads it, `predictor.probe`, after Zhu et al.), and the experts they pick
 are prefetched, the nearest layer first, each layer's by summed router probability. The guess is
 made in the block's pre-hook and requested once the block's own experts are pinned (`issue`,
 called by the runtime's `use`), so a lookahead prefetch never evicts what block l is about to use.
@@ -36,14 +37,23 @@ class Prefetches(Protocol):
     def prefetch(self, keys: list[Key], priority: float = 0.0) -> list[Key]: ...
 
 
+class Guess(Protocol):
+    """Logits [..., E] of MoE layer `layer` + `ahead` from MoE layer `layer`'s block input [..., H]
+    (`predictor.probe.ProbeLookahead.lookahead` is one)."""
+
+    def __call__(self, layer: int, hidden: torch.Tensor, ahead: int) -> torch.Tensor: ...
+
+
 class InTokenLookahead:
     """Forward pre-hooks on every MoE block of `layers`: each guesses the next `ahead` layers of
-    its stack from its input; `issue(layer)` hands the guess to `runtime.prefetch`."""
+    its stack from its input, with their own routers or with `guess` (a trained probe); `issue(layer)`
+    hands the guess to `runtime.prefetch`."""
 
     def __init__(self, runtime: Prefetches, layers: list[MoELayer], stacks: list[range], ahead: int,
-                 per_token: int, step_priority: float) -> None:
+                 per_token: int, step_priority: float, guess: Guess | None = None) -> None:
         self.runtime, self.layers, self.ahead, self.per_token = runtime, layers, ahead, per_token
         self.step_priority = step_priority
+        self.guess = guess or self._route
         self.stack_end = {i: stack.stop for stack in stacks for i in stack}  # no guess across a stack's end
         self.issued = 0  # keys inserted by lookahead prefetches
         self._guessed: dict[int, list[Key]] = {}  # block -> keys guessed at its start, not yet issued
@@ -55,15 +65,20 @@ class InTokenLookahead:
         (nearest first), the union of each token's top `per_token` experts, by summed probability."""
         keys: list[Key] = []
         for target in range(layer + 1, min(layer + 1 + self.ahead, self.stack_end[layer])):
-            moe = self.layers[target]
-            with torch.no_grad():
-                logits, _ = moe.adapter.routing(moe, moe.router(hidden))
+            logits = self.guess(layer, hidden, target - layer)
             probs = torch.softmax(logits.reshape(-1, logits.shape[-1]).float(), dim=-1)
             top = torch.topk(probs, min(self.per_token, probs.shape[-1]), dim=-1).indices
             chosen = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, top, True)
             order = torch.argsort((probs * chosen).sum(0), descending=True)[: int(chosen.any(0).sum())]
             keys += [(target, int(e)) for e in order.tolist()]
         return keys
+
+    def _route(self, layer: int, hidden: torch.Tensor, ahead: int) -> torch.Tensor:
+        """Gate lookahead: layer `layer` + `ahead`'s own router on `hidden`."""
+        moe = self.layers[layer + ahead]
+        with torch.no_grad():
+            logits, _ = moe.adapter.routing(moe, moe.router(hidden))
+        return logits
 
     def _hook(self, layer: int):
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:

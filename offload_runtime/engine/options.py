@@ -80,7 +80,9 @@ class RuntimeOptions:
     `expert_pipeline` (EPS-MoE: a layer's resident experts compute while its misses are copied,
     then each miss as it lands; False: the layer waits for all its copies first),
     `lookahead_layers` (in-token lookahead, HybriMoE's: when a MoE block starts, the routers of the
-    next 1 to 3 layers on its input pick experts to prefetch; 0: off)."""
+    next 1 to 3 layers on its input pick experts to prefetch; 0: off), `lookahead_probe` (a trained
+    probe artifact, `prescient train --config configs/predictor/probe.yaml`, guesses instead of the
+    routers; None: the routers)."""
 
     policy: str = "lru"
     budget: Budget = Budget(0.5, "fraction")
@@ -98,6 +100,7 @@ class RuntimeOptions:
     precision_rule: str = "router"  # the best of the three on the bench (README)
     expert_pipeline: bool = True
     lookahead_layers: int = 0
+    lookahead_probe: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str):
@@ -119,6 +122,13 @@ class RuntimeOptions:
         _whole("lookahead_layers", self.lookahead_layers, 0)
         if self.lookahead_layers > MAX_LOOKAHEAD_LAYERS:
             raise OptionsError(f"lookahead_layers must be 0 (off) to {MAX_LOOKAHEAD_LAYERS}, got {self.lookahead_layers}")
+        if self.lookahead_probe is not None:
+            if not isinstance(self.lookahead_probe, (str, os.PathLike)):
+                raise OptionsError(f"lookahead_probe must be a probe artifact's path, got {self.lookahead_probe!r}")
+            object.__setattr__(self, "lookahead_probe", str(self.lookahead_probe))
+            if not self.lookahead_layers:
+                raise OptionsError("a lookahead probe guesses for in-token lookahead: give lookahead_layers 1 to "
+                                   f"{MAX_LOOKAHEAD_LAYERS} (--lookahead N) too")
         if self.link_timing is not None and not isinstance(self.link_timing, LinkTiming):
             raise OptionsError(f"link_timing must be a cache.timing.LinkTiming, got {self.link_timing!r}")
         if self.dtype not in DTYPES:
@@ -173,4 +183,4 @@ class RuntimeOptions:
                 "next_token_min_chance": self.next_token_min_chance, "dtype": self.dtype,
                 "slot_format": self.slot_format, "fine_model": self.fine_model, "fine_share": self.fine_share,
                 "precision_rule": self.precision_rule, "expert_pipeline": self.expert_pipeline,
-                "lookahead_layers": self.lookahead_layers}
+                "lookahead_layers": self.lookahead_layers, "lookahead_probe": self.lookahead_probe}

@@ -51,7 +51,8 @@ from offload_runtime.engine.prefetch import STEP_PRIORITY, Prefetcher
 from offload_runtime.engine.slots import SlotPool, TieredSlotPool
 from offload_runtime.engine.store import ExpertStore
 from offload_runtime.engine.transfer import Ticket, TransferEngine
-from predictor.base import ExpertPredictor
+from predictor.artifact import load_predictor
+from predictor.base import ExpertPredictor, PredictorError
 from prescient.arch import MoELayer, moe_stacks
 from prescient.fingerprint import ModelFingerprint
 
@@ -126,7 +127,7 @@ class OffloadRuntime:
                                      options.prefetch_per_layer or self.top_k, options)
         self.lookahead = None if not options.lookahead_layers else InTokenLookahead(
             self, layers, [stack.layers for stack in stacks], options.lookahead_layers,
-            options.prefetch_per_layer or self.top_k, STEP_PRIORITY)
+            options.prefetch_per_layer or self.top_k, STEP_PRIORITY, _probe(options, fingerprint))
         self.builder = None if predictor is None else HashBuilder(
             predictor, forecasts=policy.uses_forecasts or (tiered and self.cache.uses_forecasts),
             next_token=options.next_token_min_chance is not None)
@@ -316,6 +317,24 @@ class OffloadRuntime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _probe(options: RuntimeOptions, fingerprint: ModelFingerprint):
+    """The trained probe that guesses for in-token lookahead, on the slots' device; None: the routers."""
+    if options.lookahead_probe is None:
+        return None
+    from predictor.probe import ProbeLookahead
+
+    probe = load_predictor(options.lookahead_probe, fingerprint=fingerprint)
+    if not isinstance(probe, ProbeLookahead):
+        raise PredictorError(f"{options.lookahead_probe} holds a {probe.kind!r} predictor, not a lookahead probe; "
+                             "train one with `prescient train --config configs/predictor/probe.yaml`")
+    if probe.max_ahead < options.lookahead_layers:
+        raise PredictorError(f"the probe {options.lookahead_probe} looks {probe.max_ahead} layer(s) ahead, not "
+                             f"{options.lookahead_layers}; lower --lookahead or train it with --model.ahead "
+                             f"{options.lookahead_layers}")
+    probe.heads.to(options.device)
+    return probe.lookahead
 
 
 def _stop_threads(engine: TransferEngine, builder: HashBuilder | None, stores: list[ExpertStore]) -> None:

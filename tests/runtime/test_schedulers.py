@@ -83,3 +83,31 @@ def main_json(argv: list[str], tmp_path) -> dict:
     out.unlink(missing_ok=True)
     main([*argv, "--json", str(out)])
     return json.loads(out.read_text())
+
+
+def test_a_trained_probe_can_guess_for_the_lookahead(tiny_moe_dir, tmp_path):
+    """--lookahead-probe: the probe's guesses are what gets prefetched, outputs stay exact; a probe
+    of fewer layers ahead than asked, or another predictor kind, is refused in one line."""
+    from predictor.artifact import load_predictor
+    from predictor.base import PredictorError
+    from tests.predictor.probes import random_probe
+
+    path = tiny_moe_dir("mixtral")
+    probe_path = random_probe(path, tmp_path / "probe", ahead=1)
+    ids = load_tokenizer(path)(PROMPT, return_tensors="pt").input_ids
+    plain = load_offloaded(path, budget=1.0)
+    model = load_offloaded(path, budget=0.5, lookahead_layers=1, lookahead_probe=str(probe_path))
+    with plain.offload_runtime, model.offload_runtime as runtime, torch.inference_mode():
+        hidden = torch.randn(1, 2, model.config.hidden_size)
+        probe = load_predictor(probe_path)
+        want = torch.topk(torch.softmax(probe.lookahead(0, hidden.reshape(-1, hidden.shape[-1])), -1), 2).indices
+        assert {e for _, e in runtime.lookahead.keys(0, hidden)} == set(want.flatten().tolist())
+        settings = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": model.config.pad_token_id}
+        assert torch.equal(model.generate(ids, **settings), plain.generate(ids, **settings))
+        assert runtime.stats().lookahead_prefetches > 0
+    with pytest.raises(PredictorError, match="looks 1 layer\\(s\\) ahead, not 2"):
+        load_offloaded(path, budget=0.5, lookahead_layers=2, lookahead_probe=str(probe_path))
+    with pytest.raises(PredictorError, match="not a lookahead probe"):
+        load_offloaded(path, budget=0.5, lookahead_layers=1, lookahead_probe=str(random_sida(path, tmp_path)))
+    with pytest.raises(OptionsError, match="give lookahead_layers 1 to 3"):
+        RuntimeOptions(lookahead_probe=str(probe_path))
