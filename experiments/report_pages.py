@@ -270,6 +270,18 @@ higher speed.
     ))
 
 
+def probe_rows() -> Rows:
+    """recall@k per layer, a layers ahead, of the hidden-state probe and gate lookahead."""
+    predictors = load("evaluate-probe-short.json")["predictors"]
+    rows = []
+    for name, label in (("probe", "trained probe"), ("lookahead", "gate lookahead")):
+        for a, r in predictors[name]["ahead"].items():
+            per_layer = r["per_layer"]["recall_at_k"]
+            rows.append([label, a, *(num(v, 3) for v in per_layer), num(r["recall_at_k"], 3)])
+    n = len(per_layer)
+    return ["predictor", "layers ahead", *(f"layer {i}" for i in range(n)), "mean"], rows
+
+
 def predictors_page() -> Page:
     def ablation() -> Rows:
         d = load("sida-ablation-base.json")
@@ -326,7 +338,9 @@ corpus it was not trained on too; its own loss (SiDA's) is as good as any varian
 the *next* tokens' experts is much harder: the forecast heads beat every training-free forecaster,
 but no forecast available in time reaches the 0.80 recall that would make learned eviction close
 the gap to Belady. The hash function costs a fraction of a millisecond per token and tracing costs
-nothing measurable, so prediction is cheap; its accuracy is the limit.
+nothing measurable, so prediction is cheap; its accuracy is the limit. Inside a token, a small
+probe trained on each layer's hidden state guesses the next layers' experts far better than the
+next layers' own routers do, on a barely trained stand-in; it is not yet measured on the base model.
 """, (
         Table("Predictors on the base model", ("evaluate-base.json",),
               "prescient evaluate --trace runs/base-traces/validation --train-trace runs/base-traces/train --model "
@@ -350,6 +364,15 @@ nothing measurable, so prediction is cheap; its accuracy is the limit.
         Table("Where a forecast of token t+1 can reach", ("next-token-ceiling-base.json",),
               "python -m experiments.next_token_ceiling --model runs/reference-bench-base --train-trace "
               "runs/base-traces/train --forecaster runs/forecast-base/sida-h8 --in-context --probe-windows 400", ceiling),
+        Table("In-token lookahead: a trained hidden-state probe against gate lookahead, 1-3 layers ahead",
+              ("evaluate-probe-short.json",),
+              "prescient evaluate --trace runs/probe-short/trace-val --train-trace runs/probe-short/trace-train --model "
+              "runs/short --predictors lookahead,probe=runs/probe-short/probe,token,freq --batch-sizes 1,8 --ahead 3",
+              probe_rows,
+              note="Not the base model: `runs/short` is the tiny recipe trained 40 steps (validation loss 6.86 nats, "
+                   "routing very skewed). The probe: `prescient trace ... --hidden-states` on 200 000 train tokens, "
+                   "`prescient train --config configs/predictor/probe.yaml --trainer.max_time 00:00:18:00`; evaluated "
+                   "on 50 000 validation tokens."),
         Table("What prediction and tracing cost", ("sida-latency-reference-base.json", "bench-tracing-reference-base.json"),
               f"prescient bench-predictor-latency --artifact runs/base-predictor/sida --threads 1; prescient "
               f"bench-tracing --model runs/reference-bench-base --threads 1", costs),
