@@ -238,8 +238,9 @@ class OffloadRuntime:
                     yield [e for _, e in landed], slots
 
     def landed(self, layer: int, experts: list[int]) -> bool:
-        """Whether every one of `experts` of `layer` is in its slot, its copy done."""
-        return all(self.engine.ready((layer, e)) for e in experts)
+        """Whether every one of `experts` of `layer` is in its slot, its copy done (an evicted
+        expert's last copy is done too, but it has no slot)."""
+        return all(self.pool.map.slot_of((layer, e)) is not None and self.engine.ready((layer, e)) for e in experts)
 
     def prefetch(self, keys: list[Key], priority: float = 0.0) -> list[Key]:
         """Insert `keys` that are not resident (a prefetch: not an access; none of `keys` is

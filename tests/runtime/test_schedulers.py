@@ -111,3 +111,16 @@ def test_a_trained_probe_can_guess_for_the_lookahead(tiny_moe_dir, tmp_path):
         load_offloaded(path, budget=0.5, lookahead_layers=1, lookahead_probe=str(random_sida(path, tmp_path)))
     with pytest.raises(OptionsError, match="give lookahead_layers 1 to 3"):
         RuntimeOptions(lookahead_probe=str(probe_path))
+
+
+def test_an_evicted_expert_has_not_landed(tiny_moe_dir):
+    """Its last copy finished, but it has no slot: the layer must take the pipelined path."""
+    model = load_offloaded(tiny_moe_dir("mixtral"), policy="lru", budget="2slots")
+    with model.offload_runtime as runtime:
+        cpu = torch.device("cpu")
+        with runtime.use(0, [0, 1], cpu):
+            pass
+        assert runtime.landed(0, [0, 1])
+        with runtime.use(0, [2, 3], cpu):  # evicts 0 and 1
+            pass
+        assert runtime.engine.ready((0, 0)) and not runtime.landed(0, [0])
