@@ -455,11 +455,12 @@ generates exactly the plain model's tokens, decodes several times faster than ac
 offload at a third of the all-resident model's memory, and the time-true simulator predicts its
 speed within a few percent. The decode loop's schedulers (EPS-MoE's expert pipeline, HybriMoE's
 in-token lookahead) keep every output exact, bf16 with fewer slots than a layer's routed experts
-included, but their speed is not measured on the bench model yet: on a loaded machine and a
-barely trained stand-in, in-token lookahead from untrained routers evicts more than it saves
+included, but their speed is not measured on the bench model yet. On a barely trained stand-in the
+expert pipeline cuts the stall per token by a sixth (16 against 20 ms at 12.5%, 10 against 11 at
+25%, bf16) for tokens/s within the noise, and in-token lookahead from untrained routers evicts more than it saves
 (hit rate 0.73 to 0.34 with 8 slots), which is why it is off by default, while a trained probe's
-guesses raise the hit rate (0.84 to 0.95 at 25%) for a few more bytes moved, a gain in stall that is
-not yet beyond this machine's noise. Random reads of one
+guesses raise the hit rate (0.84 to 0.95 at 25%) for a few more bytes moved, a gain in stall within
+this machine's noise, and with 8 slots double the bytes moved for a longer stall. Random reads of one
 expert run faster with several in flight than with one. The first three tables were measured
 before the expert pipeline existed: their runs are `+serial` runs in today's terms.
 """, (
@@ -482,8 +483,9 @@ before the expert pipeline existed: their runs are `+serial` runs in today's ter
               lambda: compressed_rows("bench-schedulers-short-wide.json"),
               note="Not the bench model: `runs/short-wide` is the tiny recipe trained 40 steps (runs/tiny-short.yaml) "
                    "with experts widened to 4 096, 4 layers x 16 experts; bf16 and int4 (RTN, group 128) copies by "
-                   "`prescient quantize`. The machine's load average was about 10 on 2 cores (four other jobs): "
-                   "tokens/s ranges span 2-4x, so only stall, MB/token and hit rate are read here."),
+                   "`prescient quantize`; at 12.5% of the bf16 bytes int4 holds 47% of the experts and this model's "
+                   "skewed routing hits 99% of them, so its rows say little about the bench model. Other jobs shared "
+                   "the machine (load average 3-5): read stall, MB/token and hit rate before tokens/s."),
         Table("Quality of the stand-in's int4 copy (packed slots, teacher-forced, 16 windows per corpus)",
               ("short-wide-quality-w4-packed.json",),
               "prescient quality --model runs/short-wide-w4 --reference runs/short-wide --dataset stdlib-code,stdlib-docs "
@@ -494,8 +496,8 @@ before the expert pipeline existed: their runs are `+serial` runs in today's ter
               "prescient bench --model runs/short-wide-w16 --dtype bfloat16 --lookahead-probe runs/probe-short/probe "
               "--runs R,R,R --baselines all_resident --sample 0 --new-tokens 16 --prompts 2 --threads 1 --hash-cost off",
               lambda: bench_rows("bench-lookahead-probe-short-wide.json"),
-              note=runs + "The probe of the predictors page (trained on `runs/short`, whose widening this is). Load "
-                   "average about 7 on 2 cores."),
+              note=runs + "The probe of the predictors page (trained on `runs/short`, whose widening this is). "
+                   "Other jobs shared the machine (load average 3-5)."),
         Table("The link as a miss uses it: cold random reads of one expert", ("link-random-reads.json",),
               "prescient profile-hw --model runs/link-probe/mixtral-2mb --repeats 9 --reads 64", link_rows,
               note="A Mixtral of 2.36 MB float32 experts built with save_tiny_model; page cache dropped before "
