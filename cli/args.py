@@ -85,6 +85,15 @@ def positive_int(text: str) -> int:
     return _number(text, int, "a whole number", lambda v: v >= 1, "must be at least 1")
 
 
+def non_negative_int(text: str) -> int:
+    return _number(text, int, "a whole number", lambda v: v >= 0, "must be at least 0")
+
+
+def share(text: str) -> float:
+    """A share of a whole: a number in [0, 1]."""
+    return _number(text, float, "a fraction", lambda v: 0 <= v <= 1, "must lie in [0, 1]")
+
+
 def lookahead_layers(text: str) -> int:
     """How many MoE layers in-token lookahead guesses ahead: 0 (off) to `MAX_LOOKAHEAD_LAYERS`."""
     return _number(text, int, "a whole number", lambda v: 0 <= v <= MAX_LOOKAHEAD_LAYERS,

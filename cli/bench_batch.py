@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import add_results_args, add_runtime_args, positive_int, runtime_options
+from cli.args import add_results_args, add_runtime_args, non_negative_int, positive_int, runtime_options, share
 from experiments.bench_batch import DEFAULT_GRID
 
 
@@ -53,26 +53,6 @@ def prompt_range(text: str) -> tuple[int, int]:
     return shortest, longest
 
 
-def resident_fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"r_w={value} must lie in [0, 1]")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 0")
-    return value
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench-batch", help="Klotski, CGOPipe and FlexGen's zig-zag batch decoding at one budget; "
                                                   "Klotski's planner; HRM check")
@@ -91,7 +71,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="Klotski's K hot experts per layer (default: the model's top-k; the sweep: the planner's)")
     p.add_argument("--correlation", help="a saved klotski-correlation table (default: built from --trace)")
     p.add_argument("--sweep-micro-batch", type=positive_int, default=4, help="μ of the group-size sweep")
-    p.add_argument("--sweep-resident", type=resident_fraction, default=0.5, help="r_w of the group-size sweep")
+    p.add_argument("--sweep-resident", type=share, default=0.5, help="r_w of the group-size sweep")
     p.add_argument("--sweep-groups", type=group_sizes, default="1,2,4,8,16",
                    help="group sizes n of Klotski's planner check (N = n·μ), or none")
     p.add_argument("--gen-len", type=positive_int, default=8, help="tokens generated per request")

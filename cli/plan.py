@@ -8,32 +8,12 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import output_file, positive_int
+from cli.args import non_negative_int, output_file, positive_int, share
 from prescient.errors import PrescientError
 
 
 class PlanArgumentError(PrescientError):
     """A plan was asked for without what its schedule needs."""
-
-
-def fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"{value} must lie in [0, 1]")
-    return value
-
-
-def count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 0")
-    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -56,11 +36,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--rc-step", type=float, default=0.1, help="grid step of r_c")
     klotski = p.add_argument_group("klotski")
     klotski.add_argument("--micro-batch", type=positive_int, default=4, help="requests per batch of the group")
-    klotski.add_argument("--resident", type=fraction, default=0.5, help="r_w: share of each layer's experts kept resident")
+    klotski.add_argument("--resident", type=share, default=0.5, help="r_w: share of each layer's experts kept resident")
     klotski.add_argument("--memory", default=None, metavar="SIZE",
                          help="memory for weights, expert slots and the group's KV caches (default: this machine's)")
     klotski.add_argument("--max-group", type=positive_int, default=64, help="largest group size n considered")
-    klotski.add_argument("--hot-count", type=count, default=None, help="K hot experts (default: the planner picks)")
+    klotski.add_argument("--hot-count", type=non_negative_int, default=None, help="K hot experts (default: the planner picks)")
     klotski.add_argument("--trace", help="a trace of the model whose expert shares the planner uses (default: uniform)")
     p.add_argument("--json", type=output_file, default=None, metavar="OUT", help="write the plan here")
     return p
