@@ -124,3 +124,31 @@ def test_an_evicted_expert_has_not_landed(tiny_moe_dir):
         with runtime.use(0, [2, 3], cpu):  # evicts 0 and 1
             pass
         assert runtime.engine.ready((0, 0)) and not runtime.landed(0, [0])
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_generate_computes_misses_as_they_land_only_with_the_pipeline(tiny_moe_dir, pipeline):
+    """Decoding with misses: with the expert pipeline every decode step's layer that misses goes
+    through `parts` (its experts computed as they land); without it, none does (one wait)."""
+    path = tiny_moe_dir("mixtral")
+    model = load_offloaded(path, policy="lru", budget="3slots", expert_pipeline=pipeline)
+    with model.offload_runtime as runtime:
+        parts, use = runtime.parts, runtime.use
+        missing, pipelined = [], []
+
+        def recorded_use(layer, experts, device, wait=True):
+            if runtime.step > 0:  # a decode step's layer (forward 0 is the prompt's)
+                missing.append(any(runtime.pool.map.slot_of((layer, e)) is None for e in experts))
+            return use(layer, experts, device, wait)
+
+        def recorded_parts(layer, experts, device):
+            if runtime.step > 0:
+                pipelined.append(layer)
+            yield from parts(layer, experts, device)
+
+        runtime.use, runtime.parts = recorded_use, recorded_parts
+        ids = load_tokenizer(path)(PROMPT, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=model.config.pad_token_id)
+    assert sum(missing) > 0
+    assert len(pipelined) == (sum(missing) if pipeline else 0)
