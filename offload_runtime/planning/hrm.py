@@ -22,6 +22,11 @@ link is disk → CPU memory, the slow tier of experts that are not resident.
 `turning_points` gives the paper's turning points (Eq. 9, 10) and balance point (Eq. 11) of a
 policy's MoE FFN: where, by its operational intensity over the CPU-resident expert bytes, the FFN
 is better computed on the CPU, bound by the link, or bound by the GPU.
+
+`estimate` models CGOPipe; `estimate_schedule` models the other batch schedules of
+`prescient bench-batch` at the same policy by what distinguishes each (`SCHEDULES`): which
+expert bytes cross the link, how often each expert's weights are read to compute, and which
+tiers overlap.
 """
 
 from __future__ import annotations
@@ -381,12 +386,23 @@ def head_op(spec: ModelSpec, policy: Policy, where: str) -> Op:
     return Op("lm_head", where, 2 * n * h * v, nbytes)
 
 
-def stage_time(spec: ModelSpec, hardware: HardwareProfile, ops: list[Op], head: Op) -> StageTime:
+def stage_time(spec: ModelSpec, hardware: HardwareProfile, ops: list[Op], head: Op,
+               overlap: str = "all") -> StageTime:
+    """`overlap`: "all" (CGOPipe, Eq. 12: the tiers run in parallel), "link" (the links run
+    beside compute, but CPU and GPU compute one after the other: FlexGen(c)'s schedule S3),
+    "none" (every op waits for the one before: on-demand loads)."""
     timed = tuple((op, op_seconds(op, hardware)) for op in ops)
     tiers = dict.fromkeys(TIERS, 0.0)
     for op, seconds in timed:
         tiers[op.tier] += seconds
-    layer = max(tiers.values())  # = max(T_link, T_cpu, T_gpu) with T_link = max(link, link_back)
+    if overlap == "all":
+        layer = max(tiers.values())  # = max(T_link, T_cpu, T_gpu) with T_link = max(link, link_back)
+    elif overlap == "link":
+        layer = max(tiers["link"], tiers["link_back"], tiers["cpu"] + tiers["gpu"])
+    elif overlap == "none":
+        layer = sum(tiers.values())
+    else:
+        raise BatchPolicyError(f"overlap is 'all', 'link' or 'none', got {overlap!r}")
     head_seconds = op_seconds(head, hardware)
     return StageTime(timed, tiers, layer, head_seconds, spec.num_layers * layer + head_seconds)
 
@@ -400,6 +416,72 @@ def estimate(spec: ModelSpec, hardware: HardwareProfile, workload: Workload, pol
     total = prefill.seconds + (workload.gen_len - 1) * decode.seconds
     return Estimate(policy, decode, prefill, tokens_per_s=policy.n_requests * workload.gen_len / total,
                     decode_tokens_per_s=policy.n_requests / decode.seconds)
+
+
+# What distinguishes each batch schedule from CGOPipe in the HRM: (tier overlap, expert bytes over
+# the link per layer pass, expert weight bytes read to compute). Per layer pass over N requests
+# in n = N/μ micro-batches of μ tokens (the prefill: μ·s tokens), E experts, share r_w resident,
+# X(m) = expected_experts(m) distinct experts that m tokens activate:
+#   cgopipe     all        every streamed expert, (1 − r_w)·E      n·X(μ): each micro-batch reads its experts
+#   zigzag      link       (1 − r_w)·E (the layer ahead)            n·X(μ); FlexGen(c), schedule S3: attention
+#                          and FFN never overlap each other (the same as CGOPipe without a GPU)
+#   klotski     all        (1 − r_w)·X(N): activated experts only   X(N): each expert once over the group
+#   sequential  none       n·(1 − r_w)·X(μ): on demand, per         n·X(μ)
+#                          micro-batch (the double buffer has lost
+#                          layer i's experts when the next micro-batch reaches it; the prefill goes
+#                          layer by layer, so a layer's loads serve every micro-batch: (1 − r_w)·X(N·s))
+#   accelerate  none       (1 − r_w)·E: accelerate's hooks load a disk-offloaded layer's weights
+#                          whole before its forward (r_w: the share of layers it keeps; the
+#                          policy's μ is N, one `generate` over the batch); attention and
+#                          norm weights of those layers are left out (a small share)
+# "klotski-paper" is klotski here: requesting the hot experts at the attention rather than at
+# the previous gate changes when the link moves them, not how much, nor the bound.
+SCHEDULES = ("cgopipe", "zigzag", "klotski", "klotski-paper", "sequential", "accelerate")
+_OVERLAP = {"cgopipe": "all", "zigzag": "link", "klotski": "all", "klotski-paper": "all", "sequential": "none",
+            "accelerate": "none"}
+
+
+def _schedule_ops(spec: ModelSpec, ops: list[Op], policy: Policy, schedule: str, tokens: float,
+                  mb_tokens: float, prefill: bool) -> list[Op]:
+    """`ops` (CGOPipe's, for `tokens` tokens in micro-batches of `mb_tokens`) with the expert
+    weight transfer and the experts' weight reads of `schedule` (see the table above)."""
+    experts, b = spec.expert_bytes, spec.bytes_per_param
+    streamed = 1 - policy.r_w
+    out = []
+    for op in ops:
+        if op.name == "expert_weights":
+            if schedule.startswith("klotski") or (schedule == "sequential" and prefill):
+                op = dataclasses.replace(op, nbytes=streamed * expected_experts(tokens, spec.num_experts, spec.top_k)
+                                         * experts)
+            elif schedule == "sequential":
+                op = dataclasses.replace(op, nbytes=policy.n_micro_batches * streamed
+                                         * expected_experts(mb_tokens, spec.num_experts, spec.top_k) * experts)
+        elif op.name == "experts" and schedule.startswith("klotski"):
+            op = dataclasses.replace(op, nbytes=expected_experts(tokens, spec.num_experts, spec.top_k) * experts
+                                     + 2 * tokens * spec.hidden_size * b)
+        out.append(op)
+    return out
+
+
+def estimate_schedule(spec: ModelSpec, hardware: HardwareProfile, workload: Workload, policy: Policy,
+                      schedule: str = "cgopipe") -> Estimate:
+    """The HRM's prediction for `schedule` (one of `SCHEDULES`) at `policy`; "cgopipe" is `estimate`."""
+    if schedule not in SCHEDULES:
+        raise BatchPolicyError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    if schedule == "cgopipe":
+        return estimate(spec, hardware, workload, policy)
+    policy.fit(hardware)
+    n, s = policy.n_requests, workload.prompt_len
+    head = head_op(spec, policy, dense_on(hardware))
+    decode = stage_time(spec, hardware, _schedule_ops(spec, decode_ops(spec, hardware, workload, policy), policy,
+                                                      schedule, n, policy.micro_batch, prefill=False),
+                        head, _OVERLAP[schedule])
+    prefill = stage_time(spec, hardware, _schedule_ops(spec, prefill_ops(spec, hardware, workload, policy), policy,
+                                                       schedule, n * s, policy.micro_batch * s, prefill=True),
+                         head, _OVERLAP[schedule])
+    total = prefill.seconds + (workload.gen_len - 1) * decode.seconds
+    return Estimate(policy, decode, prefill, tokens_per_s=n * workload.gen_len / total,
+                    decode_tokens_per_s=n / decode.seconds)
 
 
 def predict(spec: ModelSpec, hardware: HardwareProfile, workload: Workload, policy: Policy) -> float:

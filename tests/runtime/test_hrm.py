@@ -193,3 +193,39 @@ def test_a_compressed_checkpoints_experts_count_their_stored_bytes(bits, group, 
         stored = store.stored_nbytes((0, 0))
     assert stored - 3 * 2 * 8 <= spec.expert_bytes <= stored  # weight_shape: two int64 per matrix
     assert spec.expert_bytes < ModelSpec.from_config(tiny_moe_dir("mixtral")).expert_bytes / (7 if bits == 4 else 3)
+
+
+def test_each_schedule_by_what_distinguishes_it():
+    """`estimate_schedule`: link bytes, expert reads and the overlap of each batch schedule, by
+    hand on TINY (4 experts of 96 B, top-2) at N=4, μ=2, r_w=0.5 without a GPU."""
+    from offload_runtime.planning.hrm import SCHEDULES, estimate_schedule
+
+    workload, policy = Workload(3, 4), Policy(4, 2, "cpu", "cpu", r_w=0.5)
+    est = {s: estimate_schedule(TINY, CPU_ONLY, workload, policy, s) for s in SCHEDULES}
+    assert est["cgopipe"] == estimate(TINY, CPU_ONLY, workload, policy)
+
+    def op(schedule: str, name: str) -> float:
+        return next(o.nbytes for o, _ in est[schedule].decode.ops if o.name == name)
+
+    # CGOPipe and zig-zag: every streamed expert (2 of 4); Klotski: the streamed share of what
+    # the group's 4 tokens activate; sequential: that of each micro-batch's 2 tokens, twice
+    assert op("cgopipe", "expert_weights") == op("zigzag", "expert_weights") == 2 * 96
+    assert op("klotski", "expert_weights") == pytest.approx(0.5 * expected_experts(4, 4, 2) * 96)
+    assert op("sequential", "expert_weights") == pytest.approx(2 * 0.5 * expected_experts(2, 4, 2) * 96)
+    # Klotski computes each expert once over the group; the others once per micro-batch
+    assert op("klotski", "experts") == pytest.approx(expected_experts(4, 4, 2) * 96 + 2 * 4 * 4)
+    assert op("cgopipe", "experts") == pytest.approx(2 * expected_experts(2, 4, 2) * 96 + 2 * 4 * 4)
+    assert est["klotski-paper"].decode == est["klotski"].decode
+    # overlap: without a GPU zig-zag is CGOPipe; sequential and accelerate add every tier
+    assert est["zigzag"].decode.seconds == pytest.approx(est["cgopipe"].decode.seconds)
+    for schedule in ("sequential", "accelerate"):
+        step = est[schedule].decode
+        assert step.layer_seconds == pytest.approx(sum(step.tiers.values()))
+    assert est["accelerate"].decode.layer_seconds > est["cgopipe"].decode.layer_seconds
+    # with a GPU, zig-zag (FlexGen(c), S3) serialises CPU attention and GPU FFN; CGOPipe overlaps them
+    gpu_policy = Policy(4, 2, "cpu", "gpu", r_w=0.5)
+    flex = estimate_schedule(TINY, WITH_GPU, workload, gpu_policy, "zigzag").decode
+    assert flex.layer_seconds == pytest.approx(max(flex.tiers["link"], flex.tiers["link_back"],
+                                                   flex.tiers["cpu"] + flex.tiers["gpu"]))
+    with pytest.raises(BatchPolicyError, match="unknown schedule"):
+        estimate_schedule(TINY, CPU_ONLY, workload, policy, "deepspeed")
