@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NoReturn, TypeVar
 
 from cache.tiered import PRECISION_RULES
+from offload_runtime.engine.expert_kernels import EXPERT_KERNELS
 from offload_runtime.engine.options import (DTYPES, MAX_LOOKAHEAD_LAYERS, MAX_TRANSFER_WORKERS, SLOT_FORMATS,
                                             STORES, RuntimeOptions, best_policy)
 from prescient.atomic import check_folder, resolve_output
@@ -246,6 +247,14 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
             "--expert-pipeline", action=argparse.BooleanOptionalAction, default=True,
             help="EPS-MoE: a layer's resident experts compute while its misses are copied, then each miss as it "
                  "lands (default); --no-expert-pipeline: the layer waits for all its copies first"),
+        "expert_kernel": lambda p: (p.add_argument(
+            "--expert-kernel", choices=EXPERT_KERNELS, default="model",
+            help="EPS-MoE's load-aware kernels: model (the model's own experts implementation, default); auto (per "
+                 "layer and call, the kernel measured fastest for its tokens per expert, and no per-expert pipeline "
+                 "below the measured load); or one of transformers' eager, batched_mm, grouped_mm"),
+            p.add_argument("--expert-kernel-table", metavar="TABLE.json",
+                           help="with --expert-kernel auto: a `prescient bench-kernels` JSON whose crossover picks the "
+                                "kernels (default: measured on the model's layer shape at load)")),
         "lookahead_layers": lambda p: p.add_argument(
             "--lookahead", dest="lookahead_layers", type=lookahead_layers, default=0, metavar="LAYERS",
             help="in-token lookahead (HybriMoE): when a MoE block starts, the routers of the next 1-3 layers on its "
@@ -302,6 +311,8 @@ def runtime_options(args: argparse.Namespace, **fields: object) -> RuntimeOption
         from experiments.timing_calibration import load_timing
 
         flags["link_timing"] = load_timing(args.hide_only, model_config=args.model).timing
+    if "expert_kernel" in names:
+        flags["expert_kernel_table"] = args.expert_kernel_table
     if "next_token" in names and args.next_token:
         flags["next_token_min_chance"] = args.next_token_min_chance
     return RuntimeOptions(**{**flags, **fields})

@@ -44,7 +44,10 @@ from torch import nn
 
 from offload_runtime.compression.kernels import SCALES_SUFFIX, PackedMatrixSpec, PackedWeights
 from offload_runtime.compression.scheme import CompressionError
+from offload_runtime.engine.expert_kernels import (KERNELS, CrossoverTable, choose, crossover_for, dispatches,
+                                                   load_table, pipelines, with_kernel)
 from offload_runtime.engine.expert_layout import expert_spec
+from offload_runtime.engine.options import OptionsError
 from offload_runtime.engine.slots import SlotPool
 from prescient.arch import MoELayer
 
@@ -134,6 +137,29 @@ def _fused_twin(layer: MoELayer, buffers: dict[str, torch.Tensor], num_slots: in
     return copy
 
 
+def _kernel_setting(layer: MoELayer, slot_twin: nn.Module, runtime: ExpertSlots, packed: list[PackedTier] | None
+                    ) -> tuple[str, CrossoverTable | None, dict[str, nn.Module]]:
+    """`RuntimeOptions.expert_kernel` for fused experts over slots: the setting ("model" where
+    there is nothing to choose: packed slots run the eager loop, experts code of its own has no
+    kernels), the crossover table of "auto" (read from `expert_kernel_table`, else measured on
+    the twin's shapes once per process) and a twin per kernel it may call."""
+    options = getattr(runtime, "options", None)
+    kernel = getattr(options, "expert_kernel", "model")
+    if kernel == "model" or (kernel in ("auto", "eager") and packed):
+        return "model", None, {}
+    if packed or not dispatches(slot_twin):
+        if kernel == "auto":
+            return "model", None, {}
+        raise OptionsError(f"{layer.name}: expert kernel {kernel!r} needs experts that dispatch to transformers' "
+                           f"implementations ({type(layer.experts).__name__} does not); use --expert-kernel model")
+    twins = {k: with_kernel(slot_twin, k) for k in (KERNELS if kernel == "auto" else (kernel,))}
+    if kernel != "auto":
+        return kernel, None, twins
+    path = getattr(options, "expert_kernel_table", None)
+    experts = min(layer.num_experts, runtime.pool.num_slots)
+    return kernel, load_table(path) if path else crossover_for(slot_twin, experts, layer.top_k), twins
+
+
 class OffloadedExperts(_Offloaded):
     """Drop-in for fused experts: `forward(hidden_states, top_k_index, top_k_weights)`. Ids of
     weightless experts (at or above the expert count: LongCat-Flash's zero experts) pass to the
@@ -149,6 +175,7 @@ class OffloadedExperts(_Offloaded):
         # experts take one, so each expert's matmul has the model's rows (float32 GEMMs round by row
         # count); other experts code may index k columns (LongCat's squeezes them), and gets the model's k
         self._columns = 1 if self._implementation is not None else self._k
+        self._kernel, self._table, self._kernel_twins = _kernel_setting(layer, self._twin, runtime, packed)
 
     @property
     def _implementation(self) -> str | None:
@@ -165,34 +192,55 @@ class OffloadedExperts(_Offloaded):
         experts = torch.unique(top_k_index[weighted]).tolist()
         device = top_k_index.device
         sums_in_router_order = self._implementation in ("batched_mm", "grouped_mm")
-        # one call of the twin on slot ids sums as the model does, unless the eager loop adds more
-        # than two outputs a token: it adds in expert-id order, and slot order is not expert order
-        if (len(experts) <= self._runtime.pool.num_slots and (sums_in_router_order or self._k <= 2)
-                and (not self._runtime.arrival_order or self._runtime.landed(self.layer, experts))):
-            with self._runtime.use(self.layer, experts, device) as slots:
-                return self._twin(hidden_states, self._ids(slots, top_k_index), top_k_weights)
-        # each group of experts runs on its own (token, choice) rows at routing weight one, the
-        # weightless choices last; the outputs are then weighted and summed as the model's own code
-        # does (`_combine`): a sum of partial sums rounds differently in bf16
+        kernel, pipelined = self._plan(int(weighted.sum()), len(experts))
+        fits = len(experts) <= self._runtime.pool.num_slots
+        if kernel is None:
+            # one call of the twin on slot ids sums as the model does, unless the eager loop adds more
+            # than two outputs a token: it adds in expert-id order, and slot order is not expert order
+            if (fits and (sums_in_router_order or self._k <= 2)
+                    and (not pipelined or self._runtime.landed(self.layer, experts))):
+                with self._runtime.use(self.layer, experts, device) as slots:
+                    return self._twin(hidden_states, self._ids(slots, top_k_index), top_k_weights)
+        # each group of experts runs on its own (token, choice) rows at routing weight one (on the
+        # chosen kernel's twin), the weightless choices last; the outputs are then weighted and summed
+        # as the model's own code does (`_combine`): a sum of partial sums rounds differently in bf16
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         unweighted = flat.new_zeros(*top_k_index.shape, flat.shape[-1])
 
-        def run(rows: torch.Tensor, slots: torch.Tensor) -> None:
+        def run(rows: torch.Tensor, slots: torch.Tensor, experts_module: nn.Module) -> None:
             # each (token, choice) row as a token of its own: the choice at weight one, then (`_columns`
             # > 1) the same id at weight zero, adding exact zeros
             token, choice = torch.nonzero(rows, as_tuple=True)
             ids = self._ids(slots, top_k_index[token, choice]).unsqueeze(1).expand(-1, self._columns)
             weights = torch.zeros(len(token), self._columns, dtype=top_k_weights.dtype, device=device)
             weights[:, 0] = 1
-            out = self._twin(flat[token], ids, weights)
+            out = experts_module(flat[token], ids, weights)
             unweighted[token, choice] = out.reshape(len(token), -1).to(unweighted.dtype)
 
-        for part, slots in self._runtime.parts(self.layer, experts, device):
-            run(torch.isin(top_k_index, torch.tensor(part, device=device)), slots)
+        computing = self._twin if kernel is None else self._kernel_twins[kernel]
+        if fits and not pipelined:  # EPS-MoE: too few tokens per expert for parts to pay; one call once all land
+            with self._runtime.use(self.layer, experts, device) as slots:
+                run(weighted, slots, computing)
+        else:
+            for part, slots in self._runtime.parts(self.layer, experts, device):
+                run(torch.isin(top_k_index, torch.tensor(part, device=device)), slots, computing)
         if not weighted.all():
-            run(~weighted, self._runtime.pool.map.table[self.layer].to(device))
+            run(~weighted, self._runtime.pool.map.table[self.layer].to(device), self._twin)
         combined = self._combine(unweighted, top_k_index, top_k_weights, sums_in_router_order)
         return combined.reshape(hidden_states.shape)
+
+    def _plan(self, rows: int, experts: int) -> tuple[str | None, bool]:
+        """The kernel this call computes with (None: the twin's own, the model's implementation) and
+        whether its experts compute as their copies land (the runtime's `arrival_order`): by
+        `RuntimeOptions.expert_kernel`; "auto" picks both by the tokens per activated expert."""
+        pipelined = self._runtime.arrival_order
+        if self._kernel == "model" or not experts:
+            return None, pipelined
+        if self._kernel != "auto":
+            return (None if self._kernel == self._implementation else self._kernel), pipelined
+        load = rows / experts
+        kernel = choose(load, self._table)
+        return (None if kernel == self._implementation else kernel), pipelined and pipelines(load, self._table)
 
     @staticmethod
     def _combine(unweighted: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

@@ -21,6 +21,7 @@ import torch
 from cache import make_serving_policy
 from cache.tiered import PRECISION_RULES
 from cache.timing import LinkTiming
+from offload_runtime.engine.expert_kernels import EXPERT_KERNELS
 from predictor.base import PredictorError
 from prescient.budget import Budget
 from prescient.devices import check_device
@@ -82,7 +83,13 @@ class RuntimeOptions:
     `lookahead_layers` (in-token lookahead, HybriMoE's: when a MoE block starts, the routers of the
     next 1 to 3 layers on its input pick experts to prefetch; 0: off), `lookahead_probe` (a trained
     probe artifact, `prescient train --config configs/predictor/probe.yaml`, guesses instead of the
-    routers; None: the routers)."""
+    routers; None: the routers), `expert_kernel` (EPS-MoE's load-aware kernels, see
+    `expert_kernels`: "model", the model's own experts implementation; "auto", per layer and call
+    the kernel measured fastest for its tokens per activated expert, and no per-expert pipeline
+    where that load is under the measured threshold; or one of transformers' "eager",
+    "batched_mm", "grouped_mm"; the outputs are summed as the model's implementation sums them
+    whatever kernel computed them), `expert_kernel_table` (with "auto": a crossover table JSON,
+    `prescient bench-kernels`; None: measured on the layer's shapes at load)."""
 
     policy: str = "lru"
     budget: Budget = Budget(0.5, "fraction")
@@ -101,6 +108,8 @@ class RuntimeOptions:
     expert_pipeline: bool = True
     lookahead_layers: int = 0
     lookahead_probe: str | None = None
+    expert_kernel: str = "model"
+    expert_kernel_table: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str):
@@ -151,6 +160,18 @@ class RuntimeOptions:
         if self.precision_rule not in PRECISION_RULES:
             raise OptionsError(f"precision_rule must be one of {', '.join(PRECISION_RULES)}, "
                                f"got {self.precision_rule!r}")
+        if self.expert_kernel not in EXPERT_KERNELS:
+            raise OptionsError(f"expert_kernel must be one of {', '.join(EXPERT_KERNELS)}, got {self.expert_kernel!r}")
+        if self.slot_format == "packed" and self.expert_kernel in ("batched_mm", "grouped_mm"):
+            raise OptionsError(f"packed slots compute with the eager loop's int4/int8 kernels, not {self.expert_kernel}; "
+                               "use expert_kernel model, auto or eager")
+        if self.expert_kernel_table is not None:
+            if not isinstance(self.expert_kernel_table, (str, os.PathLike)):
+                raise OptionsError(f"expert_kernel_table must be a JSON file's path, got {self.expert_kernel_table!r}")
+            object.__setattr__(self, "expert_kernel_table", str(self.expert_kernel_table))
+            if self.expert_kernel != "auto":
+                raise OptionsError("a crossover table chooses the kernel of expert_kernel auto; give --expert-kernel "
+                                   f"auto with it (got {self.expert_kernel})")
         chance = self.next_token_min_chance
         if chance is not None:
             if isinstance(chance, bool) or not isinstance(chance, (int, float)) or not 0.0 <= chance <= 1.0:
@@ -183,4 +204,5 @@ class RuntimeOptions:
                 "next_token_min_chance": self.next_token_min_chance, "dtype": self.dtype,
                 "slot_format": self.slot_format, "fine_model": self.fine_model, "fine_share": self.fine_share,
                 "precision_rule": self.precision_rule, "expert_pipeline": self.expert_pipeline,
-                "lookahead_layers": self.lookahead_layers, "lookahead_probe": self.lookahead_probe}
+                "lookahead_layers": self.lookahead_layers, "lookahead_probe": self.lookahead_probe,
+                "expert_kernel": self.expert_kernel, "expert_kernel_table": self.expert_kernel_table}

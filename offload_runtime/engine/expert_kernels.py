@@ -1,0 +1,216 @@
+"""Load-aware expert kernels (EPS-MoE §4): which of transformers' experts implementations
+computes a layer's experts fastest for its load, and when the per-expert pipeline pays.
+
+EPS-MoE switches a layer's expert GEMMs between a grouped GEMM and a dense one by the tokens each
+expert gets, from a crossover measured on the hardware, and skips the expert pipeline where the
+tokens are too few for it to pay (below a measured m0 the split costs more than it hides). Here
+the kernels are transformers' own (`transformers.integrations.moe`): the eager loop over experts
+(a dense GEMM per expert), `batched_mm` (a batched matrix-vector product per (token, choice) row,
+each gathering its expert's weights) and `grouped_mm` (one grouped GEMM over every expert).
+
+    table = measure_crossover(layer.experts)     # on the layer's shapes, random weights
+    choose(8.0, table)                           # the kernel measured fastest at 8 tokens per expert
+    pipelines(8.0, table)                        # whether per-expert parts pay at that load
+
+`measure_crossover` times each kernel at each load m (tokens per activated expert, every expert
+activated) and keeps the fastest; a kernel three times slower than the fastest at a load is not
+timed at larger ones (batched_mm gathers an expert's weights per row, so it only falls further
+behind). The pipeline threshold: at load m, one call over all A experts takes t1 and A calls of one
+expert each tA; splitting adds tA − t1 and can hide at most t1 (all the compute, on a link slower
+than it), so parts pay from the least load where tA < 2·t1 holds at it and every larger load.
+The table is small JSON (`CrossoverTable.to_json`, `load_table`); `crossover_for` measures once
+per process per layer shape.
+"""
+
+from __future__ import annotations
+
+import copy as shallow
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from prescient.errors import PrescientError
+
+log = logging.getLogger(__name__)
+
+KERNELS = ("eager", "batched_mm", "grouped_mm")  # transformers' experts implementations we choose among
+EXPERT_KERNELS = ("model", "auto", *KERNELS)  # `RuntimeOptions.expert_kernel`'s values
+LOADS = (1, 2, 4, 8, 16, 32, 64)  # tokens per activated expert
+GIVE_UP = 3.0  # a kernel this many times slower than the fastest at a load is not timed at larger loads
+
+
+class KernelTableError(PrescientError):
+    """A crossover table file that cannot be read or does not fit the layer."""
+
+
+@dataclass(frozen=True)
+class CrossoverTable:
+    """The fastest kernel per load (`loads` ascending, `kernels` alike), the least load from which
+    the per-expert pipeline pays (`pipeline_from`; None: at no measured load), and what was timed
+    (`seconds`: per kernel the best time at each load, None where not timed; `parts_seconds`: A
+    one-expert calls of the fastest kernel; `shape`: the layer's)."""
+
+    loads: tuple[int, ...]
+    kernels: tuple[str, ...]
+    pipeline_from: float | None
+    seconds: dict[str, list[float | None]]
+    parts_seconds: list[float]
+    shape: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"loads": list(self.loads), "kernels": list(self.kernels), "pipeline_from": self.pipeline_from,
+                "seconds": self.seconds, "parts_seconds": self.parts_seconds, "shape": self.shape}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CrossoverTable:
+        if "crossover" in data:  # a `prescient bench-kernels` results file holds the table under this key
+            data = data["crossover"]
+        try:
+            table = cls(tuple(int(m) for m in data["loads"]), tuple(data["kernels"]), data["pipeline_from"],
+                        dict(data.get("seconds", {})), list(data.get("parts_seconds", [])), dict(data.get("shape", {})))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise KernelTableError(f"not a crossover table ({type(exc).__name__}: {exc}); write one with "
+                                   "`prescient bench-kernels`") from None
+        unknown = sorted(set(table.kernels) - set(KERNELS))
+        if not table.loads or len(table.loads) != len(table.kernels) or unknown:
+            raise KernelTableError(f"a crossover table needs one kernel of {', '.join(KERNELS)} per load; got loads "
+                                   f"{list(table.loads)} and kernels {list(table.kernels)}")
+        return table
+
+
+def load_table(path: str | Path) -> CrossoverTable:
+    """A table saved as JSON (by itself, or in a `prescient bench-kernels` results file)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise KernelTableError(f"cannot read the crossover table {path}: {exc}") from None
+    return CrossoverTable.from_json(data)
+
+
+def choose(tokens_per_expert: float, table: CrossoverTable) -> str:
+    """The kernel measured fastest at the largest load not above `tokens_per_expert` (below the
+    least load: the least load's)."""
+    pick = table.kernels[0]
+    for load, kernel in zip(table.loads, table.kernels):
+        if load > tokens_per_expert:
+            break
+        pick = kernel
+    return pick
+
+
+def pipelines(tokens_per_expert: float, table: CrossoverTable) -> bool:
+    """Whether the per-expert pipeline pays at this load (see the module doc)."""
+    return table.pipeline_from is not None and tokens_per_expert >= table.pipeline_from
+
+
+def with_kernel(module: nn.Module, kernel: str) -> nn.Module:
+    """A shallow copy of a dispatching experts module (its parameters shared) that runs `kernel`:
+    its config is a copy with `_experts_implementation` set, so the shared config never changes."""
+    copy = shallow.copy(module)
+    copy.config = shallow.copy(module.config)
+    copy.config._experts_implementation = kernel
+    return copy
+
+
+def dispatches(module: nn.Module) -> bool:
+    """Whether `module` picks its forward from transformers' experts implementations by its config."""
+    return isinstance(getattr(getattr(module, "config", None), "_experts_implementation", None), str)
+
+
+def _random_experts(module: nn.Module, experts: int) -> nn.Module:
+    """`module` with random weights for `experts` experts (parameters [experts, ...] in its dtype
+    and device), a copy: the module itself is untouched."""
+    copy = shallow.copy(module)
+    copy._parameters = {name: None if p is None else nn.Parameter(
+        torch.randn(experts, *p.shape[1:], dtype=p.dtype, device=p.device) * 0.02, requires_grad=False)
+        for name, p in module._parameters.items()}
+    if isinstance(getattr(copy, "num_experts", None), int):
+        copy.num_experts = experts
+    return copy
+
+
+def _best_seconds(call, repeats: int) -> float:
+    call()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def shape_of(module: nn.Module, experts: int, top_k: int) -> dict[str, Any]:
+    """What a crossover depends on: the weights' shapes and dtype, the experts, the threads."""
+    params = {name: list(p.shape[1:]) for name, p in module.named_parameters(recurse=False)}
+    first = next(module.parameters())
+    return {"module": type(module).__name__, "weights": params, "experts": experts, "top_k": top_k,
+            "dtype": str(first.dtype).removeprefix("torch."), "device": str(first.device),
+            "threads": torch.get_num_threads()}
+
+
+@torch.inference_mode()
+def measure_crossover(module: nn.Module, experts: int, top_k: int, loads: tuple[int, ...] = LOADS,
+                      repeats: int = 3, kernels: tuple[str, ...] = KERNELS, seed: int = 0) -> CrossoverTable:
+    """Time each of `kernels` on `module`'s shapes (random weights for `experts` experts) at each
+    load of `loads` (every expert gets that many (token, choice) rows, one choice column each, as
+    the runtime calls experts per part); best of `repeats` after a warm-up."""
+    if not dispatches(module):
+        raise KernelTableError(f"{type(module).__name__} does not dispatch to transformers' experts implementations; "
+                               "there is no kernel to choose")
+    generator = torch.Generator().manual_seed(seed)
+    first = next(module.parameters())
+    hidden = _hidden_size(module)
+    randoms = _random_experts(module, experts)
+    twins = {kernel: with_kernel(randoms, kernel) for kernel in kernels}
+    one = _random_experts(module, 1)
+    one_twins = {kernel: with_kernel(one, kernel) for kernel in kernels}
+    seconds: dict[str, list[float | None]] = {kernel: [] for kernel in kernels}
+    fastest, parts_seconds, live = [], [], list(kernels)
+    for load in loads:
+        rows = experts * load
+        x = torch.randn(rows, hidden, generator=generator).to(first.dtype).to(first.device)
+        ids = torch.arange(experts).repeat_interleave(load)[torch.randperm(rows, generator=generator)]
+        ids, weights = ids.unsqueeze(1).to(first.device), torch.ones(rows, 1, dtype=first.dtype, device=first.device)
+        timed = {k: _best_seconds(lambda k=k: twins[k](x, ids, weights), repeats) for k in live}
+        for kernel in kernels:
+            seconds[kernel].append(timed.get(kernel))
+        best = min(timed, key=timed.get)
+        fastest.append(best)
+        one_x, one_ids, one_w = x[:load], torch.zeros(load, 1, dtype=torch.long, device=first.device), weights[:load]
+        parts_seconds.append(experts * _best_seconds(lambda: one_twins[best](one_x, one_ids, one_w), repeats))
+        live = [k for k in live if timed[k] < GIVE_UP * timed[best]]
+        log.debug("load %d: %s; %d one-expert calls %.4f s", load, timed, experts, parts_seconds[-1])
+    pays = [parts < 2 * seconds[best][i] for i, (parts, best) in enumerate(zip(parts_seconds, fastest))]
+    first_paying = next((i for i in range(len(loads)) if all(pays[i:])), None)
+    return CrossoverTable(tuple(loads), tuple(fastest), None if first_paying is None else float(loads[first_paying]),
+                          seconds, parts_seconds, shape_of(module, experts, top_k))
+
+
+def _hidden_size(module: nn.Module) -> int:
+    config = module.config
+    size = getattr(module, "hidden_dim", None) or getattr(config, "hidden_size", None)
+    if not isinstance(size, int):
+        raise KernelTableError(f"{type(module).__name__}: cannot tell the hidden size to time its kernels at")
+    return size
+
+
+_MEASURED: dict[str, CrossoverTable] = {}
+
+
+def crossover_for(module: nn.Module, experts: int, top_k: int) -> CrossoverTable:
+    """`measure_crossover` once per process per layer shape (every layer of a model shares it)."""
+    key = json.dumps(shape_of(module, experts, top_k), sort_keys=True)
+    if key not in _MEASURED:
+        start = time.perf_counter()
+        _MEASURED[key] = measure_crossover(module, experts, top_k)
+        table = _MEASURED[key]
+        log.info("expert kernels measured in %.1f s: %s; pipeline from %s tokens per expert",
+                 time.perf_counter() - start, ", ".join(f"{m}: {k}" for m, k in zip(table.loads, table.kernels)),
+                 table.pipeline_from)
+    return _MEASURED[key]
