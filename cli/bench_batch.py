@@ -1,14 +1,15 @@
 """`prescient bench-batch`: Klotski's pipeline, CGOPipe and FlexGen's zig-zag schedule at the same
-budget (plus the sequential and all-resident baselines), end to end with prefill, in interleaved
-repeats; Klotski's planner against a sweep of group sizes; HRM predictions against measurements
-over a policy grid (JSON + PNG); see `experiments.bench_batch`."""
+budget (plus the sequential, accelerate and all-resident baselines), end to end with prefill, in
+interleaved repeats, each beside the HRM's prediction; Klotski's planner against a sweep of group
+sizes; HRM predictions against measurements over a policy grid (JSON + PNG); see
+`experiments.bench_batch`."""
 
 from __future__ import annotations
 
 import argparse
 
 from cli.args import add_results_args, add_runtime_args, non_negative_int, positive_int, runtime_options, share
-from experiments.bench_batch import DEFAULT_GRID
+from experiments.bench_batch import ACCELERATE_RUNS, DEFAULT_GRID
 
 
 def batch_policies(text: str, allow_none: bool = False) -> list:
@@ -67,6 +68,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--grid", type=optional_policies, default=DEFAULT_GRID,
                    help="policies of the HRM validation, N:MICRO_BATCH:RESIDENT,..., or none")
     p.add_argument("--repeats", type=positive_int, default=3, help="interleaved repeats of every compared run")
+    p.add_argument("--accelerate", choices=ACCELERATE_RUNS, default="repeats",
+                   help="the accelerate baseline (transformers' own disk offloading at the same weight bytes): in "
+                        "every repeat, in the first only, or not at all")
     p.add_argument("--hot-count", type=non_negative_int, default=None,
                    help="Klotski's K hot experts per layer (default: the model's top-k; the sweep: the planner's)")
     p.add_argument("--correlation", help="a saved klotski-correlation table (default: built from --trace)")
@@ -98,20 +102,28 @@ def run(args: argparse.Namespace) -> int:
                          args.gen_len, shortest, longest, args.hardware, args.trace, repeats=args.repeats,
                          sweep=sweep, correlation=args.correlation, hot_count=args.hot_count,
                          options=runtime_options(args, policy="fifo", drop_page_cache=not args.keep_page_cache),
-                         dataset=args.dataset, split=args.split, threads=args.threads)
+                         dataset=args.dataset, split=args.split, threads=args.threads, accelerate=args.accelerate)
     for label, row in result["by_policy"].items():
         modes = row["modes"]
         speeds = ", ".join(f"{mode} {m['tokens_per_s']['median']:.2f}" for mode, m in modes.items())
         moved = ", ".join(f"{mode} {m['bytes_per_token']['median'] / 1e6:.1f}" for mode, m in modes.items())
         print(f"{label}: tokens/s end to end (median of {args.repeats}) {speeds}; MB moved per token {moved}; "
               f"Klotski/CGOPipe {row['klotski_over_cgopipe']:.2f}x (as the paper {row['klotski_paper_over_cgopipe']:.2f}x), CGOPipe/zig-zag {row['cgopipe_over_zigzag']:.2f}x, "
-              f"Klotski/zig-zag {row['klotski_over_zigzag']:.2f}x; a step activates "
-              f"{modes['klotski']['activated_share']:.0%} of a layer's experts")
+              f"Klotski/zig-zag {row['klotski_over_zigzag']:.2f}x"
+              + (f", CGOPipe/accelerate {row['cgopipe_over_accelerate']:.2f}x" if "accelerate" in modes else "")
+              + f"; a step activates {modes['klotski']['activated_share']:.0%} of a layer's experts")
+        hrm = ", ".join(f"{mode} {m['predicted_tokens_per_s']:.2f} ({m['prediction_over_measured']['tokens_per_s']:.2f}x)"
+                        for mode, m in modes.items() if "predicted_tokens_per_s" in m)
+        print(f"  HRM predicted tokens/s end to end (over measured): {hrm}")
     print(f"all resident at {main.label}: {result['resident']['tokens_per_s']:.2f} tokens/s end to end")
     if "klotski_sweep" in result:
         s = result["klotski_sweep"]
         print(f"Klotski's planner picks n={s['planner_group_size']} (K={result['klotski_plan']['hot_count']}), "
               f"{s['planner_gap']:.1%} below the best measured n={s['best_group_size']}")
+    if "hrm_schedules" in result:
+        h = result["hrm_schedules"]
+        print(f"HRM across the compared schedules: Spearman {h['spearman_tokens_per_s']:.3f} end to end, "
+              f"{h['spearman_decode_tokens_per_s']:.3f} decode, over {h['pairs']} (policy, schedule) pairs")
     if "hrm" in result:
         h = result["hrm"]
         print(f"HRM: Spearman {h['spearman']:.3f} over {h['grid_size']} policies; planner picks {h['planner_choice']}, "

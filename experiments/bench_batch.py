@@ -12,9 +12,14 @@ same requests decode at the same budget (the slots r_w needs) under
   zigzag       FlexGen's zig-zag block schedule: a layer's streamed experts loaded once per
                block of micro-batches, a layer ahead
   sequential   (at `sequential_at`) the micro-batches one after another, experts on demand
+  accelerate   transformers + accelerate's own offloading (`device_map="auto"`, a disk offload
+               folder) at the same bytes of weights in memory, one batched `generate`
+               (`experiments.bench_batch_accelerate`)
 
-in interleaved repeats (A B C A B C ...), each run on a freshly loaded runtime; plus plain
-batched `generate` with every weight resident, once. Each run reports end-to-end tokens/s
+in interleaved repeats (A B C A B C ...), each run on a freshly loaded runtime (accelerate: in
+the repeats, once, or not, as `accelerate` says); plus plain batched `generate` with every weight
+resident, once. Beside each run, the HRM's prediction for its schedule (`hrm.estimate_schedule`)
+of end-to-end and decode tokens/s. Each run reports end-to-end tokens/s
 (every generated token over prefill + decode), decode tokens/s, and bytes moved per generated
 token; the summary takes medians and spreads over the repeats.
 
@@ -23,7 +28,8 @@ machine's measured times (attention, gate, expert compute, expert copy) and the 
 shares; a sweep of n at one (μ, r_w) measures how far its choice lands below the best n.
 
 The HRM check: over a grid of policies, the CGOPipe loop's measured decode throughput against the
-HRM's prediction (Spearman rank correlation) and the HRM planner's choice against the best.
+HRM's prediction (Spearman rank correlation) and the HRM planner's choice against the best; over
+the compared runs, each schedule's prediction over its measurement.
 
 Every decode is checked token for token against each request generated alone by the plain model.
 The JSON is rewritten after every run, so an interrupted benchmark keeps what it measured.
@@ -34,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +69,7 @@ class BatchPolicy:
 
 BATCH_OPTIONS = RuntimeOptions(policy="fifo", drop_page_cache=True)  # the schedule chooses what stays resident
 MODES = ("klotski", "klotski-paper", "cgopipe", "zigzag")
+ACCELERATE_RUNS = ("repeats", "once", "none")  # where the accelerate baseline runs
 DEFAULT_GRID = ("8:4:0.5,16:4:0.5,32:4:0.5,32:8:0.5,16:8:0.25,32:8:0.25,32:4:0.25,16:4:0.75,32:16:0.75,8:2:0.75,"
                 "64:16:0.5")
 
@@ -142,47 +150,76 @@ def reference_outputs(model, prompts: list[list[int]], gen_len: int) -> list[lis
                                pad_token_id=model.config.pad_token_id)[0, len(p):].tolist() for p in prompts]
 
 
-def measure_resident(model, prompts: list[list[int]], gen_len: int) -> dict[str, Any]:
-    """Plain batched greedy `generate`, all weights resident: end to end, the time of `gen_len`
-    new tokens; decode, that minus the time of one (prefill and the first token)."""
+def measure_resident(model, prompts: list[list[int]], gen_len: int, reference: list[list[int]] | None = None,
+                     read_bytes: Callable[[], int] | None = None) -> dict[str, Any]:
+    """Plain batched greedy `generate` (left padding), all weights resident (or `model` as
+    accelerate dispatched it): end to end, the time of `gen_len` new tokens; decode, that minus
+    the time of one (prefill and the first token). With `reference`, "exact": each request's new
+    tokens equal its reference (up to the reference's end); with `read_bytes` (a counter of bytes
+    read so far), the bytes read per generated token over those two calls."""
     import torch
 
     width = max(len(p) for p in prompts)
     pad = model.config.pad_token_id or 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    count = read_bytes or (lambda: 0)
 
-    def timed(new: int) -> float:
-        start = time.perf_counter()
+    def timed(new: int) -> tuple[float, int, list[list[int]]]:
+        before, start = count(), time.perf_counter()
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=pad)
-        return time.perf_counter() - start
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=pad)
+        return time.perf_counter() - start, count() - before, out[:, width:].tolist()
 
     timed(1)  # warm-up
-    first, full = timed(1), timed(gen_len)
-    return {"decode_seconds": round(full - first, 4), "prefill_seconds": round(first, 4),
-            "decode_tokens_per_s": len(prompts) * (gen_len - 1) / (full - first),
-            "tokens_per_s": len(prompts) * gen_len / full}
+    (first, first_read, _), (full, full_read, out) = timed(1), timed(gen_len)
+    run = {"decode_seconds": round(full - first, 4), "prefill_seconds": round(first, 4),
+           "decode_tokens_per_s": len(prompts) * (gen_len - 1) / (full - first),
+           "tokens_per_s": len(prompts) * gen_len / full}
+    if reference is not None:
+        run["exact"] = all(o[:len(r)] == r for o, r in zip(out, reference, strict=True))
+    if read_bytes is not None:
+        run["read_bytes_per_token"] = full_read / (len(prompts) * gen_len)
+        run["decode_read_bytes_per_token"] = (full_read - first_read) / max(len(prompts) * (gen_len - 1), 1)
+    return run
 
 
 def correlation_table(trace: str | None, correlation: str | None, fingerprint):
     """Klotski's table: a saved `klotski-correlation` artifact, else built from `trace`, else
     None (the pipe starts an empty one and learns online)."""
-    from predictor.artifact import load_predictor
     from predictor.correlation import CorrelationTable
     from prescient.traces import load_trace
 
     if correlation is not None:
-        table = load_predictor(correlation)
-        if not isinstance(table, CorrelationTable):
-            raise BenchBatchError(f"{correlation} holds a {table.kind!r} predictor, not a klotski-correlation table")
+        table = _load_table(correlation)
+        fingerprint.require_same(table.meta.fingerprint, f"correlation table {correlation}")
         return table
     if trace is None:
         return None
     loaded = load_trace(trace)
     fingerprint.require_same(loaded.fingerprint, f"trace {trace}")
     return CorrelationTable.from_trace(loaded, trace_dir=trace)
+
+
+def _load_table(correlation: str):
+    from predictor.artifact import load_predictor
+    from predictor.correlation import CorrelationTable
+
+    table = load_predictor(correlation)
+    if not isinstance(table, CorrelationTable):
+        raise BenchBatchError(f"{correlation} holds a {table.kind!r} predictor, not a klotski-correlation table")
+    return table
+
+
+def _check_table_shape(correlation: str, spec) -> None:
+    """Refuse a correlation table of another model's layout (experts, top-k, vocabulary) from the
+    config alone; the full fingerprint (weights included) is checked once the model is loaded."""
+    fp = _load_table(correlation).meta.fingerprint
+    mine, theirs = (spec.num_experts, spec.top_k, spec.vocab_size), (fp.n_experts, fp.top_k, fp.vocab_size)
+    if mine != theirs:
+        raise BenchBatchError(f"correlation table {correlation} is of another model: (experts, top-k, vocab) "
+                              f"{theirs}, this model's {mine}")
 
 
 def make_decoder(mode: str, model, policy: BatchPolicy, hot, table, hot_count: int | None):
@@ -232,13 +269,25 @@ def measure_schedule(model_dir: str, prompts: list[list[int]], gen_len: int, pol
     return run
 
 
-def predicted_decode_tokens_per_s(spec, hardware, prompt_len: int, gen_len: int, policy: BatchPolicy) -> float:
-    from offload_runtime.planning.hrm import Policy, Workload, estimate
+def predicted(spec, hardware, prompt_len: int, gen_len: int, policy: BatchPolicy, mode: str = "cgopipe",
+              resident: float | None = None) -> dict[str, float]:
+    """The HRM's end-to-end and decode tokens/s for `mode` at `policy` (`hrm.estimate_schedule`);
+    accelerate decodes the whole batch as one micro-batch with `resident`, the share of expert
+    bytes its device map kept in memory."""
+    from offload_runtime.planning.hrm import Policy, Workload, estimate_schedule
 
     place = "cpu" if hardware.gpu is None else "gpu"
-    hrm_policy = Policy(n_requests=policy.requests, micro_batch=policy.micro_batch, attention_on="cpu",
-                        ffn_on=place, r_w=policy.resident)
-    return estimate(spec, hardware, Workload(prompt_len, gen_len), hrm_policy).decode_tokens_per_s
+    n, mu, r_w = policy.requests, policy.micro_batch, policy.resident
+    if mode == "accelerate":
+        mu, r_w = n, resident if resident is not None else r_w
+    est = estimate_schedule(spec, hardware, Workload(prompt_len, gen_len),
+                            Policy(n_requests=n, micro_batch=mu, attention_on="cpu", ffn_on=place, r_w=r_w), mode)
+    return {"predicted_tokens_per_s": est.tokens_per_s, "predicted_decode_tokens_per_s": est.decode_tokens_per_s}
+
+
+def predicted_decode_tokens_per_s(spec, hardware, prompt_len: int, gen_len: int, policy: BatchPolicy) -> float:
+    """CGOPipe's predicted decode tokens/s (the grid's check)."""
+    return predicted(spec, hardware, prompt_len, gen_len, policy)["predicted_decode_tokens_per_s"]
 
 
 def bench_batch(model_dir: str, json_path: str, plot_path: str | None, compared: list[BatchPolicy],
@@ -246,13 +295,15 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, compared:
                 hardware: str | None, trace: str | None, repeats: int = 3, sweep: tuple[int, float, list[int]] | None = None,
                 correlation: str | None = None, hot_count: int | None = None,
                 options: RuntimeOptions = BATCH_OPTIONS, dataset: str = "stdlib-code", split: str = "validation",
-                threads: int = 1) -> dict[str, Any]:
+                threads: int = 1, accelerate: str = "repeats") -> dict[str, Any]:
     """`compared`: the policies every schedule runs at (the first is the main one, where the
     all-resident run is measured); `sweep`: (μ, r_w, group sizes n) of Klotski's planner check
     (None: no sweep); `options`: the runtime's (its store and page cache), each run at the
-    budget its r_w needs."""
+    budget its r_w needs; `accelerate`: the accelerate baseline in every repeat, in the first
+    only, or not at all (`ACCELERATE_RUNS`)."""
     import torch
 
+    from experiments.bench_batch_accelerate import measure_accelerate
     from experiments.machine import machine_info
     from offload_runtime.cgopipe.klotski import check_hot_count
     from offload_runtime.planning.hardware import load_profile, measure_profile
@@ -261,6 +312,10 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, compared:
     from prescient.loading import load_model, load_tokenizer
 
     spec = ModelSpec.from_config(model_dir)
+    if accelerate not in ACCELERATE_RUNS:
+        raise BenchBatchError(f"accelerate runs are one of {', '.join(ACCELERATE_RUNS)}, not {accelerate!r}")
+    if correlation is not None:  # the table's shape, before any work; its fingerprint once the model is loaded
+        _check_table_shape(correlation, spec)
     if hot_count is not None:  # refused before any work
         for policy in [*compared, *([BatchPolicy(sweep[0], sweep[0], sweep[1])] if sweep else [])]:
             check_hot_count(hot_count, spec.num_experts, policy.resident)
@@ -287,7 +342,11 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, compared:
                      "drop_page_cache": options.drop_page_cache, "repeats": repeats,
                      "hot_ranking": trace or "expert id", "correlation_table": correlation or trace or "empty, online",
                      "main_policy": asdict(main), "compared": [p.label for p in compared],
-                     "sequential_at": [p.label for p in sequential_at], "grid": [p.label for p in grid]},
+                     "sequential_at": [p.label for p in sequential_at], "grid": [p.label for p in grid],
+                     "accelerate": {"runs": accelerate, "offload": "disk (an offload folder)",
+                                    "batch": "all N requests in one generate",
+                                    "budget": "non-expert weights + the other schedules' expert slots"},
+                     "hrm": "hrm.estimate_schedule per mode at the mean prompt length"},
         "machine": machine_info(threads), "hardware_profile": profile.to_dict(), "runs": [],
     }
 
@@ -296,13 +355,18 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, compared:
 
     log.info("reference: each of %d requests alone with the plain model", count)
     reference = reference_outputs(plain, prompts, gen_len)
-    result["resident"] = {**asdict(main), **measure_resident(plain, prompts[:main.requests], gen_len)}
+    result["resident"] = {**asdict(main), **measure_resident(plain, prompts[:main.requests], gen_len,
+                                                             reference[:main.requests])}
     if sweep:
         result["klotski_times"] = _klotski_times(plain, layers, spec, profile, sweep[0], mean_prompt + gen_len // 2)
     del plain, layers
     save()
 
     def record(run: dict[str, Any], what: str) -> None:
+        if what == "compared":
+            policy = BatchPolicy(run["requests"], run["micro_batch"], run["resident"])
+            run.update(predicted(spec, profile, mean_prompt, gen_len, policy, run["mode"],
+                                 run.get("resident_expert_share")))
         result["runs"].append({**run, "part": what})
         log.info("%s %s %s: %.2f tokens/s end to end, %.2f decode, %.1f MB/token, exact %s", what, run["mode"],
                  run["label"], run["tokens_per_s"], run["decode_tokens_per_s"], run["bytes_per_token"] / 1e6,
@@ -315,6 +379,10 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, compared:
                 run = measure_schedule(model_dir, prompts, gen_len, policy, mode, reference, hot, options, table,
                                        hot_count)
                 record({**run, "repeat": repeat}, "compared")
+            if accelerate == "repeats" or (accelerate == "once" and repeat == 0):
+                run = measure_accelerate(model_dir, prompts[:policy.requests], gen_len, policy.resident,
+                                         reference[:policy.requests], spec, options.drop_page_cache)
+                record({**asdict(policy), "label": policy.label, **run, "repeat": repeat}, "compared")
     if sweep:
         plan = _klotski_plan(result["klotski_times"], table, hot, sweep, hot_count, spec, fingerprint.top_k)
         result["klotski_plan"] = plan
@@ -327,7 +395,7 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, compared:
                 record({**run, "repeat": repeat, "group_size": n}, "sweep")
     for policy in grid:
         run = measure_schedule(model_dir, prompts, gen_len, policy, "cgopipe", reference, hot, options)
-        run["predicted_tokens_per_s"] = predicted_decode_tokens_per_s(spec, profile, mean_prompt, gen_len, policy)
+        run.update(predicted(spec, profile, mean_prompt, gen_len, policy))
         record(run, "grid")
     result.update(summary(result))
     save()
@@ -387,6 +455,8 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
                            for key in ("tokens_per_s", "decode_tokens_per_s", "bytes_per_token", "decode_bytes_per_token")}
             if mode.startswith("klotski"):
                 modes[mode]["activated_share"] = of[0]["activated_share"]
+            if "predicted_tokens_per_s" in of[0]:  # the HRM's, the same in every repeat
+                modes[mode].update(_prediction(of[0], modes[mode]))
             # the link's bound: decode tokens/s if the link moved this mode's bytes and nothing else waited
             moved = modes[mode]["decode_bytes_per_token"]["median"]
             modes[mode]["decode_link_bound_tokens_per_s"] = link / moved if moved else None
@@ -400,8 +470,17 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
                             "klotski_over_zigzag": ratio("klotski", "zigzag")}
         if "sequential" in modes:
             by_policy[label]["cgopipe_over_sequential"] = ratio("cgopipe", "sequential")
+        if "accelerate" in modes:
+            by_policy[label]["cgopipe_over_accelerate"] = ratio("cgopipe", "accelerate")
+            by_policy[label]["klotski_over_accelerate"] = ratio("klotski", "accelerate")
     out: dict[str, Any] = {"by_policy": by_policy, "all_exact": all(r["exact"] for r in runs),
                            "more_experts": more_experts([r["requests"] for r in runs if r["part"] == "compared"])}
+    predicted_modes = [m for row in by_policy.values() for m in row["modes"].values() if "predicted_tokens_per_s" in m]
+    if len(predicted_modes) > 1:  # does the HRM rank the schedules (and policies) as they measure?
+        out["hrm_schedules"] = {"pairs": len(predicted_modes), **{
+            f"spearman_{key}": spearman([m[f"predicted_{key}"] for m in predicted_modes],
+                                        [m[key]["median"] for m in predicted_modes])
+            for key in ("tokens_per_s", "decode_tokens_per_s")}}
     sweep = [r for r in runs if r["part"] == "sweep"]
     if sweep:
         measured = {n: _median_spread([r["tokens_per_s"] for r in sweep if r["group_size"] == n])
@@ -413,14 +492,22 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
                                 "planner_gap": 1 - measured[chosen]["median"] / measured[best]["median"]}
     grid = [r for r in runs if r["part"] == "grid"]
     if grid:
-        choice = max(grid, key=lambda r: r["predicted_tokens_per_s"])
+        choice = max(grid, key=lambda r: r["predicted_decode_tokens_per_s"])
         best_run = max(grid, key=lambda r: r["decode_tokens_per_s"])
-        out["hrm"] = {"spearman": spearman([r["predicted_tokens_per_s"] for r in grid],
+        out["hrm"] = {"spearman": spearman([r["predicted_decode_tokens_per_s"] for r in grid],
                                            [r["decode_tokens_per_s"] for r in grid]),
                       "planner_choice": choice["label"], "best_measured": best_run["label"],
                       "planner_gap": 1 - choice["decode_tokens_per_s"] / best_run["decode_tokens_per_s"],
                       "grid_size": len(grid)}
     return out
+
+
+def _prediction(run: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
+    """The HRM's end-to-end and decode tokens/s for a mode, and each over the measured median."""
+    return {"predicted_tokens_per_s": run["predicted_tokens_per_s"],
+            "predicted_decode_tokens_per_s": run["predicted_decode_tokens_per_s"],
+            "prediction_over_measured": {key: run[f"predicted_{key}"] / stats[key]["median"]
+                                         for key in ("tokens_per_s", "decode_tokens_per_s")}}
 
 
 def more_experts(requests: list[int], layouts: tuple[tuple[int, int], ...] = ((16, 2), (64, 2), (64, 8), (128, 8),

@@ -1,7 +1,8 @@
 """The PNG of `prescient bench-batch`: end-to-end throughput and bytes moved per generated token
 of every schedule at each compared policy (medians, bars from the fastest to the slowest
-repeat), Klotski's group-size sweep with the planner's choice, and the HRM's predictions against
-CGOPipe's measurements over the validation grid."""
+repeat; the HRM's prediction for the schedule as a black dash where the JSON has one), Klotski's
+group-size sweep with the planner's choice, and the HRM's predictions against CGOPipe's
+measurements over the validation grid."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 
 from prescient.atomic import write_atomic
 
-COLOURS = {"klotski": "tab:green", "klotski-paper": "tab:olive", "cgopipe": "tab:blue", "zigzag": "tab:orange", "sequential": "tab:red"}
+COLOURS = {"klotski": "tab:green", "klotski-paper": "tab:olive", "cgopipe": "tab:blue", "zigzag": "tab:orange", "sequential": "tab:red",
+           "accelerate": "tab:purple"}
 
 
 def plot_bench_batch(result: dict[str, Any], path: str) -> None:
@@ -26,15 +28,21 @@ def plot_bench_batch(result: dict[str, Any], path: str) -> None:
     width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
         for ax, key, scale in ((speed, "tokens_per_s", 1), (moved, "bytes_per_token", 1e-6)):
-            xs, mid, low, high = [], [], [], []
+            xs, mid, low, high, predicted = [], [], [], [], []
             for x, label in enumerate(labels):
-                stat = result["by_policy"][label]["modes"].get(mode, {}).get(key)
+                row = result["by_policy"][label]["modes"].get(mode, {})
+                stat = row.get(key)
                 if stat:
                     xs.append(x + (i - (len(modes) - 1) / 2) * width)
                     mid.append(stat["median"] * scale)
                     low.append((stat["median"] - stat["min"]) * scale)
                     high.append((stat["max"] - stat["median"]) * scale)
+                    predicted.append(row.get(f"predicted_{key}"))
             ax.bar(xs, mid, width, yerr=[low, high], label=mode, color=COLOURS.get(mode), capsize=2)
+            shown = [(x, y * scale) for x, y in zip(xs, predicted, strict=True) if y is not None]
+            if shown:
+                ax.scatter(*zip(*shown, strict=True), marker="_", s=200, color="black",
+                           label="HRM" if i == 0 else None, zorder=3)
     for ax, title in ((speed, "tokens/s end to end (prefill included)"), (moved, "MB moved per generated token")):
         ax.set_xticks(range(len(labels)), labels, fontsize=8)
         ax.set_title(title)
@@ -56,9 +64,11 @@ def plot_bench_batch(result: dict[str, Any], path: str) -> None:
     if "hrm" in result:
         ax = axes[panel]
         grid = [r for r in result["runs"] if r["part"] == "grid"]
-        ax.scatter([r["predicted_tokens_per_s"] for r in grid], [r["decode_tokens_per_s"] for r in grid])
-        for r in grid:
-            ax.annotate(r["label"], (r["predicted_tokens_per_s"], r["decode_tokens_per_s"]), fontsize=7)
+        # older results hold the decode prediction under "predicted_tokens_per_s"
+        predicted = [r.get("predicted_decode_tokens_per_s", r["predicted_tokens_per_s"]) for r in grid]
+        ax.scatter(predicted, [r["decode_tokens_per_s"] for r in grid])
+        for r, x in zip(grid, predicted, strict=True):
+            ax.annotate(r["label"], (x, r["decode_tokens_per_s"]), fontsize=7)
         ax.set_xlabel("HRM predicted decode tokens/s")
         ax.set_ylabel("measured decode tokens/s")
         ax.set_title(f"HRM vs CGOPipe: Spearman {result['hrm']['spearman']:.2f}, "
