@@ -43,15 +43,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> None:
     from offload_runtime.compression.writer import Calibration, quantize_model
 
-    calibration = None
+    model, calibration = args.model, None
     if args.method == "gptq" and args.bits != 16:  # (16 is refused by quantize_model)
-        from prescient.loading import load_tokenizer
+        from prescient.model_dir import ModelDirectory
         from training.reference_lm import corpus_windows
 
+        model = ModelDirectory.open(args.model)  # once: its tokenizer here, its weights in quantize_model
         calibration = Calibration(f"{args.calibration}:train", corpus_windows(
-            load_tokenizer(args.model), args.calibration, "train", "text", CALIBRATION_SEQ_LEN,
-            args.calibration_windows))
-    report = quantize_model(args.model, args.out, args.bits, args.group_size, args.method, calibration)
+            model.tokenizer(), args.calibration, "train", "text", CALIBRATION_SEQ_LEN, args.calibration_windows))
+    report = quantize_model(model, args.out, args.bits, args.group_size, args.method, calibration)
     print(f"{args.out}: experts {report['source_expert_bytes'] / 2**20:.1f} MiB → {report['expert_bytes'] / 2**20:.1f} "
           f"MiB ({report['expert_compression']}x smaller) in {report['seconds']} s, "
           f"peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB")

@@ -32,7 +32,7 @@ from offload_runtime.compression.kernels import PackedWeights, kernel_matrix, pa
 from offload_runtime.compression.scheme import weight_args
 from offload_runtime.compression.writer import GROUP_SIZES, expert_keys
 from prescient.atomic import write_json_atomic
-from prescient.loading import check_model_dir
+from prescient.model_dir import ModelDirectory
 
 
 def _ms(fn) -> float:
@@ -55,7 +55,7 @@ def measure(model_dir: Path, threads: int) -> dict:
     from safetensors import safe_open
 
     torch.set_num_threads(threads)
-    keys = expert_keys(model_dir, check_model_dir(model_dir))
+    keys = expert_keys(ModelDirectory.open(model_dir))
     zero = [k for k in keys if re.search(r"experts\.0\.", k)]
     layer = min(int(re.search(r"\d+", k).group()) for k in zero)
     first = sorted(k for k in zero if int(re.search(r"\d+", k).group()) == layer)  # expert 0 of the first layer

@@ -19,6 +19,7 @@ from torch import nn
 
 from prescient.arch import MoELayer, find_moe_layers
 from prescient.errors import FingerprintMismatchError
+from prescient.model_dir import ModelDirectory
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def fingerprint_model(model: nn.Module, layers: list[MoELayer] | None = None) ->
     )
 
 
-def loaded_fingerprint(model_dir: str | Path, model: nn.Module, layers: list[MoELayer],
+def loaded_fingerprint(model_dir: str | Path | ModelDirectory, model: nn.Module, layers: list[MoELayer],
                        dtype: torch.dtype) -> ModelFingerprint:
     """The fingerprint of the model saved in `model_dir`, which `model` is, loaded in `dtype`.
     Fingerprints hash the float32 reading (traces and predictors are built from it); a model
@@ -101,10 +102,7 @@ def loaded_fingerprint(model_dir: str | Path, model: nn.Module, layers: list[MoE
     return fingerprint_model(model, layers) if dtype == torch.float32 else fingerprint_model_dir(model_dir)
 
 
-def fingerprint_model_dir(model_dir: str | Path) -> ModelFingerprint:
+def fingerprint_model_dir(model_dir: str | Path | ModelDirectory) -> ModelFingerprint:
     """The fingerprint of the model saved in `model_dir` (read without its routed experts, as the
-    offloading runtime reads it)."""
-    from prescient.loading import load_without_experts
-
-    model, layers = load_without_experts(model_dir, dtype=torch.float32)
-    return fingerprint_model(model, layers)
+    offloading runtime reads it); an opened directory computes it once."""
+    return ModelDirectory.of(model_dir).fingerprint

@@ -41,7 +41,8 @@ from experiments.machine import machine_info
 from experiments.timing_calibration import load_timing
 from offload_runtime.engine.options import RuntimeOptions
 from prescient.atomic import write_json_atomic
-from prescient.fingerprint import ModelFingerprint, fingerprint_model_dir
+from prescient.fingerprint import ModelFingerprint
+from prescient.model_dir import ModelDirectory
 
 log = logging.getLogger(__name__)
 
@@ -138,15 +139,12 @@ def bench_runtime(
     A run's prefetch modes: `hide` prefetches only what the link of `link_timing` (a bench or
     hardware-profile JSON, `experiments.timing_calibration.load_timing`) can hide behind compute,
     `next` reaches into the next token for experts forecast at least `next_token_min_chance` likely."""
-    from transformers import AutoConfig
-
-    from prescient.loading import load_tokenizer
-
     predictors = _check(model_dir, runs, predictors, hash_cost_predictor, train_trace, baselines, simulate, link_timing)
     if min(new_tokens, baseline_tokens) < 2 or timed_prompts < 1:
         raise BenchError("decode speed needs at least 2 new tokens and 1 timed prompt")
     threads = threads or torch.get_num_threads()
-    tokenizer = load_tokenizer(model_dir)
+    directory = ModelDirectory.of(model_dir)
+    tokenizer = directory.tokenizer()
     ids = prompt_ids(tokenizer, texts, timed_prompts + 1, prompt_tokens)
     settings = _settings(runs, predictors, options, new_tokens=new_tokens, timed_prompts=timed_prompts,
                          prompt_tokens=prompt_tokens, warmup_tokens=warmup_tokens, baseline_tokens=baseline_tokens,
@@ -159,7 +157,7 @@ def bench_runtime(
     }
     save = partial(write_json_atomic, json_path, result) if json_path is not None else lambda: None
     total = 1 + ("accelerate_disk" in baselines) + len(runs) + 2 * (hash_cost_predictor is not None)
-    model_type = AutoConfig.from_pretrained(model_dir).model_type
+    model_type = directory.config.model_type
     execute = Executor(isolate, (f"transformers.models.{model_type}.modeling_{model_type}",))
     with _work_dir(work_dir) as work, tqdm(total=total, desc="bench", unit="run") as bar:
         work = Path(work)
@@ -170,8 +168,8 @@ def bench_runtime(
                    sample_seed=sample_seed)
         bar.set_postfix_str("all_resident")
         trace_out = oracle_trace if "oracle" in predictors or simulate else None
-        reference, fingerprint = _reference(execute, base, trace_out, "all_resident" in baselines, result)
-        link = _link(result, link_timing, model_dir, fingerprint) if any("hide" in r.modes for r in runs) else None
+        reference, fingerprint = _reference(execute, base, directory, trace_out, "all_resident" in baselines, result)
+        link = _link(result, link_timing, directory, fingerprint) if any("hide" in r.modes for r in runs) else None
         bar.update()
         paths = {"oracle": str(oracle_trace), **_artifacts(predictors, fingerprint, train_trace, work)}
         if "accelerate_disk" in baselines:
@@ -223,7 +221,7 @@ def _settings(runs: list[RunSpec], predictors: dict[str, str | None], options: R
             "headline_budget": HEADLINE_BUDGET, "link_timing": None}
 
 
-def _reference(execute: Executor, base: Job, trace_out: Path | None, keep: bool,
+def _reference(execute: Executor, base: Job, model_dir: ModelDirectory, trace_out: Path | None, keep: bool,
                result: dict[str, Any]) -> tuple[list[list[int]], ModelFingerprint]:
     """The all-resident run: the token ids every run is compared with, and the model's
     fingerprint; recorded as the all_resident baseline if `keep`. With `trace_out` it also
@@ -237,7 +235,7 @@ def _reference(execute: Executor, base: Job, trace_out: Path | None, keep: bool,
         # mixed precision: the coarse model's (a mixed run's choices vary with its budget)
         ref = execute(replace(base, options=replace(base.options, budget=1.0, policy="lru", fine_model=None)))
         ref.pop("model_info", None)
-        ref["fingerprint"] = fingerprint_model_dir(base.model_dir).to_dict()
+        ref["fingerprint"] = model_dir.fingerprint.to_dict()
     else:
         ref = execute(replace(base, kind="all_resident", trace_out=str(trace_out) if trace_out is not None else None))
     reference = ref["token_ids"]
@@ -249,7 +247,7 @@ def _reference(execute: Executor, base: Job, trace_out: Path | None, keep: bool,
     return reference, fingerprint
 
 
-def _link(result: dict[str, Any], link_timing: str | Path, model_dir: str | Path, fingerprint) -> LinkTiming:
+def _link(result: dict[str, Any], link_timing: str | Path, model_dir: ModelDirectory, fingerprint) -> LinkTiming:
     """The link +hide runs weigh copies against, calibrated for this model and recorded in the settings."""
     calibration = load_timing(link_timing, model_config=model_dir, fingerprint=fingerprint)
     result["settings"]["link_timing"] = calibration.to_dict()

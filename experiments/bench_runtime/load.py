@@ -79,20 +79,17 @@ def _device_map(model: nn.Module, offloaded: set[str]) -> dict[str, str]:
 
 def _load_accelerate(job: Job, stack: ExitStack) -> nn.Module:
     """The model with its routed experts offloaded to disk by transformers + accelerate."""
-    from transformers import AutoConfig
-
     from prescient.arch import find_moe_layers
-    from prescient.loading import model_class
+    from prescient.model_dir import ModelDirectory, model_class
 
-    config = AutoConfig.from_pretrained(job.model_dir)
-    with torch.device("meta"):
-        skeleton = model_class(config).from_config(config)
+    model_dir = ModelDirectory.open(job.model_dir)
+    skeleton = model_dir.weightless_model()
     names = {id(module): name for name, module in skeleton.named_modules()}
     device_map = _device_map(skeleton, {names[id(layer.experts)] for layer in find_moe_layers(skeleton)})
     folder = Path(tempfile.mkdtemp(prefix="accelerate-offload-", dir=job.work_dir))
     stack.callback(shutil.rmtree, folder, True)
-    model = model_class(config).from_pretrained(job.model_dir, dtype=job.options.torch_dtype, device_map=device_map,
-                                                offload_folder=str(folder)).eval()
+    model = model_class(model_dir.config).from_pretrained(job.model_dir, dtype=job.options.torch_dtype,
+                                                          device_map=device_map, offload_folder=str(folder)).eval()
     if job.options.drop_page_cache:
         fds = [os.open(path, os.O_RDONLY) for path in sorted(folder.rglob("*")) if path.is_file()]
         stack.callback(lambda: [os.close(fd) for fd in fds])
@@ -118,11 +115,13 @@ def load_job(job: Job, stack: ExitStack) -> tuple[nn.Module, Any, dict[str, Any]
     from prescient.arch import find_moe_layers
     from prescient.fingerprint import loaded_fingerprint
     from prescient.loading import load_model
+    from prescient.model_dir import ModelDirectory
     from prescient.traces import load_trace
 
     if job.kind == "all_resident":
-        model, layers = load_model(job.model_dir, dtype=job.options.torch_dtype)
-        fingerprint = loaded_fingerprint(job.model_dir, model, layers, job.options.torch_dtype)
+        model_dir = ModelDirectory.open(job.model_dir)
+        model, layers = load_model(model_dir, dtype=job.options.torch_dtype)
+        fingerprint = loaded_fingerprint(model_dir, model, layers, job.options.torch_dtype)
         return model, None, {"fingerprint": fingerprint.to_dict()}
     if job.kind == "accelerate_disk":
         model = _load_accelerate(job, stack)

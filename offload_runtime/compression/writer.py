@@ -19,7 +19,6 @@ full disk: an `OutputWriteError`), leaves `out` untouched.
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import re
 import resource
@@ -29,11 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from accelerate import init_empty_weights
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
-from transformers import AutoConfig
 from transformers.core_model_loading import revert_weight_conversion
 
 from offload_runtime.compression.codec import quantize_weight
@@ -41,9 +38,8 @@ from offload_runtime.compression.gptq import DAMP, gptq_experts
 from offload_runtime.compression.scheme import BITS, CompressionError, config_dict, weight_args
 from prescient.arch import find_moe_layers
 from prescient.atomic import write_errors, write_json_atomic
-from prescient.fingerprint import fingerprint_model
-from prescient.loading import (check_model_dir, checkpoint_names, load_model, load_without_experts, model_class,
-                               tensor_keys)
+from prescient.loading import load_model
+from prescient.model_dir import ModelDirectory, checkpoint_names, tensor_keys
 
 log = logging.getLogger(__name__)
 
@@ -72,26 +68,24 @@ def _fixed_mmap_threshold(size: int = 2**20) -> None:
         pass
 
 
-def expert_keys(model_dir: Path, files: list[Path]) -> dict[str, Path]:
+def expert_keys(model_dir: ModelDirectory) -> dict[str, Path]:
     """The checkpoint keys of the routed experts' tensors and the file holding each."""
-    config = AutoConfig.from_pretrained(model_dir)
-    with init_empty_weights(include_buffers=False):
-        model = model_class(config).from_config(config)
+    model = model_dir.weightless_model()
     layers = find_moe_layers(model)
     ids = {id(param) for layer in layers for param in layer.experts.parameters()}
     experts = {name: t for name, t in model.state_dict(keep_vars=True).items() if id(t) in ids}
-    where = {key: path for path in files for key in tensor_keys(path)}
     found = {}
     for name in revert_weight_conversion(model, experts):
-        key = next((k for k in checkpoint_names(name) if k in where), None)
+        key = model_dir.checkpoint_key(name)
         if key is None:
             raise CompressionError(f"{model_dir}: expert tensor {name} is in none of the weight files")
-        found[key] = where[key]
+        found[key] = model_dir.weight_index[key]
     return found
 
 
-def quantize_model(model_dir: str | Path, out: str | Path, bits: int, group_size: int | str | None = None,
-                   method: str = "rtn", calibration: Calibration | None = None) -> dict:
+def quantize_model(model_dir: str | Path | ModelDirectory, out: str | Path, bits: int,
+                   group_size: int | str | None = None, method: str = "rtn",
+                   calibration: Calibration | None = None) -> dict:
     """Write `model_dir` with its routed experts at `bits` (2, 4, 8: group-wise symmetric integers,
     their levels rounded to nearest (`method` "rtn") or chosen by GPTQ on `calibration` ("gptq");
     16: bfloat16) to `out`; returns the report also written as `out/quantize.json`. `group_size`
@@ -100,7 +94,7 @@ def quantize_model(model_dir: str | Path, out: str | Path, bits: int, group_size
     divide, an already compressed model, an existing `out`) is a CompressionError before any
     file is written."""
     start = time.perf_counter()
-    model_dir, out = Path(model_dir), Path(out)
+    out = Path(out)
     if bits not in BITS:
         raise CompressionError(f"--bits {bits} is not supported; choose one of {', '.join(map(str, BITS))}")
     if method not in METHODS:
@@ -108,14 +102,15 @@ def quantize_model(model_dir: str | Path, out: str | Path, bits: int, group_size
     if method == "gptq" and (bits == 16 or calibration is None):
         raise CompressionError("--method gptq chooses integer levels on calibration text: it needs --bits 2, 4 or 8"
                                if bits == 16 else "--method gptq needs calibration text")
-    files = check_model_dir(model_dir)
-    if "quantization_config" in json.loads((model_dir / "config.json").read_text()):
+    source = ModelDirectory.of(model_dir)
+    model_dir = source.path
+    if "quantization_config" in source.config_dict:
         raise CompressionError(f"{model_dir} is already compressed (its config.json has a quantization_config); "
                                "quantise the uncompressed model")
     if out.exists() and any(out.iterdir()):
         raise CompressionError(f"output directory {out} exists and is not empty; choose another --out or delete it")
     # the experts' weights, one 2-D tensor per expert and projection; their biases stay as they are
-    located = expert_keys(model_dir, files)
+    located = expert_keys(source)
     shapes = {key: shape for key, path in located.items() if len(shape := _shape(path, key)) != 1}
     experts = {key: located[key] for key in shapes}
     fused = [key for key, shape in shapes.items() if len(shape) != 2 or not key.endswith(".weight")]
@@ -123,16 +118,16 @@ def quantize_model(model_dir: str | Path, out: str | Path, bits: int, group_size
         raise CompressionError(f"{model_dir}: expert tensor {fused[0]} has shape {list(shapes[fused[0]])}; quantize "
                                "compresses checkpoints that store one 2-D weight per expert and projection")
     args = None if bits == 16 else weight_args(bits, _group_size(group_size, shapes))
-    chosen = _gptq_levels(model_dir, experts, args, calibration) if method == "gptq" else {}
+    chosen = _gptq_levels(source, experts, args, calibration) if method == "gptq" else {}
     _fixed_mmap_threshold()
     work = out.parent / f".{out.name}.partial"
     shutil.rmtree(work, ignore_errors=True)
     with write_errors(out):
         work.mkdir(parents=True)
         try:
-            sizes = _write_shards(files, experts, args, work, chosen)
-            _copy_side_files(model_dir, work, args, experts)
-            report = _report(model_dir, work, bits, args, method, sizes)
+            sizes = _write_shards(source.weight_files, experts, args, work, chosen)
+            _copy_side_files(source, work, args, experts)
+            report = _report(source, work, bits, args, method, sizes)
             if method == "gptq":
                 report["calibration"] = {"source": calibration.source, "windows": len(calibration.windows),
                                          "seq_len": calibration.windows.shape[1], "damp": DAMP}
@@ -165,7 +160,7 @@ def _group_size(asked: int | str | None, shapes: dict[str, tuple[int, ...]]) -> 
                            f"dimensions {inputs}; give --group-size")
 
 
-def _gptq_levels(model_dir: Path, experts: dict[str, Path], args, calibration: Calibration) -> dict[str, torch.Tensor]:
+def _gptq_levels(model_dir: ModelDirectory, experts: dict[str, Path], args, calibration: Calibration) -> dict[str, torch.Tensor]:
     """GPTQ's chosen weights of every expert tensor, by checkpoint key."""
     model, layers = load_model(model_dir, dtype=torch.float32, experts_implementation="eager")
     chosen = {}
@@ -233,16 +228,15 @@ def _write_shards(files: list[Path], experts: dict[str, Path], args, work: Path,
     return sizes
 
 
-def _copy_side_files(model_dir: Path, work: Path, args, experts: dict[str, Path]) -> None:
+def _copy_side_files(model_dir: ModelDirectory, work: Path, args, experts: dict[str, Path]) -> None:
     """Config (with the quantization_config when compressed), tokenizer and other files."""
-    for item in model_dir.iterdir():
+    for item in model_dir.path.iterdir():
         if item.is_file() and not item.name.endswith((".safetensors", ".safetensors.index.json")) \
                 and item.name != REPORT:
             shutil.copy2(item, work / item.name)
     if args is not None:
-        config = json.loads((work / "config.json").read_text())
-        config["quantization_config"] = config_dict(_targets(experts), args)
-        write_json_atomic(work / "config.json", config)
+        write_json_atomic(work / "config.json",
+                          {**model_dir.config_dict, "quantization_config": config_dict(_targets(experts), args)})
 
 
 def _targets(experts: dict[str, Path]) -> list[str]:
@@ -251,10 +245,10 @@ def _targets(experts: dict[str, Path]) -> list[str]:
     return sorted({"re:^" + re.sub(r"\d+", r"\\d+", re.escape(m)) + "$" for m in modules})
 
 
-def _report(model_dir: Path, work: Path, bits: int, args, method: str, sizes: dict[str, int]) -> dict:
+def _report(model_dir: ModelDirectory, work: Path, bits: int, args, method: str, sizes: dict[str, int]) -> dict:
     """What was written, and the fingerprint check: the output must route as the source."""
-    source = fingerprint_model(*load_without_experts(model_dir, dtype=torch.float32))
-    written = fingerprint_model(*load_without_experts(work, dtype=torch.float32))
+    source = model_dir.fingerprint
+    written = ModelDirectory.open(work).fingerprint
     if written != source:
         raise CompressionError(f"the compressed model's fingerprint {written} differs from the source's {source}; "
                                "a tensor outside the experts changed")

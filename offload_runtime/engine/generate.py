@@ -11,6 +11,7 @@ from typing import Any
 
 from offload_runtime.engine.options import RuntimeOptions
 from prescient.errors import PrescientError
+from prescient.model_dir import ModelDirectory
 
 
 class _Clock:
@@ -48,15 +49,13 @@ class Sampling:
             raise GenerationError(f"top_p {self.top_p} is not in (0, 1]; give e.g. 0.9")
 
 
-def check_prompt(prompt_tokens: int, max_new_tokens: int, model_dir: Path) -> None:
+def check_prompt(prompt_tokens: int, max_new_tokens: int, model_dir: str | Path | ModelDirectory) -> None:
     """At least one prompt token and one new token, and both within the model's context."""
-    from transformers import AutoConfig
-
     if prompt_tokens == 0:
         raise GenerationError("the prompt is empty (0 tokens); give --prompt some text")
     if max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens is {max_new_tokens}; ask for at least 1 new token")
-    config = AutoConfig.from_pretrained(model_dir).get_text_config()
+    config = ModelDirectory.of(model_dir).config.get_text_config()
     context = getattr(config, "max_position_embeddings", None)  # None: relative positions, no bound
     if context is not None and prompt_tokens + max_new_tokens > context:
         raise GenerationError(f"the prompt is {prompt_tokens} tokens and {max_new_tokens} new ones are asked for, "
@@ -64,7 +63,7 @@ def check_prompt(prompt_tokens: int, max_new_tokens: int, model_dir: Path) -> No
                               "--max-new-tokens")
 
 
-def generate_offloaded(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, *,
+def generate_offloaded(model_dir: str | Path | ModelDirectory, prompt: str, max_new_tokens: int = 32, *,
                        predictor: str | Path | None = None, options: RuntimeOptions | None = None,
                        sampling: Sampling | None = None, **settings: Any) -> dict[str, Any]:
     """Generate with the experts offloaded (`load_offloaded`'s options, whole or as keywords),
@@ -73,14 +72,13 @@ def generate_offloaded(model_dir: str | Path, prompt: str, max_new_tokens: int =
     import torch
 
     from offload_runtime.engine.loader import load_offloaded
-    from prescient.loading import check_model_dir, load_tokenizer
 
     options = RuntimeOptions.of(options, **settings)
-    check_model_dir(Path(model_dir))
-    tokenizer = load_tokenizer(model_dir)
+    directory = ModelDirectory.of(model_dir)
+    tokenizer = directory.tokenizer()
     inputs = tokenizer(prompt, return_tensors="pt")
-    check_prompt(inputs["input_ids"].shape[1], max_new_tokens, Path(model_dir))
-    model = load_offloaded(model_dir, predictor, options)
+    check_prompt(inputs["input_ids"].shape[1], max_new_tokens, directory)
+    model = load_offloaded(directory, predictor, options)
     with model.offload_runtime as runtime:
         inputs = inputs.to(options.device)
         clock = _Clock()

@@ -16,13 +16,14 @@ from offload_runtime.engine.store import ExpertStore
 from predictor.artifact import check_tracing_convention, load_predictor
 from predictor.base import ExpertPredictor, PredictorError
 from prescient.arch import is_encoder_decoder
-from prescient.fingerprint import ModelFingerprint, fingerprint_model_dir, loaded_fingerprint
+from prescient.fingerprint import ModelFingerprint, loaded_fingerprint
 from prescient.loading import load_without_experts
+from prescient.model_dir import ModelDirectory
 
 log = logging.getLogger(__name__)
 
 
-def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredictor | None = None,
+def load_offloaded(model_dir: str | Path | ModelDirectory, predictor: str | Path | ExpertPredictor | None = None,
                    options: RuntimeOptions | None = None, **settings: Any):
     """A transformers model whose routed experts live in `options.store` and are loaded into
     `options.budget` worth of slots on `options.device` (see `RuntimeOptions`; `settings`, its
@@ -41,6 +42,7 @@ def load_offloaded(model_dir: str | Path, predictor: str | Path | ExpertPredicto
     model dropped without either stops them once garbage-collected.
     """
     options = RuntimeOptions.of(options, **settings)  # every option checked before any file is read
+    model_dir = ModelDirectory.of(model_dir)
     model, layers = load_without_experts(model_dir, dtype=options.torch_dtype)  # experts stay on disk
     eviction = make_serving_policy(options.policy, layers[0].top_k)
     fingerprint = loaded_fingerprint(model_dir, model, layers, options.torch_dtype)
@@ -91,7 +93,8 @@ def _fine_store(options: RuntimeOptions, fingerprint: ModelFingerprint, model, l
     fine_dir = Path(options.fine_model)
     if not (fine_dir / "config.json").is_file():
         raise FileNotFoundError(f"fine model {fine_dir} is not a model directory (no config.json)")
-    fingerprint.require_same(fingerprint_model_dir(fine_dir), f"fine model {fine_dir}")
+    fine_dir = ModelDirectory.open(fine_dir)
+    fingerprint.require_same(fine_dir.fingerprint, f"fine model {fine_dir}")
     fine = ExpertStore(fine_dir, model, layers, mode=options.store, drop_page_cache=options.drop_page_cache,
                        slot_format=options.slot_format)
     if fine.packed.keys() != coarse.packed.keys() or set(coarse.spec.shapes) != set(fine.spec.shapes):

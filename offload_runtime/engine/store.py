@@ -59,7 +59,7 @@ from offload_runtime.compression.kernels import (KERNEL_DTYPE, SCALES_SUFFIX, Pa
 from offload_runtime.compression.scheme import PACKED_SUFFIX, CheckpointSchemes, CompressionError, WeightScheme
 from offload_runtime.engine.expert_layout import ExpertSpec, LayoutDeriver, Piece, PieceRead, StoreError, expert_spec
 from prescient.arch import MoELayer, find_moe_layers
-from prescient.loading import checkpoint_names, weight_files
+from prescient.model_dir import ModelDirectory, checkpoint_names
 
 log = logging.getLogger(__name__)
 
@@ -138,17 +138,10 @@ def _read_header(path: Path) -> dict[str, _Entry]:
         raise StoreError(f"weight file {path} is corrupt or unreadable ({exc!r})") from exc
 
 
-def _index(model_dir: Path) -> dict[str, _Entry]:
-    """Every tensor of the directory's weight files; a shard that the index file lists but the
-    directory lacks is an error naming it."""
-    index_file = model_dir / "model.safetensors.index.json"
-    if index_file.exists():
-        shards = sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
-        missing = [name for name in shards if not (model_dir / name).exists()]
-        if missing:
-            raise StoreError(f"weight files {missing} listed in {index_file} are missing")
+def _index(model_dir: ModelDirectory) -> dict[str, _Entry]:
+    """Every tensor of the directory's weight files, where its data lies."""
     entries: dict[str, _Entry] = {}
-    for path in weight_files(model_dir):
+    for path in model_dir.weight_files:
         entries.update(_read_header(path))
     return entries
 
@@ -170,12 +163,12 @@ def _plan(read: PieceRead, entry: _Entry, compressed: _Compressed | None = None)
 
 class ExpertStore:
     """Reads experts `(layer, expert)` of `model` (its MoE layers in forward order) from the
-    safetensors files in `model_dir`. `model` may hold its experts on the meta device: only
+    safetensors files in `model_dir` (a path, or the directory already opened). `model` may hold its experts on the meta device: only
     their shapes and dtypes are used."""
 
     def __init__(
         self,
-        model_dir: str | Path,
+        model_dir: str | Path | ModelDirectory,
         model: nn.Module,
         layers: Sequence[MoELayer] | None = None,
         mode: Literal["disk", "host"] = "disk",
@@ -187,7 +180,8 @@ class ExpertStore:
             raise StoreError(f"unknown store mode {mode!r}; use 'disk' or 'host'")
         if slot_format not in ("expanded", "packed"):
             raise StoreError(f"unknown slot format {slot_format!r}; use 'expanded' or 'packed'")
-        self.model_dir = Path(model_dir)
+        directory = ModelDirectory.of(model_dir)
+        self.model_dir = directory.path
         # the layers are read here and not kept: the transfer threads hold the store, and must not
         # keep the model alive (a runtime dropped unclosed is then collected and stops them)
         layers = list(layers) if layers is not None else find_moe_layers(model)
@@ -197,8 +191,8 @@ class ExpertStore:
         self.num_experts = layers[0].num_experts
         if any(layer.num_experts != self.num_experts for layer in layers):
             raise StoreError(f"the MoE layers differ in expert count: {[x.num_experts for x in layers]}")
-        self._index = _index(self.model_dir)
-        self._schemes = CheckpointSchemes.of(_model_config(self.model_dir), str(self.model_dir / "config.json"))
+        self._index = _index(directory)
+        self._schemes = CheckpointSchemes.of(directory.config_dict, str(self.model_dir / "config.json"))
         self.specs: list[ExpertSpec] = []
         self._plans: list[list[list[_Step]]] = []  # [layer][expert] → steps
         layouts = LayoutDeriver(model)
@@ -507,13 +501,6 @@ def drop_pages(fd: int, offset: int = 0, length: int = 0) -> None:
         return
     start, end = offset - offset % mmap.PAGESIZE, offset + length
     os.posix_fadvise(fd, start, end - start + -end % mmap.PAGESIZE, os.POSIX_FADV_DONTNEED)
-
-
-def _model_config(model_dir: Path) -> dict:
-    try:
-        return json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}  # the model loader has read it already; a store on a bare weight folder has none
 
 
 def _packed(key: str) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 from offload_runtime.engine.options import MAX_TRANSFER_WORKERS
 from offload_runtime.engine.store import drop_pages
 from prescient.errors import PrescientError
-from prescient.loading import weight_files
+from prescient.model_dir import weight_files
 
 log = logging.getLogger(__name__)
 

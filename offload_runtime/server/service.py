@@ -83,12 +83,13 @@ class Service:
 
     def _load(self) -> None:
         from offload_runtime.engine.loader import load_offloaded
-        from prescient.loading import load_tokenizer
+        from prescient.model_dir import ModelDirectory
 
         c = self.config
         try:
-            tokenizer = load_tokenizer(c.model_dir)
-            model = load_offloaded(c.model_dir, c.predictor, c.options)
+            model_dir = ModelDirectory.of(c.model_dir)
+            tokenizer = model_dir.tokenizer()
+            model = load_offloaded(model_dir, c.predictor, c.options)
             if model.config.is_encoder_decoder:
                 model.offload_runtime.close()
                 raise UnsupportedModelError(f"{c.model_dir} is an encoder-decoder model; serving decodes "
