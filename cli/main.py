@@ -43,6 +43,7 @@ COMMANDS = {
     "bench": "bench",
     "bench-compressed": "bench_compressed",
     "bench-batch": "bench_batch",
+    "bench-kernels": "bench_kernels",
     "serve": "serve",
     "bench-serve": "bench_serve",
     "plan": "plan",

@@ -13,13 +13,16 @@ each gathering its expert's weights) and `grouped_mm` (one grouped GEMM over eve
     pipelines(8.0, table)                        # whether per-expert parts pay at that load
 
 `measure_crossover` times each kernel at each load m (tokens per activated expert, every expert
-activated) and keeps the fastest; a kernel three times slower than the fastest at a load is not
-timed at larger ones (batched_mm gathers an expert's weights per row, so it only falls further
-behind). The pipeline threshold: at load m, one call over all A experts takes t1 and A calls of one
+activated) and keeps the fastest, but the model's own kernel unless another beats it by `MARGIN`
+(timings on a shared CPU move by more than the kernels differ at some loads, and the model's own
+kernel is the one that rounds as the model does); another kernel three times slower than the
+fastest at a load is not timed at larger ones (batched_mm gathers an expert's weights per row, so
+it only falls further behind). The pipeline threshold: at load m, one call over all A experts takes t1 and A calls of one
 expert each tA; splitting adds tA − t1 and can hide at most t1 (all the compute, on a link slower
 than it), so parts pay from the least load where tA < 2·t1 holds at it and every larger load.
 The table is small JSON (`CrossoverTable.to_json`, `load_table`); `crossover_for` measures once
-per process per layer shape.
+per process per layer shape, at fewer loads (seconds for a layer of wide experts: give a table
+from `prescient bench-kernels` instead where load time matters).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ log = logging.getLogger(__name__)
 KERNELS = ("eager", "batched_mm", "grouped_mm")  # transformers' experts implementations we choose among
 EXPERT_KERNELS = ("model", "auto", *KERNELS)  # `RuntimeOptions.expert_kernel`'s values
 LOADS = (1, 2, 4, 8, 16, 32, 64)  # tokens per activated expert
+LOAD_TIME_LOADS = (1, 4, 16, 64)  # measured at load (no table given): fewer, a layer of wide experts takes seconds
+MARGIN = 0.10  # another kernel replaces the model's own only where it is this much faster
 GIVE_UP = 3.0  # a kernel this many times slower than the fastest at a load is not timed at larger loads
 
 
@@ -54,7 +59,8 @@ class CrossoverTable:
     """The fastest kernel per load (`loads` ascending, `kernels` alike), the least load from which
     the per-expert pipeline pays (`pipeline_from`; None: at no measured load), and what was timed
     (`seconds`: per kernel the best time at each load, None where not timed; `parts_seconds`: A
-    one-expert calls of the fastest kernel; `shape`: the layer's)."""
+    one-expert calls of the kept kernel; `shape`: the layer's; `model_kernel`: the module's own
+    implementation, kept unless another was faster by `margin`)."""
 
     loads: tuple[int, ...]
     kernels: tuple[str, ...]
@@ -62,10 +68,13 @@ class CrossoverTable:
     seconds: dict[str, list[float | None]]
     parts_seconds: list[float]
     shape: dict[str, Any]
+    model_kernel: str | None = None
+    margin: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"loads": list(self.loads), "kernels": list(self.kernels), "pipeline_from": self.pipeline_from,
-                "seconds": self.seconds, "parts_seconds": self.parts_seconds, "shape": self.shape}
+                "seconds": self.seconds, "parts_seconds": self.parts_seconds, "shape": self.shape,
+                "model_kernel": self.model_kernel, "margin": self.margin}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CrossoverTable:
@@ -73,7 +82,8 @@ class CrossoverTable:
             data = data["crossover"]
         try:
             table = cls(tuple(int(m) for m in data["loads"]), tuple(data["kernels"]), data["pipeline_from"],
-                        dict(data.get("seconds", {})), list(data.get("parts_seconds", [])), dict(data.get("shape", {})))
+                        dict(data.get("seconds", {})), list(data.get("parts_seconds", [])), dict(data.get("shape", {})),
+                        data.get("model_kernel"), float(data.get("margin", 0.0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise KernelTableError(f"not a crossover table ({type(exc).__name__}: {exc}); write one with "
                                    "`prescient bench-kernels`") from None
@@ -156,13 +166,16 @@ def shape_of(module: nn.Module, experts: int, top_k: int) -> dict[str, Any]:
 
 @torch.inference_mode()
 def measure_crossover(module: nn.Module, experts: int, top_k: int, loads: tuple[int, ...] = LOADS,
-                      repeats: int = 3, kernels: tuple[str, ...] = KERNELS, seed: int = 0) -> CrossoverTable:
+                      repeats: int = 3, kernels: tuple[str, ...] = KERNELS, seed: int = 0,
+                      margin: float = MARGIN) -> CrossoverTable:
     """Time each of `kernels` on `module`'s shapes (random weights for `experts` experts) at each
     load of `loads` (every expert gets that many (token, choice) rows, one choice column each, as
-    the runtime calls experts per part); best of `repeats` after a warm-up."""
+    the runtime calls experts per part); best of `repeats` after a warm-up. At each load the
+    fastest is kept, or the module's own implementation if within `margin` of it."""
     if not dispatches(module):
         raise KernelTableError(f"{type(module).__name__} does not dispatch to transformers' experts implementations; "
                                "there is no kernel to choose")
+    own = module.config._experts_implementation
     generator = torch.Generator().manual_seed(seed)
     first = next(module.parameters())
     hidden = _hidden_size(module)
@@ -181,15 +194,17 @@ def measure_crossover(module: nn.Module, experts: int, top_k: int, loads: tuple[
         for kernel in kernels:
             seconds[kernel].append(timed.get(kernel))
         best = min(timed, key=timed.get)
+        if own in timed and timed[own] <= (1 + margin) * timed[best]:
+            best = own
         fastest.append(best)
         one_x, one_ids, one_w = x[:load], torch.zeros(load, 1, dtype=torch.long, device=first.device), weights[:load]
         parts_seconds.append(experts * _best_seconds(lambda: one_twins[best](one_x, one_ids, one_w), repeats))
-        live = [k for k in live if timed[k] < GIVE_UP * timed[best]]
+        live = [k for k in live if k == own or timed[k] < GIVE_UP * min(timed.values())]
         log.debug("load %d: %s; %d one-expert calls %.4f s", load, timed, experts, parts_seconds[-1])
     pays = [parts < 2 * seconds[best][i] for i, (parts, best) in enumerate(zip(parts_seconds, fastest))]
     first_paying = next((i for i in range(len(loads)) if all(pays[i:])), None)
     return CrossoverTable(tuple(loads), tuple(fastest), None if first_paying is None else float(loads[first_paying]),
-                          seconds, parts_seconds, shape_of(module, experts, top_k))
+                          seconds, parts_seconds, shape_of(module, experts, top_k), own, margin)
 
 
 def _hidden_size(module: nn.Module) -> int:
@@ -208,7 +223,7 @@ def crossover_for(module: nn.Module, experts: int, top_k: int) -> CrossoverTable
     key = json.dumps(shape_of(module, experts, top_k), sort_keys=True)
     if key not in _MEASURED:
         start = time.perf_counter()
-        _MEASURED[key] = measure_crossover(module, experts, top_k)
+        _MEASURED[key] = measure_crossover(module, experts, top_k, loads=LOAD_TIME_LOADS, repeats=2)
         table = _MEASURED[key]
         log.info("expert kernels measured in %.1f s: %s; pipeline from %s tokens per expert",
                  time.perf_counter() - start, ", ".join(f"{m}: {k}" for m, k in zip(table.loads, table.kernels)),

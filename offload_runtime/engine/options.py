@@ -132,9 +132,7 @@ class RuntimeOptions:
         if self.lookahead_layers > MAX_LOOKAHEAD_LAYERS:
             raise OptionsError(f"lookahead_layers must be 0 (off) to {MAX_LOOKAHEAD_LAYERS}, got {self.lookahead_layers}")
         if self.lookahead_probe is not None:
-            if not isinstance(self.lookahead_probe, (str, os.PathLike)):
-                raise OptionsError(f"lookahead_probe must be a probe artifact's path, got {self.lookahead_probe!r}")
-            object.__setattr__(self, "lookahead_probe", str(self.lookahead_probe))
+            self._path("lookahead_probe", "a probe artifact's path")
             if not self.lookahead_layers:
                 raise OptionsError("a lookahead probe guesses for in-token lookahead: give lookahead_layers 1 to "
                                    f"{MAX_LOOKAHEAD_LAYERS} (--lookahead N) too")
@@ -148,9 +146,7 @@ class RuntimeOptions:
             raise OptionsError("packed slots compute with torch's int4/int8 CPU kernels, on bfloat16 activations: use "
                                f"dtype bfloat16 and device cpu (got {self.dtype} on {self.device})")
         if self.fine_model is not None:
-            if not isinstance(self.fine_model, (str, os.PathLike)):
-                raise OptionsError(f"fine_model must be a model directory, got {self.fine_model!r}")
-            object.__setattr__(self, "fine_model", str(self.fine_model))
+            self._path("fine_model", "a model directory")
             if self.slot_format != "packed":
                 raise OptionsError("mixed precision (a fine model) keeps both copies packed in their slots: "
                                    "use slot_format packed (--slot-format packed --dtype bfloat16)")
@@ -166,9 +162,7 @@ class RuntimeOptions:
             raise OptionsError(f"packed slots compute with the eager loop's int4/int8 kernels, not {self.expert_kernel}; "
                                "use expert_kernel model, auto or eager")
         if self.expert_kernel_table is not None:
-            if not isinstance(self.expert_kernel_table, (str, os.PathLike)):
-                raise OptionsError(f"expert_kernel_table must be a JSON file's path, got {self.expert_kernel_table!r}")
-            object.__setattr__(self, "expert_kernel_table", str(self.expert_kernel_table))
+            self._path("expert_kernel_table", "a JSON file's path")
             if self.expert_kernel != "auto":
                 raise OptionsError("a crossover table chooses the kernel of expert_kernel auto; give --expert-kernel "
                                    f"auto with it (got {self.expert_kernel})")
@@ -177,6 +171,13 @@ class RuntimeOptions:
             if isinstance(chance, bool) or not isinstance(chance, (int, float)) or not 0.0 <= chance <= 1.0:
                 raise PredictorError(f"cross-token prefetch's least chance of use must be in [0, 1], got {chance}")
             object.__setattr__(self, "next_token_min_chance", float(chance))
+
+    def _path(self, name: str, what: str) -> None:
+        """Option `name` must be a path (str or os.PathLike); it is kept as a str."""
+        value = getattr(self, name)
+        if not isinstance(value, (str, os.PathLike)):
+            raise OptionsError(f"{name} must be {what}, got {value!r}")
+        object.__setattr__(self, name, str(value))
 
     @classmethod
     def of(cls, options: RuntimeOptions | None = None, **settings: Any) -> RuntimeOptions:

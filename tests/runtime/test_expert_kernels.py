@@ -63,6 +63,8 @@ def test_measure_crossover_names_a_kernel_per_load():
     assert table.pipeline_from in (None, 1.0, 2.0, 4.0)
     assert experts.config._experts_implementation == "grouped_mm"  # the shared config never changes
     assert CrossoverTable.from_json(table.to_json()) == table
+    loyal = measure_crossover(experts, experts=4, top_k=2, loads=(1, 2), repeats=1, margin=1e9)
+    assert loyal.kernels == ("grouped_mm", "grouped_mm") and loyal.model_kernel == "grouped_mm"
 
 
 def greedy(model, ids):

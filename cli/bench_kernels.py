@@ -1,0 +1,73 @@
+"""`prescient bench-kernels`: EPS-MoE's load-aware expert kernels ("auto") against the model's own
+in Klotski's batch decoder: the crossover measured on this machine for the model's layer shape,
+then interleaved runs at each N:μ:r_w, tokens/s and exactness (JSON); see `experiments.bench_kernels`."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from cli.args import add_results_args, add_runtime_args, positive_int, runtime_options
+from cli.bench_batch import batch_policies, prompt_range
+from experiments.bench_kernels import ARMS, DEFAULT_POLICIES
+
+
+def arms(text: str) -> tuple[str, ...]:
+    """"model,auto,..." → the arms, model first whether named or not."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(ARMS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown arm {', '.join(unknown)}; arms are {', '.join(ARMS)}")
+    return tuple(dict.fromkeys(["model", *names]))
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench-kernels", help="load-aware expert kernels (EPS-MoE) against the model's own, "
+                                                    "in Klotski's batch decoder")
+    p.add_argument("--model", required=True, help="Hugging Face model directory (e.g. the bench reference model)")
+    add_results_args(p, "results file (rewritten after every run; holds the crossover table --expert-kernel-table "
+                        "reads)", plot=None)
+    p.add_argument("--policies", type=batch_policies, default=DEFAULT_POLICIES,
+                   help="Klotski policies N:MICRO_BATCH:RESIDENT,... each arm runs at")
+    p.add_argument("--arms", type=arms, default="model,auto",
+                   help="what runs against the model's own kernel: auto; auto-pipelined (auto's kernels with the "
+                        "per-expert pipeline at every load: what skipping it changes)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="interleaved repeats (model, auto, model, ...)")
+    p.add_argument("--crossover-repeats", type=positive_int, default=3,
+                   help="timings per kernel and load in the crossover (the best is kept)")
+    p.add_argument("--gen-len", type=positive_int, default=8, help="tokens generated per request")
+    p.add_argument("--prompt-tokens", type=prompt_range, default="16,48", help="shortest,longest prompt (spread evenly)")
+    p.add_argument("--trace", help="trace whose expert frequencies pick the resident experts and whose routing "
+                                   "builds Klotski's correlation table")
+    add_runtime_args(p, "store")  # the policy is fifo, each run's budget what its r_w needs
+    p.add_argument("--keep-page-cache", action="store_true", help="disk store: leave read pages in the page cache")
+    p.add_argument("--dataset", default="stdlib-code")
+    p.add_argument("--split", default="validation")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from experiments.bench_kernels import bench_kernels
+
+    shortest, longest = args.prompt_tokens
+    result = bench_kernels(args.model, args.json, args.policies, repeats=args.repeats, gen_len=args.gen_len,
+                           shortest=shortest, longest=longest, trace=args.trace, threads=args.threads,
+                           options=runtime_options(args, policy="fifo", drop_page_cache=not args.keep_page_cache),
+                           dataset=args.dataset, split=args.split, crossover_repeats=args.crossover_repeats,
+                           command=shlex.join(["prescient", *sys.argv[1:]]), arms=args.arms)
+    table = result["crossover"]
+    print("crossover (tokens per expert: kernel): " + ", ".join(f"{m}: {k}" for m, k in zip(table["loads"],
+                                                                                           table["kernels"]))
+          + f"; per-expert pipeline from {table['pipeline_from']} tokens per expert")
+    for label, row in result["summary"]["by_policy"].items():
+        speeds = ", ".join(f"{arm} {m['tokens_per_s']['median']:.2f}" for arm, m in row["arms"].items())
+        ratios = ", ".join(f"{arm}/model {row[f'{arm}_over_model']['tokens_per_s']['ratio_of_medians']:.2f}x (paired "
+                           f"{row[f'{arm}_over_model']['tokens_per_s']['paired']['min']:.2f}-"
+                           f"{row[f'{arm}_over_model']['tokens_per_s']['paired']['max']:.2f})" for arm in args.arms[1:])
+        print(f"{label}: tokens/s end to end (median of {args.repeats}) {speeds}; {ratios}; exact {row['exact']}")
+    check = result["logits_check"]
+    print(f"every output equal to the plain model: {result['summary']['all_exact']}; one prompt through auto: tokens "
+          f"equal {check['tokens_equal']}, max logit difference {check['max_logit_difference']:.3g}; results in {args.json}")
+    return 0
