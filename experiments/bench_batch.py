@@ -98,7 +98,8 @@ def request_prompts(tokenizer, count: int, shortest: int, longest: int, dataset:
             prompts.append(ids[:lengths[len(prompts)]])
             if len(prompts) == count:
                 return prompts
-    raise SystemExit(f"{dataset}:{split} has only {len(prompts)} texts of the lengths needed; ask for fewer requests")
+    raise BenchBatchError(f"{dataset}:{split} has only {len(prompts)} texts of the lengths needed for {count} requests "
+                          "(the largest policy's N, or a sweep's group size n times its micro-batch); ask for fewer")
 
 
 def store_read_bandwidth(model_dir: str, options: RuntimeOptions) -> float:
