@@ -684,18 +684,36 @@ def batch_page() -> Page:
 
     def klotski() -> Rows:
         d = load("bench-batch-klotski.json")
+        policies = d["by_policy"].values()
+        # results from before the accelerate baseline and the HRM's per-schedule predictions lack these
+        accelerate = any("accelerate" in p["modes"] for p in policies)
+        predicted = any("prediction_over_measured" in m for p in policies for m in p["modes"].values())
+        modes = ("klotski", "klotski-paper", "cgopipe", "zigzag") + (("accelerate",) if accelerate else ())
+        short = {"klotski": "K", "klotski-paper": "Kp", "cgopipe": "C", "zigzag": "Z", "sequential": "S",
+                 "accelerate": "A"}
         rows = []
         for label, policy in d["by_policy"].items():
             m = policy["modes"]
             mb = lambda mode: num(m[mode]["decode_bytes_per_token"]["median"] / 1e6, 1) if mode in m else "–"
-            rows.append([label, *(spread(m[mode]["tokens_per_s"]["median"], [m[mode]["tokens_per_s"]["min"],
-                                                                              m[mode]["tokens_per_s"]["max"]])
-                                  if mode in m else "–" for mode in ("klotski", "klotski-paper", "cgopipe", "zigzag")),
-                         num(policy["klotski_over_cgopipe"]), num(policy["cgopipe_over_zigzag"]),
-                         f"{mb('klotski')} / {mb('cgopipe')} / {mb('zigzag')}",
-                         pct(m["klotski"]["activated_share"], 0, signed=False)])
-        return ["policy", "Klotski tokens/s", "Klotski, paper's hot timing", "CGOPipe", "FlexGen zig-zag",
-                "Klotski / CGOPipe", "CGOPipe / zig-zag", "decode MB/token K / C / Z", "experts a step activates"], rows
+            row = [label, *(spread(m[mode]["tokens_per_s"]["median"], [m[mode]["tokens_per_s"]["min"],
+                                                                       m[mode]["tokens_per_s"]["max"]])
+                            if mode in m else "–" for mode in modes),
+                   num(policy["klotski_over_cgopipe"]), num(policy["cgopipe_over_zigzag"])]
+            if accelerate:
+                row.append(num(policy["cgopipe_over_accelerate"]) if "cgopipe_over_accelerate" in policy else "–")
+            row += [" / ".join(mb(mode) for mode in ("klotski", "cgopipe", "zigzag") + (("accelerate",) if accelerate
+                                                                                      else ())),
+                    pct(m["klotski"]["activated_share"], 0, signed=False)]
+            if predicted:
+                row.append(", ".join(f"{short.get(mode, mode)} {num(s['prediction_over_measured']['tokens_per_s'])}"
+                                     for mode, s in m.items() if "prediction_over_measured" in s))
+            rows.append(row)
+        head = ["policy", "Klotski tokens/s", "Klotski, paper's hot timing", "CGOPipe", "FlexGen zig-zag"]
+        head += ["accelerate (disk offload)"] if accelerate else []
+        head += ["Klotski / CGOPipe", "CGOPipe / zig-zag"] + (["CGOPipe / accelerate"] if accelerate else [])
+        head += ["decode MB/token K / C / Z" + (" / A" if accelerate else ""), "experts a step activates"]
+        head += ["HRM predicted / measured tokens/s"] if predicted else []
+        return head, rows
 
     def klotski_planner() -> Rows:
         sweep = load("bench-batch-klotski.json")["klotski_sweep"]
