@@ -169,7 +169,7 @@ def bench_runtime(
         bar.set_postfix_str("all_resident")
         trace_out = oracle_trace if "oracle" in predictors or simulate else None
         reference, fingerprint = _reference(execute, base, directory, trace_out, "all_resident" in baselines, result)
-        link = _link(result, link_timing, directory, fingerprint) if any("hide" in r.modes for r in runs) else None
+        link = _link(result, link_timing, model_dir, fingerprint) if any("hide" in r.modes for r in runs) else None
         bar.update()
         paths = {"oracle": str(oracle_trace), **_artifacts(predictors, fingerprint, train_trace, work)}
         if "accelerate_disk" in baselines:
@@ -247,7 +247,7 @@ def _reference(execute: Executor, base: Job, model_dir: ModelDirectory, trace_ou
     return reference, fingerprint
 
 
-def _link(result: dict[str, Any], link_timing: str | Path, model_dir: ModelDirectory, fingerprint) -> LinkTiming:
+def _link(result: dict[str, Any], link_timing: str | Path, model_dir: str | Path, fingerprint) -> LinkTiming:
     """The link +hide runs weigh copies against, calibrated for this model and recorded in the settings."""
     calibration = load_timing(link_timing, model_config=model_dir, fingerprint=fingerprint)
     result["settings"]["link_timing"] = calibration.to_dict()
