@@ -67,7 +67,10 @@ def run(args: argparse.Namespace) -> int:
                            f"{row[f'{arm}_over_model']['tokens_per_s']['paired']['min']:.2f}-"
                            f"{row[f'{arm}_over_model']['tokens_per_s']['paired']['max']:.2f})" for arm in args.arms[1:])
         print(f"{label}: tokens/s end to end (median of {args.repeats}) {speeds}; {ratios}; exact {row['exact']}")
-    check = result["logits_check"]
-    print(f"every output equal to the plain model: {result['summary']['all_exact']}; one prompt through auto: tokens "
-          f"equal {check['tokens_equal']}, max logit difference {check['max_logit_difference']:.3g}; results in {args.json}")
+    for check in result["logits_check"]:
+        print(f"logits, {check['expert_kernel']} against the plain model: {check['batch_prompts']} prompts in one "
+              f"forward equal {check['batch_logits_equal']} (max difference {check['batch_max_logit_difference']:.3g}); "
+              f"one prompt greedy: tokens equal {check['tokens_equal']}, logits equal {check['logits_equal']} (max "
+              f"difference {check['max_logit_difference']:.3g})")
+    print(f"every batch output equal to the plain model: {result['summary']['all_exact']}; results in {args.json}")
     return 0

@@ -12,8 +12,9 @@ batch path.
    decode tokens/s, and the seconds spent inside the experts modules (`experts_seconds`, copy
    waits included; `stall_seconds` is the runtime's time blocked on copies); every output checked
    token for token against each request generated alone by the plain model.
-3. The logits check: the first prompt generated through the runtime with "auto" against the plain
-   model, greedy, and the largest logit difference over every step.
+3. The logits check, "model" and "auto" against the plain model (all experts in slots): one
+   forward over every prompt at once (many tokens per expert) and the first prompt generated
+   greedily (one per expert), bit-equality and the largest logit difference.
 
 The JSON is rewritten after every run (an interrupted bench keeps what it measured); the summary
 gives, per policy, medians and spreads and the ratio auto/model of the medians with the range of
@@ -80,27 +81,45 @@ def layer_crossover(plain, layers, repeats: int):
     return measure_crossover(layer.experts, experts=layer.num_experts, top_k=layer.top_k, repeats=repeats)
 
 
-def logits_check(model_dir: str, plain, prompt: list[int], gen_len: int, options: RuntimeOptions) -> dict[str, Any]:
-    """Greedy generation of `prompt` through the runtime of `options` against `plain`: whether
-    the tokens are equal and the largest difference of any step's logits."""
+def logits_check(model_dir: str, plain, prompts: list[list[int]], gen_len: int, options: RuntimeOptions
+                 ) -> dict[str, Any]:
+    """The runtime of `options` against `plain` (its weights in memory of their own, see
+    `own_memory`): the logits of one forward over every prompt at once, left-padded (many tokens
+    per expert: the large-load kernels), at the real positions; and the first prompt generated
+    greedily (one token per expert and step): equal tokens, equal logits, the largest difference."""
     import torch
 
     from offload_runtime.engine.loader import load_offloaded
 
+    pad = plain.config.pad_token_id or 0
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
     def run(model):
         with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=gen_len, min_new_tokens=gen_len,
-                                 do_sample=False, output_logits=True, return_dict_in_generate=True,
-                                 pad_token_id=model.config.pad_token_id)
-        return out.sequences, torch.stack(out.logits)
+            batch = model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+            out = model.generate(torch.tensor([prompts[0]]), max_new_tokens=gen_len, min_new_tokens=gen_len,
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
+        return batch, out.sequences, torch.stack(out.logits)
 
-    want_tokens, want_logits = run(plain)
+    want_batch, want_tokens, want_logits = run(plain)
     model = load_offloaded(model_dir, None, options)
     with model.offload_runtime:
-        tokens, logits = run(model)
-    return {"tokens_equal": bool(torch.equal(tokens, want_tokens)), "logits_equal": bool(torch.equal(logits, want_logits)),
-            "max_logit_difference": float((logits - want_logits).abs().max()), "budget": options.budget.as_json(),
-            "expert_kernel": options.expert_kernel}
+        batch, tokens, logits = run(model)
+    return {"expert_kernel": options.expert_kernel, "budget": options.budget.as_json(), "batch_prompts": len(prompts),
+            "batch_logits_equal": bool(torch.equal(batch, want_batch)),
+            "batch_max_logit_difference": float((batch - want_batch).abs().max()),
+            "tokens_equal": bool(torch.equal(tokens, want_tokens)), "logits_equal": bool(torch.equal(logits, want_logits)),
+            "max_logit_difference": float((logits - want_logits).abs().max())}
+
+
+def own_memory(model) -> None:
+    """Every weight of `model` copied into memory of its own: `from_pretrained` may leave a weight
+    at any offset of a memory-mapped file, and a float32 GEMM's rounding can depend on its operands'
+    alignment (the runtime's loader copies); without this the plain model differs from itself."""
+    for param in model.parameters():
+        param.data = param.data.clone()
 
 
 def bench_kernels(model_dir: str, json_path: str, policies: list[BatchPolicy], repeats: int = 3, gen_len: int = 8,
@@ -136,6 +155,7 @@ def bench_kernels(model_dir: str, json_path: str, policies: list[BatchPolicy], r
         write_json_atomic(Path(json_path), result)
 
     plain, layers = load_model(model_dir, dtype=torch.float32)
+    own_memory(plain)
     result["settings"]["model_experts_implementation"] = plain.config._experts_implementation
     start = time.perf_counter()
     result["crossover"] = layer_crossover(plain, layers, crossover_repeats).to_json()
@@ -154,7 +174,8 @@ def bench_kernels(model_dir: str, json_path: str, policies: list[BatchPolicy], r
     hot = _hot_ranking(fingerprint, trace)
     table = correlation_table(trace, None, fingerprint)
     reference = reference_outputs(plain, prompts, gen_len)
-    result["logits_check"] = logits_check(model_dir, plain, prompts[0], gen_len, dataclasses.replace(auto, budget=0.5))
+    result["logits_check"] = [logits_check(model_dir, plain, prompts, gen_len, dataclasses.replace(arm, budget=1.0))
+                              for arm in (options, auto)]
     del plain, layers
     save()
 
