@@ -286,11 +286,6 @@ def predicted(spec, hardware, prompt_len: int, gen_len: int, policy: BatchPolicy
     return {"predicted_tokens_per_s": est.tokens_per_s, "predicted_decode_tokens_per_s": est.decode_tokens_per_s}
 
 
-def predicted_decode_tokens_per_s(spec, hardware, prompt_len: int, gen_len: int, policy: BatchPolicy) -> float:
-    """CGOPipe's predicted decode tokens/s (the grid's check)."""
-    return predicted(spec, hardware, prompt_len, gen_len, policy)["predicted_decode_tokens_per_s"]
-
-
 def bench_batch(model_dir: str, json_path: str, plot_path: str | None, compared: list[BatchPolicy],
                 grid: list[BatchPolicy], sequential_at: list[BatchPolicy], gen_len: int, shortest: int, longest: int,
                 hardware: str | None, trace: str | None, repeats: int = 3, sweep: tuple[int, float, list[int]] | None = None,
