@@ -90,12 +90,13 @@ class ModelDirectory(os.PathLike):
         return next((key for key in checkpoint_names(name) if key in self.weight_index), None)
 
     def weightless_model(self, dtype: torch.dtype | None = None) -> PreTrainedModel:
-        """The model built from `config` with its parameters on the meta device (shapes and dtypes
-        only; buffers computed as usual): what loading without the experts fills, what finds the
-        checkpoint names of the experts and the input embedding, and what maps modules to devices."""
+        """The model built from `config` (in `dtype`, else the config's) with its parameters on
+        the meta device (shapes and dtypes only; buffers computed as usual): what loading without
+        the experts fills, what finds the checkpoint names of the experts and the input
+        embedding, and what maps modules to devices."""
         config = copy.deepcopy(self.config)  # building sets the config's dtype
-        with init_empty_weights(include_buffers=False):
-            return model_class(config).from_config(config, dtype=dtype)
+        with init_empty_weights(include_buffers=False):  # no dtype: the config's own
+            return model_class(config).from_config(config, **({} if dtype is None else {"dtype": dtype}))
 
     def tokenizer(self):
         """The model's tokenizer (`prescient.loading.load_tokenizer`), read on first use."""
