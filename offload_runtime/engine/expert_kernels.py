@@ -17,9 +17,10 @@ activated) and keeps the fastest, but the model's own kernel unless another beat
 (timings on a shared CPU move by more than the kernels differ at some loads, and the model's own
 kernel is the one that rounds as the model does); another kernel three times slower than the
 fastest at a load is not timed at larger ones (batched_mm gathers an expert's weights per row, so
-it only falls further behind). The pipeline threshold: at load m, one call over all A experts takes t1 and A calls of one
-expert each tA; splitting adds tA − t1 and can hide at most t1 (all the compute, on a link slower
-than it), so parts pay from the least load where tA < 2·t1 holds at it and every larger load.
+it only falls further behind). The pipeline threshold: at load m, one call over all A experts
+takes t1, and A calls, each on one expert's rows (the pipeline's parts), take tA; splitting adds
+tA − t1 and can hide at most t1 (all the compute, on a link slower than it), so parts pay from the
+least load where tA < 2·t1 holds at it and every larger load.
 The table is small JSON (`CrossoverTable.to_json`, `load_table`); `crossover_for` measures once
 per process per layer shape, at fewer loads (seconds for a layer of wide experts: give a table
 from `prescient bench-kernels` instead where load time matters).
@@ -59,7 +60,7 @@ class CrossoverTable:
     """The fastest kernel per load (`loads` ascending, `kernels` alike), the least load from which
     the per-expert pipeline pays (`pipeline_from`; None: at no measured load), and what was timed
     (`seconds`: per kernel the best time at each load, None where not timed; `parts_seconds`: A
-    one-expert calls of the kept kernel; `shape`: the layer's; `model_kernel`: the module's own
+    calls of the kept kernel, each on one expert's rows, as the pipeline's parts; `shape`: the layer's; `model_kernel`: the module's own
     implementation, kept unless another was faster by `margin`)."""
 
     loads: tuple[int, ...]
@@ -181,8 +182,6 @@ def measure_crossover(module: nn.Module, experts: int, top_k: int, loads: tuple[
     hidden = _hidden_size(module)
     randoms = _random_experts(module, experts)
     twins = {kernel: with_kernel(randoms, kernel) for kernel in kernels}
-    one = _random_experts(module, 1)
-    one_twins = {kernel: with_kernel(one, kernel) for kernel in kernels}
     seconds: dict[str, list[float | None]] = {kernel: [] for kernel in kernels}
     fastest, parts_seconds, live = [], [], list(kernels)
     for load in loads:
@@ -197,8 +196,8 @@ def measure_crossover(module: nn.Module, experts: int, top_k: int, loads: tuple[
         if own in timed and timed[own] <= (1 + margin) * timed[best]:
             best = own
         fastest.append(best)
-        one_x, one_ids, one_w = x[:load], torch.zeros(load, 1, dtype=torch.long, device=first.device), weights[:load]
-        parts_seconds.append(experts * _best_seconds(lambda: one_twins[best](one_x, one_ids, one_w), repeats))
+        parts = [(x[ids[:, 0] == e], ids[ids[:, 0] == e], weights[:load]) for e in range(experts)]
+        parts_seconds.append(_best_seconds(lambda: [twins[best](*part) for part in parts], repeats))
         live = [k for k in live if k == own or timed[k] < GIVE_UP * min(timed.values())]
         log.debug("load %d: %s; %d one-expert calls %.4f s", load, timed, experts, parts_seconds[-1])
     pays = [parts < 2 * seconds[best][i] for i, (parts, best) in enumerate(zip(parts_seconds, fastest))]
