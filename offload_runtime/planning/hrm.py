@@ -39,6 +39,7 @@ from typing import Any
 
 from offload_runtime.planning.hardware import HardwareProfile, Processor
 from prescient.errors import PrescientError
+from prescient.model_dir import ModelDirectory
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
                 "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
@@ -92,8 +93,11 @@ class ModelSpec:
     expert_bytes_per_param: float | None = None  # routed experts stored compressed; None: bytes_per_param
 
     @classmethod
-    def from_config(cls, path: str | Path) -> ModelSpec:
-        """Read a transformers `config.json` (or the model directory holding one)."""
+    def from_config(cls, path: str | Path | ModelDirectory) -> ModelSpec:
+        """Read a transformers `config.json` (or the model directory holding one, or one already
+        opened)."""
+        if isinstance(path, ModelDirectory):
+            return cls.from_dict(path.config_dict, source=str(path.path / "config.json"))
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
