@@ -722,6 +722,37 @@ def batch_page() -> Page:
         rows.append(["planner's n below the best measured", pct(sweep["planner_gap"], 1, signed=False)])
         return ["group size n", "Klotski tokens/s median (range)"], rows
 
+    def kernels(name: str):
+        def rows() -> Rows:
+            d = load(name)
+            arms = [a for a in d["settings"]["arms"] if a != "model"]
+            out = []
+            for label, policy in d["summary"]["by_policy"].items():
+                m = policy["arms"]
+                cell = lambda arm, key="tokens_per_s": spread(m[arm][key]["median"], [m[arm][key]["min"], m[arm][key]["max"]])
+                row = [label, cell("model")]
+                for arm in arms:
+                    ratio = policy[f"{arm}_over_model"]
+                    row += [cell(arm), spread(ratio["tokens_per_s"]["ratio_of_medians"],
+                                              [ratio["tokens_per_s"]["paired"]["min"], ratio["tokens_per_s"]["paired"]["max"]]),
+                            num(ratio["decode_tokens_per_s"]["ratio_of_medians"])]
+                out.append(row + ["yes" if policy["exact"] else "no"])
+            head = ["policy", "model's kernel tokens/s"]
+            for arm in arms:
+                head += [f"{arm} tokens/s", f"{arm} / model (paired range)", f"{arm} / model, decode"]
+            return head + ["every output exact"], out
+        return rows
+
+    def crossover(name: str):
+        def rows() -> Rows:
+            c = load(name)["crossover"]
+            kernels = list(c["seconds"])
+            body = [[load_, kernel, *(num(c["seconds"][k][i] * 1e3, 1) if c["seconds"][k][i] is not None else "–"
+                                      for k in kernels), "yes" if load_ >= c["pipeline_from"] else "no"]
+                    for i, (load_, kernel) in enumerate(zip(c["loads"], c["kernels"]))]
+            return ["tokens per expert", "kernel chosen", *(f"{k} ms" for k in kernels), "pipelined"], body
+        return rows
+
     return Page("batch", "Batch decoding and the planner", """
 CGOPipe streams every non-resident expert each step and hides the stream behind compute, so with
 half the experts resident it decodes many requests several times faster than the same runtime
@@ -748,6 +779,16 @@ reads share the same two cores.
                    "(load average about 8)."),
         Table("Klotski's planner against a sweep of group sizes", ("bench-batch-klotski.json",),
               "the same `prescient bench-batch` run", klotski_planner),
+        Table("Load-aware expert kernels (EPS-MoE) against the model's own, in Klotski's decoder",
+              ("bench-kernels-kb-wide.json",),
+              "prescient bench-kernels --model runs/kb-wide --json results/bench-kernels-kb-wide.json --trace "
+              "runs/kb-traces/train --policies 8:4:0.5,16:4:0.5,64:16:0.5 --arms model,auto,auto-pipelined --repeats 3",
+              kernels("bench-kernels-kb-wide.json"),
+              note="Not the bench model (`runs/kb-wide`, as above); a training job shared the two cores (load "
+                   "average about 4.4). auto-pipelined is the same configuration as auto here (the pipeline paid at "
+                   "every load), so the gap between the two is this machine's noise."),
+        Table("The crossover the auto kernel uses (this machine, the model's layer shape, random weights)",
+              ("bench-kernels-kb-wide.json",), "the same `prescient bench-kernels` run", crossover("bench-kernels-kb-wide.json")),
         Table("The HRM in the paper's setting (Mixtral 8x7B on a T4, 192 GB of CPU memory)", ("plan-mixtral-8x7b-t4.json",),
               "prescient plan --hardware t4 --model configs/models/mixtral-8x7b --prompt-len 242 --gen-len 50 "
               "--cpu-memory 192GiB --json ...", plan,
