@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from experiments.machine import release_freed_memory
 from offload_runtime.engine.options import RuntimeOptions
 from prescient.atomic import write_json_atomic
 from prescient.errors import PrescientError
@@ -267,6 +268,8 @@ def measure_schedule(model_dir: str, prompts: list[list[int]], gen_len: int, pol
     if mode.startswith("klotski"):
         run["hot_count"] = pipe.hot_count
         run["activated_share"] = sum(pipe.activated_share) / max(len(pipe.activated_share), 1)
+    del model, pipe, runtime
+    release_freed_memory()  # before the next run loads its own slot pool
     return run
 
 

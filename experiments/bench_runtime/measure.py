@@ -4,8 +4,6 @@ is measured is in `experiments.bench_runtime.bench.METHOD`."""
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import multiprocessing
 import os
 import resource
@@ -18,6 +16,7 @@ import torch
 from torch import nn
 
 from experiments.bench_runtime.grid import BenchError
+from experiments.machine import release_freed_memory
 from experiments.bench_runtime.load import Job, load_job
 
 # imported once by the forkserver, so that each run's process starts with them (and the model's own module)
@@ -54,16 +53,6 @@ def _status_mb(name: str) -> float | None:
     except OSError:
         pass
     return None
-
-
-def _release_freed_memory() -> None:
-    """Free what loading dropped (the checkpoint's expert tensors; in-process, the last run's model)
-    and hand freed heap memory back to the OS (glibc `malloc_trim`), so that RSS shows live memory."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def _reset_peak() -> bool:
@@ -162,7 +151,7 @@ def _measure(job: Job) -> dict[str, Any]:
         model, runtime, extra = load_job(job, stack)
         load_seconds = time.perf_counter() - began
         recorded = _record_routes(model, job, Path(job.trace_out)) if job.trace_out is not None else None
-        _release_freed_memory()
+        release_freed_memory()
         load_peak, after_load = _status_mb("VmHWM"), _status_mb("VmRSS")
         reset = _reset_peak()
         for ids in job.warmup:
