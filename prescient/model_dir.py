@@ -27,16 +27,17 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 from prescient.errors import ModelFilesError
 
 if TYPE_CHECKING:
+    from offload_runtime.compression.scheme import CheckpointSchemes
     from prescient.fingerprint import ModelFingerprint
 
 
 class ModelDirectory(os.PathLike):
     """An opened model directory: `path`, `config_dict` (config.json as written), `config`
     (transformers' typed config; a compressed checkpoint's `quantization_config` is in both),
-    `weight_files`, `weight_index` (checkpoint tensor name → the file holding it), and on first
-    use `tokenizer()` and `fingerprint`. It is a path-like (`os.fspath` gives its folder)
-    and prints as its folder, so messages read as they did with a path. Treat it as read-only:
-    `config` is shared; `weightless_model` builds from a copy of it."""
+    `weight_files`, `weight_index` (checkpoint tensor name → the file holding it), and on first use
+    `tokenizer()`, `fingerprint` and `compression` (the checked quantization schemes). It is a
+    path-like (`os.fspath` gives its folder) and prints as its folder, so messages read as they did
+    with a path. Treat it as read-only: `config` is shared; `weightless_model` builds from a copy."""
 
     def __init__(self, path: Path, config_dict: dict[str, Any], config: PretrainedConfig,
                  weights: dict[Path, list[str]]) -> None:
@@ -105,6 +106,13 @@ class ModelDirectory(os.PathLike):
 
             self._tokenizer = load_tokenizer(self.path)
         return self._tokenizer
+
+    @cached_property
+    def compression(self) -> CheckpointSchemes | None:
+        """The compression schemes its `quantization_config` declares, checked (None: not compressed)."""
+        from offload_runtime.compression.scheme import CheckpointSchemes  # the runtime's, built on this module
+
+        return CheckpointSchemes.of(self.config_dict, str(self.path / "config.json"))
 
     @cached_property
     def fingerprint(self) -> ModelFingerprint:

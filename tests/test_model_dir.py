@@ -94,6 +94,15 @@ def test_quantize_opens_the_source_once(opened, tiny_moe_dir, tmp_path):
     assert opened["auto_config"] == 2
 
 
+def test_an_opened_directory_names_its_compression(tiny_moe_dir, tmp_path):
+    plain = ModelDirectory.open(tiny_moe_dir("mixtral"))
+    quantize_model(plain, tmp_path / "int4", 4)
+    packed = ModelDirectory.open(tmp_path / "int4")
+    assert plain.compression is None
+    module = next(key for key in packed.weight_index if key.endswith(".weight_packed")).rsplit(".", 1)[0]
+    assert packed.compression.for_module(module, "test").args.num_bits == 4
+
+
 def test_an_opened_directory_loads_the_same_offloaded_model_as_its_path(tiny_moe_dir):
     path = tiny_moe_dir("mixtral")
     ids = torch.tensor([[3, 5, 7, 11]])

@@ -56,7 +56,7 @@ from cache.policy import Key
 from offload_runtime.compression.codec import check_parts, compressed_names, expand_into
 from offload_runtime.compression.kernels import (KERNEL_DTYPE, SCALES_SUFFIX, PackedMatrixSpec, kernel_matrix,
                                                  pack_for_kernel)
-from offload_runtime.compression.scheme import PACKED_SUFFIX, CheckpointSchemes, CompressionError, WeightScheme
+from offload_runtime.compression.scheme import PACKED_SUFFIX, CompressionError, WeightScheme
 from offload_runtime.engine.expert_layout import ExpertSpec, LayoutDeriver, Piece, PieceRead, StoreError, expert_spec
 from prescient.arch import MoELayer, find_moe_layers
 from prescient.model_dir import ModelDirectory, checkpoint_names
@@ -192,7 +192,7 @@ class ExpertStore:
         if any(layer.num_experts != self.num_experts for layer in layers):
             raise StoreError(f"the MoE layers differ in expert count: {[x.num_experts for x in layers]}")
         self._index = _index(directory)
-        self._schemes = CheckpointSchemes.of(directory.config_dict, str(self.model_dir / "config.json"))
+        self._schemes = directory.compression
         self.specs: list[ExpertSpec] = []
         self._plans: list[list[list[_Step]]] = []  # [layer][expert] → steps
         layouts = LayoutDeriver(model)
