@@ -78,9 +78,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--sweep-resident", type=share, default=0.5, help="r_w of the group-size sweep")
     p.add_argument("--sweep-groups", type=group_sizes, default="1,2,4,8,16",
                    help="group sizes n of Klotski's planner check (N = n·μ), or none")
+    p.add_argument("--hardware", help="hardware profile JSON or preset for the HRM (default: measure this machine)")
+    add_batch_run_args(p)
+    return p
+
+
+def add_batch_run_args(p: argparse.ArgumentParser) -> None:
+    """What every batch benchmark's run takes: its requests, the hot ranking and table, the store."""
     p.add_argument("--gen-len", type=positive_int, default=8, help="tokens generated per request")
     p.add_argument("--prompt-tokens", type=prompt_range, default="16,48", help="shortest,longest prompt (spread evenly)")
-    p.add_argument("--hardware", help="hardware profile JSON or preset for the HRM (default: measure this machine)")
     p.add_argument("--trace", help="trace whose expert frequencies pick the resident (hot) experts and whose "
                                    "routing builds Klotski's correlation table")
     add_runtime_args(p, "store")  # the policy is fifo, each run's budget what its r_w needs
@@ -88,7 +94,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--dataset", default="stdlib-code")
     p.add_argument("--split", default="validation")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads")
-    return p
 
 
 def run(args: argparse.Namespace) -> int:

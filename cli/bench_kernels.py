@@ -8,8 +8,8 @@ import argparse
 import shlex
 import sys
 
-from cli.args import add_results_args, add_runtime_args, positive_int, runtime_options
-from cli.bench_batch import batch_policies, prompt_range
+from cli.args import add_results_args, positive_int, runtime_options
+from cli.bench_batch import add_batch_run_args, batch_policies
 from experiments.bench_kernels import ARMS, DEFAULT_POLICIES
 
 
@@ -36,15 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--repeats", type=positive_int, default=3, help="interleaved repeats (model, auto, model, ...)")
     p.add_argument("--crossover-repeats", type=positive_int, default=3,
                    help="timings per kernel and load in the crossover (the best is kept)")
-    p.add_argument("--gen-len", type=positive_int, default=8, help="tokens generated per request")
-    p.add_argument("--prompt-tokens", type=prompt_range, default="16,48", help="shortest,longest prompt (spread evenly)")
-    p.add_argument("--trace", help="trace whose expert frequencies pick the resident experts and whose routing "
-                                   "builds Klotski's correlation table")
-    add_runtime_args(p, "store")  # the policy is fifo, each run's budget what its r_w needs
-    p.add_argument("--keep-page-cache", action="store_true", help="disk store: leave read pages in the page cache")
-    p.add_argument("--dataset", default="stdlib-code")
-    p.add_argument("--split", default="validation")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads")
+    add_batch_run_args(p)
     return p
 
 
