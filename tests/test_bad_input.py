@@ -221,6 +221,7 @@ CASES = [
     ("generate: prompt beyond the context", [*without(generate(), "--prompt"), "--prompt", LONG_PROMPT],
      r"the prompt is \d+ tokens .* beyond the model's context of 256 tokens; shorten"),
     ("generate: unknown device", generate("--device", "bogus"), r"--device: device 'bogus' is not a device name; use"),
+    ("generate: unknown expert kernel", generate("--expert-kernel", "cutlass"), r"--expert-kernel.*'cutlass'"),
     ("generate: predictor hparams disagree with its tensors", generate("--predictor", "{sida_hparams}"),
      r"hyper-parameters in .*sida-hparams.json do not fit the tensors in .*sida-hparams.safetensors .*export"),
     ("generate: predictor JSON cut short", generate("--predictor", "{sida_torn}"),

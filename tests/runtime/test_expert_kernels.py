@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,8 +15,15 @@ from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 from offload_runtime.cgopipe.klotski import KlotskiPipe
-from offload_runtime.engine.expert_kernels import (KERNELS, CrossoverTable, KernelTableError, choose, load_table,
-                                                   measure_crossover, pipelines)
+from offload_runtime.engine.expert_kernels import (
+    KERNELS,
+    CrossoverTable,
+    KernelTableError,
+    choose,
+    load_table,
+    measure_crossover,
+    pipelines,
+)
 from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.options import OptionsError, RuntimeOptions
 from prescient.loading import load_tokenizer
@@ -125,15 +130,10 @@ def test_klotski_with_auto_equals_each_request_alone(tiny_moe_dir):
     assert got == alone(path, requests)
 
 
-def test_an_unknown_kernel_is_refused_in_one_line(tiny_moe_dir):
+def test_an_unknown_kernel_is_refused():
     with pytest.raises(OptionsError, match="expert_kernel must be one of model, auto, eager"):
         RuntimeOptions(expert_kernel="cutlass")
     with pytest.raises(OptionsError, match="give --expert-kernel auto"):
         RuntimeOptions(expert_kernel_table="table.json")
     with pytest.raises(OptionsError, match="packed slots"):
         RuntimeOptions(expert_kernel="grouped_mm", slot_format="packed", dtype="bfloat16")
-    done = subprocess.run([sys.executable, "-m", "cli.main", "generate", "--model", str(tiny_moe_dir("mixtral")),
-                           "--prompt", "def f", "--expert-kernel", "cutlass"], capture_output=True, text=True)
-    assert done.returncode == 2
-    errors = [line for line in done.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "cutlass" in errors[0] and "Traceback" not in done.stderr
