@@ -107,6 +107,7 @@ def test_model_dir_comes_from_the_trace_or_the_option(tmp_path, make_synthetic_t
     assert PredictorModule(str(trace), model_dir=str(tiny_model_dir)).fingerprint.n_experts == 8
 
 
+@pytest.mark.slow  # two training processes: 23 s of the default suite's 600 s budget
 def test_ddp_on_two_cpu_processes(tmp_path, synthetic_trace, tiny_fingerprint):
     export = tmp_path / "hash"
     args = cli_args(synthetic_trace, tmp_path / "run", "--trainer.max_steps", "3", "--export", str(export),
