@@ -192,7 +192,7 @@ class OffloadedExperts(_Offloaded):
         experts = torch.unique(top_k_index[weighted]).tolist()
         device = top_k_index.device
         sums_in_router_order = self._implementation in ("batched_mm", "grouped_mm")
-        kernel, pipelined = self._plan(int(weighted.sum()), len(experts))
+        kernel, pipelined = self._plan(weighted, len(experts))
         fits = len(experts) <= self._runtime.pool.num_slots
         if kernel is None:
             # one call of the twin on slot ids sums as the model does, unless the eager loop adds more
@@ -229,7 +229,7 @@ class OffloadedExperts(_Offloaded):
         combined = self._combine(unweighted, top_k_index, top_k_weights, sums_in_router_order)
         return combined.reshape(hidden_states.shape)
 
-    def _plan(self, rows: int, experts: int) -> tuple[str | None, bool]:
+    def _plan(self, weighted: torch.Tensor, experts: int) -> tuple[str | None, bool]:
         """The kernel this call computes with (None: the twin's own, the model's implementation) and
         whether its experts compute as their copies land (the runtime's `arrival_order`): by
         `RuntimeOptions.expert_kernel`; "auto" picks both by the tokens per activated expert."""
@@ -238,7 +238,7 @@ class OffloadedExperts(_Offloaded):
             return None, pipelined
         if self._kernel != "auto":
             return (None if self._kernel == self._implementation else self._kernel), pipelined
-        load = rows / experts
+        load = int(weighted.sum()) / experts  # only "auto" reads the load (a device sync on a GPU)
         kernel = choose(load, self._table)
         return (None if kernel == self._implementation else kernel), pipelined and pipelines(load, self._table)
 
