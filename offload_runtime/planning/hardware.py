@@ -3,7 +3,7 @@
 A `HardwareProfile` is a CPU, an optional GPU and the links between the memory tiers:
 `cpu_to_gpu` (PCIe, host → device) and `disk_to_cpu` (the slow tier of a machine without GPU;
 sequential reads), with `random_reads`, when measured, the random expert-sized reads the runtime
-makes at each queue depth (`link_profile.ReadCurve`).
+makes at each queue depth (`read_curve.ReadCurve`).
 Presets describe the GPUs of the MoE-Lightning paper and newer ones (`preset_names()`); a profile
 can also be measured on this machine (`measure_profile`) and kept as JSON (`save`,
 `load_profile`).
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from offload_runtime.planning.link_profile import ReadCurve
+from offload_runtime.planning.read_curve import ReadCurve
 from prescient.atomic import write_json_atomic
 from prescient.errors import PrescientError
 from prescient.budget import parse_bytes

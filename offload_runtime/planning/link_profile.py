@@ -21,68 +21,19 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from offload_runtime.engine.options import MAX_TRANSFER_WORKERS
 from offload_runtime.engine.store import drop_pages
-from prescient.errors import PrescientError
+from offload_runtime.planning.hardware import load_profile
+from offload_runtime.planning.hrm import ModelSpec
+from offload_runtime.planning.read_curve import LinkProfileError, ReadCurve, chosen_depth
 from prescient.model_dir import weight_files
 
 log = logging.getLogger(__name__)
 
 DEPTHS = (1, 2, 4, 8, 16)
 DEFAULT_EXPERT_BYTES = 2 * 2**20  # without a model: about the bench model's int4 expert (2.3 MB)
-WITHIN = 0.05  # the chosen depth: the smallest whose rate is within this share of the best
-
-
-class LinkProfileError(PrescientError):
-    """A queue depth, read size or probe file the random-read measurement cannot use."""
-
-
-@dataclass(frozen=True)
-class ReadCurve:
-    """Random cold reads of `expert_bytes` each: bytes/s (all reads in flight together) per queue
-    depth, the median of `repeats` (every repeat kept), and the depth the runtime keeps."""
-
-    expert_bytes: int
-    depths: tuple[int, ...]
-    bytes_per_s: tuple[float, ...]
-    repeats: tuple[tuple[float, ...], ...]
-    depth: int
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        if not (len(self.depths) == len(self.bytes_per_s) == len(self.repeats)) or self.depth not in self.depths:
-            raise LinkProfileError(f"a random-read curve needs one rate and its repeats per depth and the chosen depth "
-                                   f"among them; got depths {self.depths}, depth {self.depth}")
-
-    @property
-    def rate(self) -> float:
-        """Bytes/s with `depth` reads in flight."""
-        return self.rate_at(self.depth)
-
-    def rate_at(self, depth: int) -> float:
-        """Bytes/s with `depth` reads in flight: the measured depth at or below it (reads beyond
-        the deepest measured gain nothing more)."""
-        below = [d for d in self.depths if d <= depth]
-        if not below:
-            raise LinkProfileError(f"no rate measured at {depth} reads in flight or fewer (depths {self.depths})")
-        return self.bytes_per_s[self.depths.index(max(below))]
-
-    def rates_up_to(self, depth: int) -> tuple[float, ...]:
-        """Bytes/s with 1, 2, ..., `depth` reads in flight (`rate_at` each)."""
-        return tuple(self.rate_at(n) for n in range(1, depth + 1))
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ReadCurve:
-        try:
-            return cls(int(data["expert_bytes"]), tuple(data["depths"]), tuple(data["bytes_per_s"]),
-                       tuple(tuple(r) for r in data["repeats"]), int(data["depth"]), data.get("source", ""))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise LinkProfileError(f"a random-read curve needs expert_bytes, depths, bytes_per_s, repeats and depth "
-                                   f"({exc!r})") from None
 
 
 def check_depths(depths: Sequence[int]) -> tuple[int, ...]:
@@ -93,16 +44,8 @@ def check_depths(depths: Sequence[int]) -> tuple[int, ...]:
     return tuple(depths)
 
 
-def chosen_depth(depths: Sequence[int], rates: Sequence[float]) -> int:
-    """The smallest depth whose rate is within `WITHIN` of the best."""
-    best = max(rates)
-    return min(d for d, r in zip(depths, rates) if r >= (1 - WITHIN) * best)
-
-
 def profiled_depth(profile_path: str | Path | None) -> int:
     """The queue depth a `prescient profile-hw` JSON chose from its random-read curve."""
-    from offload_runtime.planning.hardware import load_profile
-
     if profile_path is None:
         raise LinkProfileError("--transfer-workers auto takes the queue depth from a hardware profile: give "
                                "--link-profile PROFILE.json (written by `prescient profile-hw --model DIR --json PATH`)")
@@ -117,8 +60,6 @@ def profiled_depth(profile_path: str | Path | None) -> int:
 def model_read_file(model_dir: str | Path) -> tuple[Path, int]:
     """A model's largest safetensors file and one expert's stored bytes (`ModelSpec.expert_bytes`:
     compressed bytes for a compressed checkpoint)."""
-    from offload_runtime.planning.hrm import ModelSpec
-
     files = weight_files(Path(model_dir))
     if not files:
         raise LinkProfileError(f"{model_dir} holds no safetensors file to read experts from")
