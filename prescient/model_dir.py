@@ -24,10 +24,10 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel
 
+from prescient.checkpoint_schemes import CheckpointSchemes
 from prescient.errors import ModelFilesError
 
 if TYPE_CHECKING:
-    from offload_runtime.compression.scheme import CheckpointSchemes
     from prescient.fingerprint import ModelFingerprint
 
 
@@ -110,8 +110,6 @@ class ModelDirectory(os.PathLike):
     @cached_property
     def compression(self) -> CheckpointSchemes | None:
         """The compression schemes its `quantization_config` declares, checked (None: not compressed)."""
-        from offload_runtime.compression.scheme import CheckpointSchemes  # the runtime's, built on this module
-
         return CheckpointSchemes.of(self.config_dict, str(self.path / "config.json"))
 
     @cached_property

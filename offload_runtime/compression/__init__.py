@@ -2,8 +2,8 @@
 `pack-quantized` layout, the format GPTQModel and llm-compressor write and transformers and vLLM
 read.
 
-- `scheme.py`: the checkpoint's `quantization_config` read and checked (which tensors are
-  compressed, with what arguments), and the one we write.
+- `scheme.py`: the `quantization_config` we write (the one a checkpoint declares is read and
+  checked in `prescient.checkpoint_schemes`, where the model directory is opened).
 - `codec.py`: one weight quantised (round-to-nearest, group-wise) and expanded again, through
   compressed-tensors' own compressor, so what we write is what its readers read.
 - `gptq.py`: GPTQ's levels on the same grid, chosen on each expert's calibration inputs.

@@ -16,7 +16,7 @@ from compressed_tensors.compressors.pack_quantized.base import PackedQuantizatio
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.utils import calculate_qparams
 
-from offload_runtime.compression.scheme import CompressionError
+from prescient.checkpoint_schemes import CompressionError
 
 SCALE_DTYPE = torch.bfloat16
 STORED_BITS = (2, 4, 8)  # the widths `unpack_codes` reads: whole codes per byte

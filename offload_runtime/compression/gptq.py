@@ -28,8 +28,8 @@ from transformers import PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 
 from offload_runtime.compression.codec import SCALE_DTYPE, group_scales
-from offload_runtime.compression.scheme import CompressionError
 from prescient.arch import MoELayer
+from prescient.checkpoint_schemes import CompressionError
 
 DAMP = 0.1  # the Hessian's diagonal is raised by DAMP × its mean (GPTQ's reference code: 0.01); on the base
 #             reference model a prototype gave KL within 5% at 0.01, 0.03 and 0.1, perplexity within its noise

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from offload_runtime.compression.codec import unpack_codes
-from offload_runtime.compression.scheme import CompressionError
+from prescient.checkpoint_schemes import CompressionError
 
 SCALES_SUFFIX = "_scales"
 INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel accepts

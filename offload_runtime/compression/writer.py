@@ -35,9 +35,10 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from offload_runtime.compression.codec import quantize_weight
 from offload_runtime.compression.gptq import DAMP, gptq_experts
-from offload_runtime.compression.scheme import BITS, CompressionError, config_dict, weight_args
+from offload_runtime.compression.scheme import BITS, config_dict, weight_args
 from prescient.arch import find_moe_layers
 from prescient.atomic import write_errors, write_json_atomic
+from prescient.checkpoint_schemes import CompressionError
 from prescient.loading import load_model
 from prescient.model_dir import ModelDirectory, checkpoint_names, tensor_keys
 

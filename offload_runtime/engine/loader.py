@@ -10,12 +10,12 @@ from typing import Any
 from cache import make_serving_policy
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.runtime import OffloadRuntime
-from offload_runtime.compression.scheme import CompressionError
 from offload_runtime.engine.slots import SlotPool, TieredSlotPool
 from offload_runtime.engine.store import ExpertStore
 from predictor.artifact import check_tracing_convention, load_predictor
 from predictor.base import ExpertPredictor, PredictorError
 from prescient.arch import is_encoder_decoder
+from prescient.checkpoint_schemes import CompressionError
 from prescient.fingerprint import ModelFingerprint, loaded_fingerprint
 from prescient.loading import load_without_experts
 from prescient.model_dir import ModelDirectory

@@ -43,13 +43,13 @@ import torch
 from torch import nn
 
 from offload_runtime.compression.kernels import SCALES_SUFFIX, PackedMatrixSpec, PackedWeights
-from offload_runtime.compression.scheme import CompressionError
 from offload_runtime.engine.expert_kernels import (KERNELS, CrossoverTable, choose, crossover_for, dispatches,
                                                    load_table, pipelines, with_kernel)
 from offload_runtime.engine.expert_layout import expert_spec
 from offload_runtime.engine.options import OptionsError
 from offload_runtime.engine.slots import SlotPool
 from prescient.arch import MoELayer
+from prescient.checkpoint_schemes import CompressionError
 
 
 class ExpertSlots(Protocol):

@@ -56,9 +56,9 @@ from cache.policy import Key
 from offload_runtime.compression.codec import check_parts, compressed_names, expand_into
 from offload_runtime.compression.kernels import (KERNEL_DTYPE, SCALES_SUFFIX, PackedMatrixSpec, kernel_matrix,
                                                  pack_for_kernel)
-from offload_runtime.compression.scheme import PACKED_SUFFIX, CompressionError, WeightScheme
 from offload_runtime.engine.expert_layout import ExpertSpec, LayoutDeriver, Piece, PieceRead, StoreError, expert_spec
 from prescient.arch import MoELayer, find_moe_layers
+from prescient.checkpoint_schemes import PACKED_SUFFIX, CompressionError, WeightScheme
 from prescient.model_dir import ModelDirectory, checkpoint_names
 
 log = logging.getLogger(__name__)

@@ -20,9 +20,10 @@ from safetensors.torch import save_file
 
 from experiments.quality import measure_quality
 from offload_runtime.compression.codec import expand_into, expand_weight, quantize_weight
-from offload_runtime.compression.scheme import CompressionError, weight_args
+from offload_runtime.compression.scheme import weight_args
 from offload_runtime.compression.writer import quantize_model
 from offload_runtime.engine.loader import load_offloaded
+from prescient.checkpoint_schemes import CompressionError
 from prescient.fingerprint import fingerprint_model_dir
 from prescient.loading import load_model, load_tokenizer
 from prescient.traces import load_trace

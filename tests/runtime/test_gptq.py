@@ -11,9 +11,10 @@ import torch
 
 from offload_runtime.compression.codec import expand_weight, quantize_weight
 from offload_runtime.compression.gptq import gptq_weight
-from offload_runtime.compression.scheme import CompressionError, weight_args
+from offload_runtime.compression.scheme import weight_args
 from offload_runtime.compression.writer import Calibration, quantize_model
 from offload_runtime.engine.loader import load_offloaded
+from prescient.checkpoint_schemes import CompressionError
 from prescient.loading import load_model
 from tests.runtime.test_compressed_experts import greedy
 

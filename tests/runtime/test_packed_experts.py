@@ -18,10 +18,11 @@ from experiments.bench_runtime.grid import BenchError
 from offload_runtime.compression.codec import quantize_weight, unpack_codes
 from offload_runtime.compression.kernels import (INT2_TO_INT4, PackedWeights, _arrange, _block_rows, kernel_matrix,
                                                  pack_for_kernel)
-from offload_runtime.compression.scheme import CompressionError, weight_args
+from offload_runtime.compression.scheme import weight_args
 from offload_runtime.compression.writer import quantize_model
 from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.options import OptionsError, RuntimeOptions
+from prescient.checkpoint_schemes import CompressionError
 from prescient.loading import load_tokenizer
 from tests.conftest import random_sida
 from tests.runtime.conftest import WIDER
