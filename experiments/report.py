@@ -24,6 +24,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Callable
 
+from experiments.report_commands import render_commands
 from prescient.atomic import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,6 +147,7 @@ def render_all() -> dict[Path, str]:
 
     pages = {PAGES_DIR / f"{page.slug}.md": render_page(page) for page in PAGES}
     pages[README] = render_readme(README.read_text())
+    pages.update(render_commands())  # docs/reference/commands.md, from cli/'s parser
     return pages
 
 
