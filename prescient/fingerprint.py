@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass
+from weakref import WeakKeyDictionary
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 from prescient.arch import MoELayer, find_moe_layers
 from prescient.errors import FingerprintMismatchError
+from prescient.loading import load_without_experts
 from prescient.model_dir import ModelDirectory
 
 
@@ -104,5 +106,11 @@ def loaded_fingerprint(model_dir: str | Path | ModelDirectory, model: nn.Module,
 
 def fingerprint_model_dir(model_dir: str | Path | ModelDirectory) -> ModelFingerprint:
     """The fingerprint of the model saved in `model_dir` (read without its routed experts, as the
-    offloading runtime reads it); an opened directory computes it once."""
-    return ModelDirectory.of(model_dir).fingerprint
+    offloading runtime reads it, in float32); an opened directory computes it once."""
+    directory = ModelDirectory.of(model_dir)
+    if directory not in _DIRECTORY_FINGERPRINTS:
+        _DIRECTORY_FINGERPRINTS[directory] = fingerprint_model(*load_without_experts(directory, dtype=torch.float32))
+    return _DIRECTORY_FINGERPRINTS[directory]
+
+
+_DIRECTORY_FINGERPRINTS: WeakKeyDictionary[ModelDirectory, ModelFingerprint] = WeakKeyDictionary()

@@ -8,12 +8,13 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_module_tensor_to_device
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedModel
+from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 
 from prescient.arch import MoELayer, find_moe_layers
 from prescient.errors import ModelFilesError
-from prescient.model_dir import ModelDirectory, model_class
+# load_tokenizer is defined with the model directory (whose `tokenizer()` keeps one); callers import it from here too
+from prescient.model_dir import ModelDirectory, load_tokenizer, model_class  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -101,17 +102,3 @@ def input_embedding_key(model_dir: str | Path | ModelDirectory) -> tuple[str, Pa
         if key is not None:
             return key, directory.weight_index[key]
     return None
-
-
-def load_tokenizer(model: str | Path):
-    """The model's tokenizer (pad = eos when it has no pad token); `ModelFilesError` when the
-    directory holds none that loads."""
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model)
-    except (OSError, ValueError) as exc:
-        reason = " ".join(str(exc).split())[:240] or type(exc).__name__  # one line
-        raise ModelFilesError(f"cannot load the tokenizer of {model} ({reason}); expected tokenizer files "
-                              "(tokenizer.json, tokenizer_config.json) in the model directory") from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer

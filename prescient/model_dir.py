@@ -4,9 +4,10 @@ passed down, as transformers passes a `PretrainedConfig`.
 Opening checks what a model directory must hold (an existing folder, a `config.json` that parses
 and that transformers' typed fields accept, readable `*.safetensors` files that a sharded index
 lists completely) with one-line `ModelFilesError`s, and keeps what it read: the raw settings, the
-typed config, and which file holds each checkpoint tensor. The tokenizer and the fingerprint are
-read on first use and kept too. Every function that takes a model directory takes a path or this
-object (`ModelDirectory.of`), so a command parses its model once however deep the calls go.
+typed config, and which file holds each checkpoint tensor. The tokenizer is read on first use
+and kept too (and the fingerprint, by `prescient.fingerprint.fingerprint_model_dir`). Every
+function that takes a model directory takes a path or this object (`ModelDirectory.of`), so a
+command parses its model once however deep the calls go.
 """
 
 from __future__ import annotations
@@ -16,28 +17,26 @@ import json
 import os
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from accelerate import init_empty_weights
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, PretrainedConfig,
+                          PreTrainedModel)
 
 from prescient.checkpoint_schemes import CheckpointSchemes
 from prescient.errors import ModelFilesError
-
-if TYPE_CHECKING:
-    from prescient.fingerprint import ModelFingerprint
 
 
 class ModelDirectory(os.PathLike):
     """An opened model directory: `path`, `config_dict` (config.json as written), `config`
     (transformers' typed config; a compressed checkpoint's `quantization_config` is in both),
     `weight_files`, `weight_index` (checkpoint tensor name → the file holding it), and on first use
-    `tokenizer()`, `fingerprint` and `compression` (the checked quantization schemes). It is a
-    path-like (`os.fspath` gives its folder) and prints as its folder, so messages read as they did
-    with a path. Treat it as read-only: `config` is shared; `weightless_model` builds from a copy."""
+    `tokenizer()` and `compression` (the checked quantization schemes). It is a path-like
+    (`os.fspath` gives its folder) and prints as its folder, so messages read as they did with a
+    path. Treat it as read-only: `config` is shared; `weightless_model` builds from a copy."""
 
     def __init__(self, path: Path, config_dict: dict[str, Any], config: PretrainedConfig,
                  weights: dict[Path, list[str]]) -> None:
@@ -100,10 +99,8 @@ class ModelDirectory(os.PathLike):
             return model_class(config).from_config(config, **({} if dtype is None else {"dtype": dtype}))
 
     def tokenizer(self):
-        """The model's tokenizer (`prescient.loading.load_tokenizer`), read on first use."""
+        """The model's tokenizer (`load_tokenizer`), read on first use."""
         if self._tokenizer is None:
-            from prescient.loading import load_tokenizer  # loading builds on this module
-
             self._tokenizer = load_tokenizer(self.path)
         return self._tokenizer
 
@@ -111,15 +108,6 @@ class ModelDirectory(os.PathLike):
     def compression(self) -> CheckpointSchemes | None:
         """The compression schemes its `quantization_config` declares, checked (None: not compressed)."""
         return CheckpointSchemes.of(self.config_dict, str(self.path / "config.json"))
-
-    @cached_property
-    def fingerprint(self) -> ModelFingerprint:
-        """The fingerprint of the saved model (read without its routed experts, in float32, as
-        the offloading runtime reads it), computed on first use."""
-        from prescient.fingerprint import fingerprint_model  # both build on this module
-        from prescient.loading import load_without_experts
-
-        return fingerprint_model(*load_without_experts(self, dtype=torch.float32))
 
 
 def model_class(config: PretrainedConfig) -> type:
@@ -166,3 +154,17 @@ def tensor_keys(file: Path) -> list[str]:
 def checkpoint_names(key: str) -> tuple[str, ...]:
     """A checkpoint may name tensors with or without the base model's prefix."""
     return key, key.split(".", 1)[-1], f"model.{key}"
+
+
+def load_tokenizer(model: str | Path):
+    """The model's tokenizer (pad = eos when it has no pad token); `ModelFilesError` when the
+    directory holds none that loads."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as exc:
+        reason = " ".join(str(exc).split())[:240] or type(exc).__name__  # one line
+        raise ModelFilesError(f"cannot load the tokenizer of {model} ({reason}); expected tokenizer files "
+                              "(tokenizer.json, tokenizer_config.json) in the model directory") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

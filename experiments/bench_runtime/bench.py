@@ -41,7 +41,7 @@ from experiments.machine import machine_info
 from experiments.timing_calibration import load_timing
 from offload_runtime.engine.options import RuntimeOptions
 from prescient.atomic import write_json_atomic
-from prescient.fingerprint import ModelFingerprint
+from prescient.fingerprint import ModelFingerprint, fingerprint_model_dir
 from prescient.model_dir import ModelDirectory
 
 log = logging.getLogger(__name__)
@@ -235,7 +235,7 @@ def _reference(execute: Executor, base: Job, model_dir: ModelDirectory, trace_ou
         # mixed precision: the coarse model's (a mixed run's choices vary with its budget)
         ref = execute(replace(base, options=replace(base.options, budget=1.0, policy="lru", fine_model=None)))
         ref.pop("model_info", None)
-        ref["fingerprint"] = model_dir.fingerprint.to_dict()
+        ref["fingerprint"] = fingerprint_model_dir(model_dir).to_dict()
     else:
         ref = execute(replace(base, kind="all_resident", trace_out=str(trace_out) if trace_out is not None else None))
     reference = ref["token_ids"]

@@ -39,6 +39,7 @@ from offload_runtime.compression.scheme import BITS, config_dict, weight_args
 from prescient.arch import find_moe_layers
 from prescient.atomic import write_errors, write_json_atomic
 from prescient.checkpoint_schemes import CompressionError
+from prescient.fingerprint import fingerprint_model_dir
 from prescient.loading import load_model
 from prescient.model_dir import ModelDirectory, checkpoint_names, tensor_keys
 
@@ -248,8 +249,8 @@ def _targets(experts: dict[str, Path]) -> list[str]:
 
 def _report(model_dir: ModelDirectory, work: Path, bits: int, args, method: str, sizes: dict[str, int]) -> dict:
     """What was written, and the fingerprint check: the output must route as the source."""
-    source = model_dir.fingerprint
-    written = ModelDirectory.open(work).fingerprint
+    source = fingerprint_model_dir(model_dir)
+    written = fingerprint_model_dir(work)
     if written != source:
         raise CompressionError(f"the compressed model's fingerprint {written} differs from the source's {source}; "
                                "a tensor outside the experts changed")
