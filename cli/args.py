@@ -14,7 +14,7 @@ from offload_runtime.engine.expert_kernels import EXPERT_KERNELS
 from offload_runtime.engine.options import (DTYPES, MAX_LOOKAHEAD_LAYERS, MAX_TRANSFER_WORKERS, SLOT_FORMATS,
                                             STORES, RuntimeOptions, best_policy)
 from prescient.atomic import check_folder, resolve_output
-from prescient.budget import Budget
+from prescient.budget import MEMORY_HELP, Budget, parse_memory
 from prescient.devices import check_device
 from prescient.errors import PrescientError
 
@@ -40,6 +40,11 @@ def _checked(check: Callable[[str], T], text: str) -> T:
 def budget(text: str) -> Budget:
     """`--budget 0.5` / `50%` / `12slots` / `3GiB` (see `prescient.budget`)."""
     return _checked(Budget.parse, text)
+
+
+def memory(text: str) -> int:
+    """`--memory 8GiB` / `1.5GB` / `25%` of this machine's memory, in bytes (see `prescient.budget`)."""
+    return _checked(parse_memory, text)
 
 
 def output_file(text: str) -> str:
@@ -205,9 +210,15 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
             help="cache policy: lru, lfu, fifo, mrs, learned, learned-belady (default: the best measured, "
                  "learned-belady with a --predictor that has forecast heads, 1.33x LRU in "
                  "results/bench-runtime-base-sampled.json; lru otherwise)"),
+        "memory": lambda p: p.add_argument(
+            "--memory", type=memory, default=None, metavar="SIZE",
+            help=f"the whole process's memory ({MEMORY_HELP.replace('%', '%%')}): slots are sized to fit beside "
+                 "the rest, and where every expert fits the plain model runs without hooks; the configuration is "
+                 "printed in one line"),
         "budget": lambda p: p.add_argument(
-            "--budget", type=budget, default="0.5",
-            help="expert memory: a fraction of all experts (0.5 or 50%%), slots (12slots) or bytes (512MiB)"),
+            "--budget", type=budget, default=None,
+            help="instead of --memory, the experts' slots alone: a fraction of all experts (0.5 or 50%%), slots "
+                 "(12slots) or bytes (512MiB) (default: 50%% when neither is given)"),
         "store": lambda p: p.add_argument("--store", choices=STORES, default="disk", help="where the experts live"),
         "drop_page_cache": lambda p: p.add_argument(
             "--drop-page-cache", action="store_true", help="disk store: drop read pages from the page cache"),
@@ -245,7 +256,7 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
                  "allow)"),
         "expert_pipeline": lambda p: p.add_argument(
             "--expert-pipeline", action=argparse.BooleanOptionalAction, default=True,
-            help="EPS-MoE: a layer's resident experts compute while its misses are copied, then each miss as it "
+            help="a layer's resident experts compute while its misses are copied, then each miss as it "
                  "lands (default); --no-expert-pipeline: the layer waits for all its copies first"),
         "expert_kernel": lambda p: (p.add_argument(
             "--expert-kernel", choices=EXPERT_KERNELS, default="model",
@@ -257,7 +268,7 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
                                 "kernels (default: measured on the model's layer shape at load)")),
         "lookahead_layers": lambda p: p.add_argument(
             "--lookahead", dest="lookahead_layers", type=lookahead_layers, default=0, metavar="LAYERS",
-            help="in-token lookahead (HybriMoE): when a MoE block starts, the routers of the next 1-3 layers on its "
+            help="in-token lookahead (after HybriMoE): when a MoE block starts, the routers of the next 1-3 layers on its "
                  "input pick experts to prefetch (default 0: off)"),
         "lookahead_probe": lambda p: p.add_argument(
             "--lookahead-probe", metavar="PROBE",
@@ -272,16 +283,20 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
 
 
 RUNTIME_FLAGS = tuple(_runtime_flags())
+USER_FLAGS = ("memory", "device")  # what a user names; the rest are overrides, apart in --help
 
 
 def add_runtime_args(p: argparse.ArgumentParser, *which: str) -> None:
     """The flags of the runtime's options (`RuntimeOptions`, built by `runtime_options`): all of
     them, or those named in `which` (a command that sets the others itself, e.g. per run)."""
     flags, names = _runtime_flags(), which or RUNTIME_FLAGS
+    overrides = p.add_argument_group(
+        "overrides", "each sets one part of the configuration that --memory (or --budget) chooses; leave them to "
+                     "run the defaults") if not which else p
     for name in names:
-        flags[name](p)
+        flags[name](p if name in USER_FLAGS else overrides)
     if "next_token" in names:
-        add_next_token_min_chance(p, "with --next-token")
+        add_next_token_min_chance(overrides, "with --next-token")
     p.set_defaults(runtime_flags=names)  # what `runtime_options` reads
 
 

@@ -31,6 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> dict:
     """Generate, print, write `--json`; returns the JSON record."""
     from offload_runtime.engine.generate import GenerationError, Sampling, generate_offloaded
+    from offload_runtime.engine.memory_plan import MemoryPlan
     from prescient.atomic import write_results
 
     shape = {name: value for name, value in (("temperature", args.temperature), ("top_p", args.top_p))
@@ -41,6 +42,8 @@ def run(args: argparse.Namespace) -> dict:
     record = generate_offloaded(args.model, args.prompt, args.max_new_tokens, predictor=args.predictor,
                                 options=runtime_options(args), sampling=sampling)
     print(record["text"])
+    if record["memory_plan"] is not None:
+        print(MemoryPlan(**record["memory_plan"]).line())
     print(summary(record))
     if args.json:
         write_results(record, args.json)

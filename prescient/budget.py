@@ -17,6 +17,7 @@ _BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _NUMBER_AND_UNIT = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z%]*)\s*")
 UNITS_HELP = "0.5 or 50% (a fraction of all experts), 12slots (a slot count), or bytes such as 3GiB or 512MB"
+MEMORY_HELP = "bytes such as 8GiB, 1.5GB or 700MiB, or a share of this machine's memory such as 25%"
 
 Unit = Literal["fraction", "slots", "bytes"]
 
@@ -28,6 +29,38 @@ def parse_bytes(text: str) -> int:
     if not match or (unit and unit not in _BYTE_UNITS):
         raise ValueError(f"cannot read size {text!r}; write e.g. '192GiB', '16GB' or '512MiB'")
     return int(float(match.group(1)) * _BYTE_UNITS.get(unit, 1))
+
+
+def parse_memory(text: str) -> int:
+    """The bytes a memory size names: "8GiB", "1.5GB", "700MiB", or "25%" of this machine's
+    memory (`machine_memory`); CapacityError naming the forms otherwise."""
+    match = _NUMBER_AND_UNIT.fullmatch(text)
+    if match and match.group(2) == "%":
+        share = float(match.group(1)) / 100
+        if not 0.0 < share <= 1.0:
+            raise CapacityError(f"memory share {text!r} is not in (0%, 100%]; write {MEMORY_HELP}")
+        return int(share * machine_memory())
+    try:
+        size = parse_bytes(text)
+    except ValueError:
+        raise CapacityError(f"cannot read a memory size from {text!r}; write {MEMORY_HELP}") from None
+    if not match.group(2):
+        raise CapacityError(f"memory size {text!r} names no unit; write {MEMORY_HELP}")
+    if size < 1:
+        raise CapacityError(f"memory size {text!r} is zero; write {MEMORY_HELP}")
+    return size
+
+
+def machine_memory() -> int:
+    """This machine's memory in bytes: its RAM, or the memory limit of the cgroup this process runs
+    in where that is lower (a container's share)."""
+    import psutil
+
+    from prescient.memory_cap import cgroup_limit
+
+    limit = cgroup_limit()
+    total = psutil.virtual_memory().total
+    return min(total, limit) if limit is not None else total
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,7 @@ def generate_offloaded(model_dir: str | Path | ModelDirectory, prompt: str, max_
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, streamer=clock,
                                  pad_token_id=tokenizer.pad_token_id, **decoding)
         stats = runtime.stats()
+        plan = getattr(runtime, "memory_plan", None)
     # a decoder's output repeats the prompt; an encoder-decoder's starts with the decoder start token
     first = 1 if model.config.is_encoder_decoder else inputs["input_ids"].shape[1]
     token_ids = out[0, first:].tolist()
@@ -104,6 +105,7 @@ def generate_offloaded(model_dir: str | Path | ModelDirectory, prompt: str, max_
         "token_ids": token_ids,
         "text": tokenizer.decode(token_ids, skip_special_tokens=True),
         "stats": stats.to_dict(),
+        "memory_plan": plan.to_json() if plan is not None else None,
         "prefill_seconds": prefill_s,
         "tokens_per_s": (len(token_ids) - 1) / decode_s if decode_s else None,  # decode only
     }

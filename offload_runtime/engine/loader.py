@@ -8,16 +8,20 @@ from typing import Any
 
 
 from cache import make_serving_policy
+from offload_runtime.engine.memory_plan import MemoryPlan, held_by, plan_offloaded, plan_resident, reserve_bytes
 from offload_runtime.engine.options import RuntimeOptions
+from offload_runtime.engine.resident import ResidentRuntime
 from offload_runtime.engine.runtime import OffloadRuntime
 from offload_runtime.engine.slots import SlotPool, TieredSlotPool
 from offload_runtime.engine.store import ExpertStore
 from predictor.artifact import check_tracing_convention, load_predictor
 from predictor.base import ExpertPredictor, PredictorError
-from prescient.arch import is_encoder_decoder
+from prescient.arch import find_moe_layers, is_encoder_decoder
+from prescient.budget import Budget
 from prescient.checkpoint_schemes import CompressionError
-from prescient.fingerprint import ModelFingerprint, loaded_fingerprint
-from prescient.loading import load_without_experts
+from prescient.fingerprint import ModelFingerprint, expert_tensor_names, loaded_fingerprint
+from prescient.loading import load_model, load_without_experts
+from prescient.memory_cap import drop_file_pages, process_footprint
 from prescient.model_dir import ModelDirectory
 
 log = logging.getLogger(__name__)
@@ -43,6 +47,10 @@ def load_offloaded(model_dir: str | Path | ModelDirectory, predictor: str | Path
     """
     options = RuntimeOptions.of(options, **settings)  # every option checked before any file is read
     model_dir = ModelDirectory.of(model_dir)
+    if options.memory is not None and options.fine_model is None:
+        resident = _resident_plan(model_dir, options)
+        if resident is not None:
+            return _load_resident(model_dir, options, resident)
     model, layers = load_without_experts(model_dir, dtype=options.torch_dtype)  # experts stay on disk
     eviction = make_serving_policy(options.policy, layers[0].top_k)
     fingerprint = loaded_fingerprint(model_dir, model, layers, options.torch_dtype)
@@ -60,17 +68,21 @@ def load_offloaded(model_dir: str | Path | ModelDirectory, predictor: str | Path
         require_forecasts(predictor, "the forecast precision rule")
     stores = []  # closed here if the runtime is not made
     try:
-        stores.append(ExpertStore(model_dir, model, layers, mode=options.store,
-                                  drop_page_cache=options.drop_page_cache, slot_format=options.slot_format))
+        drop = options.drop_page_cache or (options.memory is not None and held_by(options.memory) != "cgroup")
+        stores.append(ExpertStore(model_dir, model, layers, mode=options.store, drop_page_cache=drop,
+                                  slot_format=options.slot_format))
+        plan = None if options.memory is None else _offloaded_plan(model_dir, options, stores[0], layers)
+        budget = options.budget if plan is None else Budget(plan.slots, "slots")
         if options.fine_model is None:
-            pool = SlotPool.for_budget(stores[0].slot_specs, layers[0].num_experts, layers[0].top_k, options.budget,
+            pool = SlotPool.for_budget(stores[0].slot_specs, layers[0].num_experts, layers[0].top_k, budget,
                                        options.device)
         else:
             stores.append(_fine_store(options, fingerprint, model, layers, stores[0]))
             pool = TieredSlotPool.for_budget(stores[1].slot_specs, stores[0].slot_specs, layers[0].num_experts,
-                                             layers[0].top_k, options.budget, options.fine_share, options.device)
+                                             layers[0].top_k, budget, options.fine_share, options.device)
         model.offload_runtime = OffloadRuntime(model, layers, stores[0], pool, fingerprint, eviction, options,
                                                predictor=predictor, fine_store=stores[1] if len(stores) > 1 else None)
+        model.offload_runtime.memory_plan = plan
     except BaseException:
         for store in stores:
             store.close()
@@ -82,7 +94,49 @@ def load_offloaded(model_dir: str | Path | ModelDirectory, predictor: str | Path
         tensor.data = tensor.data.to(options.device, copy=True)
     log.info("offloaded %d MoE layers: %d of %d experts fit the budget (%.1f MiB of slots)", len(layers),
              pool.num_slots, len(layers) * layers[0].num_experts, pool.nbytes / 2**20)
+    if plan is not None:
+        log.info("%s", plan.line())
     return model
+
+
+def _resident_plan(model_dir: ModelDirectory, options: RuntimeOptions) -> MemoryPlan | None:
+    """The plan that loads every expert, if `options.memory` holds the whole model beside the
+    reserve (estimated before loading: this process now, plus the model's weights in the compute
+    dtype); None otherwise."""
+    skeleton = model_dir.weightless_model(options.torch_dtype)
+    experts = expert_tensor_names(find_moe_layers(skeleton))
+    sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in skeleton.state_dict().items()}
+    experts_bytes = sum(size for name, size in sizes.items() if name in experts)
+    others = sum(sizes.values()) - experts_bytes
+    layers = find_moe_layers(skeleton)
+    return plan_resident(options.memory, process_footprint() + others, _reserve(model_dir, options, 0), experts_bytes,
+                         len(layers) * layers[0].num_experts)
+
+
+def _load_resident(model_dir: ModelDirectory, options: RuntimeOptions, plan: MemoryPlan):
+    """The plain transformers model, whole, with a `ResidentRuntime` as its `offload_runtime`."""
+    model, layers = load_model(model_dir, dtype=options.torch_dtype)
+    model.to(options.device)
+    if plan.drop_page_cache:  # what reading the checkpoint left in the page cache
+        for file in set(model_dir.weight_index.values()):
+            drop_file_pages(file)
+    fingerprint = loaded_fingerprint(model_dir, model, layers, options.torch_dtype)
+    model.offload_runtime = ResidentRuntime(model, layers, fingerprint, plan)
+    log.info("%s", plan.line())
+    return model
+
+
+def _offloaded_plan(model_dir: ModelDirectory, options: RuntimeOptions, store: ExpertStore, layers) -> MemoryPlan:
+    """The slots `options.memory` buys beside this process as loaded now (non-expert weights,
+    predictor, store)."""
+    expert_bytes = sum(spec.nbytes for spec in store.slot_specs) // len(store.slot_specs)
+    copy_buffers = options.transfer_workers * expert_bytes
+    return plan_offloaded(options.memory, process_footprint(), _reserve(model_dir, options, copy_buffers),
+                          expert_bytes, len(layers) * layers[0].num_experts, layers[0].top_k)
+
+
+def _reserve(model_dir: ModelDirectory, options: RuntimeOptions, copy_buffers: int) -> int:
+    return reserve_bytes(model_dir.config, options.torch_dtype.itemsize, copy_buffers)
 
 
 def _fine_store(options: RuntimeOptions, fingerprint: ModelFingerprint, model, layers,

@@ -23,7 +23,7 @@ from cache.tiered import PRECISION_RULES
 from cache.timing import LinkTiming
 from offload_runtime.engine.expert_kernels import EXPERT_KERNELS
 from predictor.base import PredictorError
-from prescient.budget import Budget
+from prescient.budget import Budget, parse_memory
 from prescient.devices import check_device
 from prescient.errors import PrescientError
 
@@ -60,7 +60,10 @@ def _whole(name: str, value: Any, least: int) -> None:
 @dataclass(frozen=True)
 class RuntimeOptions:
     """How the runtime serves: `policy` (a serving cache policy: lru, lfu, fifo, mrs, learned,
-    learned-belady), `budget` (expert memory: a `Budget`, a fraction, or text such as "512MiB"),
+    learned-belady), `memory` (the whole process's memory, bytes or text such as "8GiB" or "25%" of
+    this machine's: the runtime sizes its slots to fit, or loads every expert and runs the plain
+    model where they all fit, see `memory_plan`; give it or `budget`, not both), `budget` (expert
+    memory alone: a `Budget`, a fraction, or text such as "512MiB"; default half the experts),
     `store` ("disk": read from the checkpoint; "host": kept in host memory), `drop_page_cache`
     (disk store: drop read pages), `device` (of the slots and the resident weights),
     `transfer_workers` (copies that run at once), `prefetch_per_layer` (experts prefetched per
@@ -78,9 +81,10 @@ class RuntimeOptions:
     off), `fine_share` (the share of the budget's bytes in fine slots), `precision_rule` (what
     picks a loaded expert's copy: "router", its router weight; "forecast", the predictor's chance
     that coming tokens use it; "hotness", its use count so far; see `cache.tiered`),
-    `expert_pipeline` (EPS-MoE: a layer's resident experts compute while its misses are copied,
+    `expert_pipeline` (Klotski's compute-while-loading order, common offloading practice: a layer's
+    resident experts compute while its misses are copied,
     then each miss as it lands; False: the layer waits for all its copies first),
-    `lookahead_layers` (in-token lookahead, HybriMoE's: when a MoE block starts, the routers of the
+    `lookahead_layers` (in-token lookahead, after HybriMoE's, ordered by layer: when a MoE block starts, the routers of the
     next 1 to 3 layers on its input pick experts to prefetch; 0: off), `lookahead_probe` (a trained
     probe artifact, `prescient train --config configs/predictor/probe.yaml`, guesses instead of the
     routers; None: the routers), `expert_kernel` (EPS-MoE's load-aware kernels, see
@@ -92,7 +96,8 @@ class RuntimeOptions:
     `prescient bench-kernels`; None: measured on the layer's shapes at load)."""
 
     policy: str = "lru"
-    budget: Budget = Budget(0.5, "fraction")
+    memory: int | None = None
+    budget: Budget | None = None  # Budget(0.5, "fraction") unless `memory` is given
     store: str = "disk"
     drop_page_cache: bool = False
     device: str = "cpu"
@@ -116,9 +121,12 @@ class RuntimeOptions:
             raise OptionsError(f"policy must be a policy name, got {self.policy!r}")
         make_serving_policy(self.policy, top_k=1)  # an unknown or trace-only policy is refused by name
         object.__setattr__(self, "policy", self.policy.lower())
-        object.__setattr__(self, "budget", Budget.of(self.budget))
+        self._memory_or_budget()
         if self.store not in STORES:
             raise OptionsError(f"store must be one of {', '.join(STORES)}, got {self.store!r}")
+        if self.store == "host" and self.memory is not None:
+            raise OptionsError("the host store keeps every expert in this process's memory; a memory cap sizes "
+                               "the disk store's slots (drop --store host, or give --budget instead of --memory)")
         for flag in ("drop_page_cache", "expert_pipeline"):
             if not isinstance(getattr(self, flag), bool):
                 raise OptionsError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
@@ -172,6 +180,17 @@ class RuntimeOptions:
                 raise PredictorError(f"cross-token prefetch's least chance of use must be in [0, 1], got {chance}")
             object.__setattr__(self, "next_token_min_chance", float(chance))
 
+    def _memory_or_budget(self) -> None:
+        """`memory` in bytes, or `budget` as a `Budget` (half the experts when neither is given)."""
+        if self.memory is None:
+            object.__setattr__(self, "budget", Budget.of(self.budget if self.budget is not None else 0.5))
+            return
+        if self.budget is not None:
+            raise OptionsError("give the memory (the whole process) or the budget (expert slots alone), not both")
+        memory = parse_memory(self.memory) if isinstance(self.memory, str) else self.memory
+        _whole("memory", memory, 1)
+        object.__setattr__(self, "memory", memory)
+
     def _path(self, name: str, what: str) -> None:
         """Option `name` must be a path (str or os.PathLike); it is kept as a str."""
         value = getattr(self, name)
@@ -198,7 +217,8 @@ class RuntimeOptions:
 
     def to_json(self) -> dict[str, Any]:
         """Every option, as a results JSON records it."""
-        return {"policy": self.policy, "budget": self.budget.as_json(), "store": self.store,
+        return {"policy": self.policy, "memory": self.memory,
+                "budget": self.budget.as_json() if self.budget is not None else None, "store": self.store,
                 "drop_page_cache": self.drop_page_cache, "device": self.device,
                 "transfer_workers": self.transfer_workers, "prefetch_per_layer": self.prefetch_per_layer,
                 "link_timing": self.link_timing.to_dict() if self.link_timing is not None else None,

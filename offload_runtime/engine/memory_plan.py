@@ -1,0 +1,104 @@
+"""`--memory SIZE`: how a memory cap for the whole process becomes the runtime's configuration.
+
+The cap counts everything the process holds (see `prescient.memory_cap`): the imported libraries,
+the non-expert weights, the expert slots, the predictor, the KV cache and activations, and the page
+cache its reads leave. Two outcomes:
+- every expert fits beside the rest: the model loads whole and runs its own forward, no hooks (the
+  plain transformers model, so never slower than it);
+- otherwise the experts are offloaded: what is left of the cap after the measured footprint of the
+  process (non-expert weights and predictor loaded) and the reserve buys slots. A cap that cannot buy one
+  layer's top-k is refused, naming the smallest cap that works.
+The limit is held by the kernel where the process runs in a cgroup at or under the cap (the page
+cache is then kept: the kernel reclaims it first); elsewhere by dropping the pages the store reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from prescient.errors import CapacityError
+from prescient.memory_cap import cgroup_limit
+
+MiB = 2**20
+WORKSPACE = 64 * MiB  # activations of a decode step and a short prefill, allocator slack
+RESERVED_CONTEXT = 4096  # tokens of KV cache kept free (the model's context where shorter)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a cap buys; every figure in bytes."""
+
+    cap: int
+    footprint: int  # the process with its non-expert weights loaded (estimated before loading)
+    reserve: int  # KV cache, activations, copy buffers
+    expert_bytes: int  # one expert's slot
+    total_experts: int
+    slots: int  # of `total_experts`; all of them when resident
+    resident: bool  # every expert loaded with the model: no offloading, no hooks
+    held_by: str  # "cgroup" (the kernel holds the cap) or "dropped pages" (the store drops its reads)
+
+    @property
+    def drop_page_cache(self) -> bool:
+        return self.held_by != "cgroup"
+
+    def line(self) -> str:
+        """The chosen configuration in one line, as `generate` and `serve` print it."""
+        gib = 2**30
+        where = "all experts resident, the model's own forward" if self.resident else \
+            f"{self.slots} of {self.total_experts} experts in slots ({self.slots * self.expert_bytes / gib:.2f} GiB)"
+        return (f"memory {self.cap / gib:.2f} GiB: {where}; process {self.footprint / gib:.2f} GiB, reserve "
+                f"{self.reserve / gib:.2f} GiB; held by {self.held_by}")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def held_by(cap: int) -> str:
+    """How `cap` is held here: by a cgroup whose limit is at or under it, else by dropped pages."""
+    limit = cgroup_limit()
+    return "cgroup" if limit is not None and limit <= cap else "dropped pages"
+
+
+def kv_bytes_per_token(config, dtype_bytes: int) -> int:
+    """One token's KV cache over every layer (keys and values) in the compute dtype."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = getattr(text, "num_hidden_layers", 0) or 0
+    heads = getattr(text, "num_attention_heads", 1) or 1
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or getattr(text, "hidden_size", 0) // heads
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+def reserve_bytes(config, dtype_bytes: int, copy_buffers: int) -> int:
+    """What the cap keeps free beside weights and slots: the KV cache of `RESERVED_CONTEXT` tokens
+    (or the model's context), the workspace, and `copy_buffers` bytes of reads in flight."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    context = min(getattr(text, "max_position_embeddings", None) or RESERVED_CONTEXT, RESERVED_CONTEXT)
+    return kv_bytes_per_token(config, dtype_bytes) * context + WORKSPACE + copy_buffers
+
+
+def plan_resident(cap: int, footprint: int, reserve: int, experts_bytes: int, total_experts: int) -> MemoryPlan | None:
+    """The plan that loads every expert with the model, if `cap` holds the process's estimated
+    `footprint` (non-expert weights loaded), the reserve and `experts_bytes` (all experts); else
+    None. No predictor is loaded then: with every expert resident there is nothing to prefetch."""
+    if footprint + reserve + experts_bytes > cap:
+        return None
+    return MemoryPlan(cap, footprint, reserve, experts_bytes // total_experts, total_experts, total_experts,
+                      True, held_by(cap))
+
+
+def plan_offloaded(cap: int, footprint: int, reserve: int, expert_bytes: int, total_experts: int,
+                   min_slots: int) -> MemoryPlan:
+    """The slots what is left of `cap` buys beside the process's measured `footprint` (non-expert
+    weights and predictor loaded) and the reserve; a CapacityError naming the smallest cap that works
+    when that is fewer than `min_slots` (one layer's top-k)."""
+    fixed = footprint + reserve
+    slots = min((cap - fixed) // expert_bytes, total_experts) if cap > fixed else 0
+    if slots < min_slots:
+        least = fixed + min_slots * expert_bytes
+        raise CapacityError(
+            f"--memory {cap / 2**30:.2f} GiB cannot hold this model: the process needs {fixed / 2**30:.2f} GiB "
+            f"beside its experts (libraries, the weights other than the experts and the predictor, "
+            f"{reserve / 2**20:.0f} MiB of KV cache and buffers) and {min_slots} expert slots of {expert_bytes / 2**20:.1f} MiB; the smallest "
+            f"memory that works is {least / 2**30:.2f} GiB ({-(-least // 2**20)}MiB)")
+    return MemoryPlan(cap, footprint, reserve, expert_bytes, total_experts, int(slots), False, held_by(cap))

@@ -1,0 +1,52 @@
+"""`ResidentRuntime`: the runtime's face when the memory cap holds every expert.
+
+The model is the plain transformers model, loaded whole: it runs its own forward with no hooks,
+threads or cache, so it is exactly as fast as transformers. This object stands where an
+`OffloadRuntime` would (`model.offload_runtime`) so that generate, serve and bench treat both
+alike: statistics, closing, the server's sequence bookkeeping.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from offload_runtime.engine.memory_plan import MemoryPlan
+from offload_runtime.engine.runtime import RuntimeStats
+from prescient.arch import MoELayer
+from prescient.fingerprint import ModelFingerprint
+
+
+class ResidentRuntime:
+    """Every expert resident: nothing to load, so every access hits (see the module doc)."""
+
+    def __init__(self, model: nn.Module, layers: list[MoELayer], fingerprint: ModelFingerprint,
+                 memory_plan: MemoryPlan) -> None:
+        self.model, self.layers, self.fingerprint, self.memory_plan = model, layers, fingerprint, memory_plan
+        self.top_k, self.n_experts = layers[0].top_k, layers[0].num_experts
+        self.sequence_ids: list | None = None  # set by the server; nothing here keeps per-sequence state
+        self.on_predictor_error = "raise"
+        self.forwards = 0
+        self._handle = model.register_forward_pre_hook(self._count)  # one call per forward, not per layer
+
+    def _count(self, *_args) -> None:
+        self.forwards += 1
+
+    def end_sequences(self, ids: list) -> None:
+        """Serving: nothing to forget."""
+
+    def stats(self) -> RuntimeStats:
+        plan = self.memory_plan
+        return RuntimeStats(forwards=self.forwards, accesses=0, hits=0, misses=0, prefetch_inserts=0, prefetch_hits=0,
+                            wasted_prefetches=0, evictions=0, prefetch_accuracy=0.0, hit_rate=1.0, bytes_moved=0,
+                            loads=0, demand_loads=0, prefetch_loads=0, stall_seconds=0.0, late_tables=0,
+                            tables_on_time=0, slots=plan.total_experts, slot_bytes=plan.total_experts * plan.expert_bytes)
+
+    def close(self) -> None:
+        """Remove the forward counter; safe to call twice."""
+        self._handle.remove()
+
+    def __enter__(self) -> "ResidentRuntime":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,70 @@
+"""What a memory cap counts, and how it is held: the cgroup this process runs in, its own footprint.
+
+A machine's memory limit counts the whole process: anonymous memory (weights, slots, KV cache),
+the libraries it maps, and the page cache its reads leave behind. Where the process runs in a
+cgroup with a memory limit (a container, a systemd slice, `bench --memory`'s runs), the kernel
+holds that limit itself and reclaims page cache before it kills; elsewhere only the process can
+hold it, by dropping the pages it reads (`ExpertStore(drop_page_cache=True)`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+UNLIMITED = 2**60  # cgroup v1 writes "no limit" as a huge page-rounded number
+
+
+def _cgroup_paths() -> list[Path]:
+    """The memory-controller folders of this process's cgroup and of its parents, innermost first."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):  # cgroup v1's memory hierarchy
+            root = Path("/sys/fs/cgroup/memory")
+            break
+    else:
+        v2 = [line for line in lines if line.startswith("0::")]
+        if not v2:
+            return []
+        root, path = Path("/sys/fs/cgroup"), v2[0].split(":", 2)[2]
+    here = root / path.strip("/")
+    return [here, *[parent for parent in here.parents if parent.is_relative_to(root)]]
+
+
+def cgroup_limit() -> int | None:
+    """The tightest memory limit over this process's cgroup and its parents, in bytes; None where
+    there is none (or no cgroup can be read)."""
+    limits = []
+    for folder in _cgroup_paths():
+        for name in ("memory.max", "memory.limit_in_bytes"):
+            try:
+                text = (folder / name).read_text().strip()
+            except OSError:
+                continue
+            if text != "max" and int(text) < UNLIMITED:
+                limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def process_footprint() -> int:
+    """This process's resident bytes (anonymous memory and the mapped files it touched): what a
+    cap counts of it, beside the page cache of the files it read."""
+    import psutil
+
+    return psutil.Process(os.getpid()).memory_info().rss
+
+
+def drop_file_pages(path: str | os.PathLike) -> None:
+    """Drop the page cache of file `path` (what reading it left behind); a no-op where the system
+    cannot."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

@@ -1,0 +1,97 @@
+"""`--memory SIZE`: a cap for the whole process picks the plain model where every expert fits,
+sized slots where they do not, and refuses a cap too small naming the smallest that works;
+every path computes what the plain model computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload_runtime.engine import loader
+from offload_runtime.engine.loader import load_offloaded
+from offload_runtime.engine.memory_plan import MiB, plan_offloaded, plan_resident, reserve_bytes
+from offload_runtime.engine.options import OptionsError, RuntimeOptions
+from offload_runtime.engine.resident import ResidentRuntime
+from offload_runtime.engine.runtime import OffloadRuntime
+from prescient.budget import parse_memory
+from prescient.errors import CapacityError
+from prescient.loading import load_model
+from prescient.model_dir import ModelDirectory
+from tests.runtime.test_offloaded_generate import encode, generate
+
+FOOTPRINT = 400 * MiB  # a fixed process footprint, so that slot counts do not depend on this process
+
+
+def test_offloaded_plan_buys_the_slots_left_and_refuses_below_the_smallest_cap_it_names():
+    plan = plan_offloaded(1000 * MiB, FOOTPRINT, 100 * MiB, 10 * MiB, 64, 2)
+    assert (plan.slots, plan.resident) == (50, False)
+    assert plan_offloaded(10_000 * MiB, FOOTPRINT, 100 * MiB, 10 * MiB, 64, 2).slots == 64  # capped at every expert
+    with pytest.raises(CapacityError, match=r"smallest memory that works is 0\.51 GiB \(520MiB\)") as refused:
+        plan_offloaded(510 * MiB, FOOTPRINT, 100 * MiB, 10 * MiB, 64, 2)
+    assert len(str(refused.value).splitlines()) == 1
+    assert plan_offloaded(520 * MiB, FOOTPRINT, 100 * MiB, 10 * MiB, 64, 2).slots == 2  # the named cap works
+
+
+def test_resident_plan_only_when_every_expert_fits_beside_the_rest():
+    assert plan_resident(1000 * MiB, FOOTPRINT, 100 * MiB, 500 * MiB, 64).resident
+    assert plan_resident(999 * MiB, FOOTPRINT, 100 * MiB, 500 * MiB, 64) is None
+
+
+@pytest.mark.parametrize(("text", "size"), [("8GiB", 8 * 2**30), ("1.5GB", 1_500_000_000), ("700MiB", 700 * MiB)])
+def test_memory_sizes(text, size):
+    assert parse_memory(text) == size
+    assert RuntimeOptions(memory=text).memory == size
+
+
+@pytest.mark.parametrize("text", ["12", "lots", "0GiB", "0%", "150%"])
+def test_a_memory_size_without_a_unit_or_out_of_range_is_refused_naming_the_forms(text):
+    with pytest.raises(CapacityError, match="8GiB"):
+        parse_memory(text)
+
+
+def test_memory_and_budget_together_are_refused():
+    with pytest.raises(OptionsError, match="not both"):
+        RuntimeOptions(memory="1GiB", budget=0.5)
+    with pytest.raises(OptionsError, match="host store"):
+        RuntimeOptions(memory="1GiB", store="host")
+
+
+def _model(tiny_moe_dir):
+    path = tiny_moe_dir("mixtral")
+    directory = ModelDirectory.open(path)
+    reference = generate(load_model(path)[0], encode(path, False))
+    return path, directory, reference
+
+
+def test_a_cap_that_holds_every_expert_runs_the_plain_model_without_hooks(tiny_moe_dir):
+    path, _, reference = _model(tiny_moe_dir)
+    model = load_offloaded(path, memory="16GiB")
+    assert isinstance(model.offload_runtime, ResidentRuntime)
+    assert not any(module._forward_hooks or module._forward_pre_hooks
+                   for name, module in model.named_modules() if name)  # only the model's forward counter
+    with model.offload_runtime as runtime:
+        out = generate(model, encode(path, False))
+    assert torch.equal(out, reference)
+    assert runtime.stats().forwards > 0 and runtime.memory_plan.resident
+
+
+def test_a_cap_below_the_whole_model_buys_the_slots_it_can_and_computes_the_same(tiny_moe_dir, monkeypatch):
+    path, directory, reference = _model(tiny_moe_dir)
+    monkeypatch.setattr(loader, "process_footprint", lambda: FOOTPRINT)
+    probe = load_offloaded(path, budget=1.0)
+    expert_bytes, total = probe.offload_runtime.pool.spec.nbytes, probe.offload_runtime.pool.num_slots
+    probe.offload_runtime.close()
+    reserve = reserve_bytes(directory.config, 4, expert_bytes)  # float32, one transfer worker
+    model = load_offloaded(path, memory=FOOTPRINT + reserve + 5 * expert_bytes)
+    with model.offload_runtime as runtime:
+        out = generate(model, encode(path, False))
+    assert isinstance(runtime, OffloadRuntime) and runtime.pool.num_slots == 5 < total
+    assert runtime.memory_plan.slots == 5 and not runtime.memory_plan.resident
+    assert torch.equal(out, reference)
+
+
+def test_a_cap_too_small_is_refused_in_one_line_naming_the_smallest(tiny_moe_dir, monkeypatch):
+    path, _, _ = _model(tiny_moe_dir)
+    monkeypatch.setattr(loader, "process_footprint", lambda: FOOTPRINT)
+    with pytest.raises(CapacityError, match="smallest memory that works"):
+        load_offloaded(path, memory=FOOTPRINT)
