@@ -172,7 +172,7 @@ def _start_copy(chan, at, copy_s):
 @inline
 def _layer_end(step, done, now, compute_s, expert_s, pipeline, arrivals):
     """When layer-step `step`, started at `now`, starts computing and when it ends. Per layer:
-    once its last copy lands, it computes `compute_s`. Pipelined (EPS-MoE, the runtime's `expert_pipeline`): its experts
+    once its last copy lands, it computes `compute_s`. Pipelined (the runtime's `expert_pipeline`): its experts
     resident at `now` compute first, then each other one as its copy lands, in arrival order,
     each `expert_s / len(step)`; the rest of the layer's compute (`compute_s - expert_s`:
     attention, router, which in the runtime run before the copies are requested) after them."""

@@ -18,8 +18,8 @@ prefetched slot whose transfer had not finished (`late_prefetches`); a late tran
 on demand during the stall. Demand loads happen in stall time and do not use the prefetch link.
 
 Timed (`timing=LinkTiming(...)`, instead of `transfer_per_step`): the same cache decisions on a
-clock. A layer-step starts when the previous one ends. With `expert_pipeline` (EPS-MoE's
-per-expert overlap, on by default as in the runtime, `RuntimeOptions.expert_pipeline`) its
+clock. A layer-step starts when the previous one ends. With `expert_pipeline` (the
+per-expert overlap of compute and copies, Klotski's order, on by default as in the runtime, `RuntimeOptions.expert_pipeline`) its
 experts resident when it starts compute first while its misses are copied, then each miss as its
 copy lands, in arrival order, each for `expert_compute_s` / the layer-step's experts, and the rest
 of `layer_compute_s` (attention, router: in the runtime they run before the misses are requested)
@@ -405,7 +405,7 @@ def simulate(
     replay runs on a clock (the module doc); `transfer_per_step` is the count-only link.
     `hide_only` (with `timing`): a prefetch is issued only if the link can move it before its
     layer starts, behind the copy in flight and the prefetches queued. `expert_pipeline` (with
-    `timing`): each expert computes as its copy lands (EPS-MoE, as the runtime does by default);
+    `timing`): each expert computes as its copy lands (as the runtime does by default);
     False: a layer-step computes once all its experts are in."""
     if replay.max_layer_keys > capacity:
         where = "per layer" if per_layer else "in all"

@@ -41,7 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="with --timing: prefetch an expert only if the link can move it before its layer runs")
     p.add_argument("--expert-pipeline", choices=tuple(PIPELINES), default="on",
                    help="with --timing: on (default, as the runtime): a layer's resident experts compute while its "
-                        "misses are copied, then each as it lands (EPS-MoE); off: a layer computes once all its "
+                        "misses are copied, then each as it lands; off: a layer computes once all its "
                         "experts are in; both: every run simulated each way (the table and plot show on)")
     p.add_argument("--next-token", action="store_true",
                    help="with --timing and a --predictor with forecast heads: cross-token prefetch, the next token's "

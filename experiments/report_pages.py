@@ -7,7 +7,7 @@ from __future__ import annotations
 from statistics import median
 from typing import Any
 
-from experiments.report import RESULTS, Headline, Page, Rows, Table, load, num, pct, spread
+from experiments.report_tables import RESULTS, Headline, Page, Rows, Table, load, num, pct, spread
 
 CODE, DOCS = "stdlib-code", "stdlib-docs"
 W1T = "OMP_NUM_THREADS=1"
@@ -453,8 +453,8 @@ faster than on-demand LRU, while prefetching alone moves about as many bytes as 
 forecasts would double LRU's speed, so the forecasts, not the runtime, are the limit. Every run
 generates exactly the plain model's tokens, decodes several times faster than accelerate's disk
 offload at a third of the all-resident model's memory, and the time-true simulator predicts its
-speed within a few percent. The decode loop's schedulers (EPS-MoE's expert pipeline, HybriMoE's
-in-token lookahead) keep every output exact, bf16 with fewer slots than a layer's routed experts
+speed within a few percent. The decode loop's schedulers (the expert pipeline, Klotski's compute-while-loading order; in-token
+lookahead after HybriMoE) keep every output exact, bf16 with fewer slots than a layer's routed experts
 included, but their speed is not measured on the bench model yet. On a barely trained stand-in the
 expert pipeline cuts the stall per token by a sixth (16 against 20 ms at 12.5%, 10 against 11 at
 25%, bf16) for tokens/s within the noise, and in-token lookahead from untrained routers evicts more than it saves
@@ -617,7 +617,7 @@ def compressed_page() -> Page:
     return Page("compressed", "Compressed experts", """
 Compression pays in this project because it changes how many experts fit, not only what a miss
 costs. Stored int4 and computed from packed int4 slots, the experts at a quarter of their bf16
-bytes decode at least as fast as the whole bf16 model in memory, for a few tenths of a percent of
+bytes (which hold 88% of the int4 experts) decode at least as fast as the whole bf16 model in memory, for a few tenths of a percent of
 perplexity (less with GPTQ); below that budget 2-bit GPTQ experts trade a few percent of perplexity
 for about a third more speed. Expanded slots (a compressed expert widened back into bf16 or float32)
 only make a miss cheaper and gain far less. Mixed precision chosen per load, by router weight or by
@@ -868,12 +868,14 @@ HEADLINES: tuple[Headline, ...] = (
              lambda: f"{num(load(SAMPLED)['simulator']['agreement']['spearman'], 3)}, "
                      f"{pct(load(SAMPLED)['simulator']['agreement']['median_relative_error'], 1, signed=False)}",
              "runtime", SAMPLED),
-    Headline("int4 packed experts in 25% of the bf16 experts' bytes against the whole bf16 model in memory, tokens/s",
+    Headline(f"int4 packed experts in 25% of the bf16 experts' bytes (which hold "
+             f"{load(MISS)['summary']['int4-packed']['none+lru@0.25']['budget']:.0%} of the int4 experts), bf16 compute, "
+             "against the whole bf16 model in memory, tokens/s",
              lambda: f"{num(_summary(MISS, 'int4-packed', 'none+lru@0.25'))} against {num(_summary(MISS, 'bf16', 'all_resident'))}",
              "compressed", MISS),
     Headline("int4 GPTQ experts: perplexity change, stdlib-code / stdlib-docs",
              lambda: _ppl("quality-base-w4-gptq.json"), "compressed", "quality-base-w4-gptq.json"),
-    Headline("Serving: 16 concurrent streaming clients against one, tokens/s (SiDA + LRU, half the experts)",
+    Headline("Serving: 16 concurrent streaming clients against one, tokens/s (SiDA + LRU, half the experts, page cache kept)",
              lambda: f"{num(load('bench-serve-base.json')['summary']['sida']['16']['speedup_over_1_client_median'])}×",
              "serving", "bench-serve-base.json"),
     Headline("Klotski's batch groups against CGOPipe at one budget, 8 / 16 / 64 requests, prefill counted (bench-size stand-in)",

@@ -20,7 +20,7 @@ class BenchError(PrescientError):
 
 PREFETCH_MODES = ("hide", "next")  # hide-only prefetch (needs a link timing), cross-token prefetch
 # the runtime's schedulers, switched per run: in-token lookahead on (`look`, HybriMoE), the expert
-# pipeline off (`serial`: a layer waits for all its copies, the runtime before EPS-MoE's order)
+# pipeline off (`serial`: a layer waits for all its copies, the runtime before the compute-while-loading order)
 SCHEDULER_MODES = ("look", "serial")
 RUN_MODES = PREFETCH_MODES + SCHEDULER_MODES
 

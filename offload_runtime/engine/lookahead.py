@@ -1,4 +1,5 @@
-"""In-token lookahead (HybriMoE's impact-driven prefetch): when MoE block l starts, the routers
+"""In-token lookahead (after HybriMoE's prefetch from the next layers' gates, ordered by layer rather than
+by HybriMoE's impact score): when MoE block l starts, the routers
 of the next `ahead` MoE layers are applied to its input hidden state (or a trained probe per
 layer reads it, `predictor.probe`, after Zhu et al.), and the experts they pick
 are prefetched, the nearest layer first, each layer's by summed router probability. The guess is

@@ -26,7 +26,7 @@ only fused experts run this way. Mixed precision's slots come in two tiers (`Pac
 slots, then int4 ones), each expert parameter a `PackedWeights` over both.
 
 When a layer selects more experts than slots exist (a long prefill under a small budget), or the
-runtime computes experts as their copies land (EPS-MoE's expert pipeline, CGOPipe), the experts
+runtime computes experts as their copies land (the expert pipeline, Klotski's order; CGOPipe), the experts
 run in groups given by the runtime's `parts`, each (token, choice) row at routing weight one;
 the outputs are then weighted and summed as the model's own experts code does (`_combine`), so
 that bf16, where a sum of partial sums rounds differently from one sum, stays bit-identical.

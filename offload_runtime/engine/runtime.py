@@ -7,7 +7,7 @@ layer's selected experts: the cache decides hits and misses, each miss gets a sl
 load, the forward's prefetches are topped up (`prefetch.Prefetcher`; with in-token lookahead,
 `lookahead.InTokenLookahead`, the next layers' guesses from this block's input too), and the
 model's own expert math runs on the slots (see `offloaded_experts`): the resident experts first,
-each miss as its copy lands (EPS-MoE's expert pipeline, `parts`), or once all are in.
+each miss as its copy lands (the expert pipeline, `parts`: Klotski's compute-while-loading order), or once all are in.
 The cache decides residency; the slot map mirrors it: an insert takes a slot and requests its
 copy, an eviction cancels a queued copy and frees the slot. A key evicted while its copy runs
 and wanted again waits for that copy before it is requested into another slot.
