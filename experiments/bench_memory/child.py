@@ -1,0 +1,59 @@
+"""One run of the memory curve, in a process of its own under the cap:
+
+    python -m experiments.bench_memory.child SPEC.json OUT.json
+
+SPEC: {"system": "floor" | "plain" | "mmap" | "prescient", "model", "prompt", "new_tokens",
+"threads", "memory" (the cap in bytes, or null), "predictor" (prescient's artifact, or null)}.
+OUT: the system's record (token ids, prefill seconds, decode tokens/s, ...) and this process's
+memory at the end (`proc_status`). `floor` imports torch, transformers and the runtime and loads
+nothing: the memory any of the systems holds before its model.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem")
+
+
+def proc_status() -> dict[str, int]:
+    """This process's peak and current RSS, split anonymous / file-backed, in bytes (Linux)."""
+    out = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name in FIELDS:
+                out[name] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import transformers  # noqa: F401  (the floor holds it)
+
+    import offload_runtime.engine.generate  # noqa: F401
+    import offload_runtime.engine.loader  # noqa: F401
+
+    torch.set_num_threads(spec["threads"])
+    if spec["system"] == "floor":
+        return {}
+    from experiments.bench_memory.systems import RUNNERS
+
+    return RUNNERS[spec["system"]](spec)
+
+
+def main(argv: list[str]) -> None:
+    spec_path, out_path = argv
+    spec = json.loads(Path(spec_path).read_text())
+    record = run(spec)
+    record["proc_status"] = proc_status()
+    Path(out_path).write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,83 @@
+"""The three systems of the memory curve, each one greedy generation of a prompt in the calling
+process (the child under the cap), timed as `generate_offloaded` times it: a streamer notes the
+prompt's put and each new token; prefill runs to the first new token, decode from there to the last.
+
+- `plain`: transformers' own model, `from_pretrained` + `generate` (the anchor).
+- `mmap`: the same model with its weights zero-copy views of the memory-mapped safetensors files
+  (`mmap_model`): the kernel's page cache is the expert cache.
+- `prescient`: `generate_offloaded` with `RuntimeOptions(memory=CAP)`: the runtime sizes itself
+  to the cap (its default configuration otherwise).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+SYSTEMS = ("plain", "mmap", "prescient")
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, _value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        self.times.append(time.perf_counter())
+
+
+def timed_generate(model: nn.Module, tokenizer, prompt: str, new_tokens: int) -> dict[str, Any]:
+    """Greedy ids after `prompt` (up to `new_tokens`, as `generate_offloaded` asks), prefill
+    seconds and decode tokens/s."""
+    inputs = tokenizer(prompt, return_tensors="pt")
+    clock = _Clock()
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, streamer=clock,
+                             pad_token_id=tokenizer.pad_token_id)
+    ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+    decode_s = clock.times[len(ids)] - clock.times[1] if len(ids) > 1 else None
+    return {"token_ids": ids, "prefill_seconds": clock.times[1] - clock.times[0] if ids else None,
+            "tokens_per_s": (len(ids) - 1) / decode_s if decode_s else None}
+
+
+def run_plain(spec: dict[str, Any]) -> dict[str, Any]:
+    from prescient.model_dir import ModelDirectory, model_class
+
+    directory = ModelDirectory.open(spec["model"])
+    model = model_class(directory.config).from_pretrained(directory.path).eval()
+    return timed_generate(model, directory.tokenizer(), spec["prompt"], spec["new_tokens"])
+
+
+def run_mmap(spec: dict[str, Any]) -> dict[str, Any]:
+    from experiments.bench_memory.mmap_model import load_mmap_model, mapped_share
+    from prescient.model_dir import ModelDirectory
+
+    directory = ModelDirectory.open(spec["model"])
+    model = load_mmap_model(directory)
+    record = timed_generate(model, directory.tokenizer(), spec["prompt"], spec["new_tokens"])
+    return {**record, "mapped_share": mapped_share(model)}
+
+
+def run_prescient(spec: dict[str, Any]) -> dict[str, Any]:
+    """`generate_offloaded` under `RuntimeOptions(memory=spec["memory"])` (None: the defaults);
+    the runtime's statistics cover prefill and decode."""
+    from offload_runtime.engine.generate import generate_offloaded
+    from offload_runtime.engine.options import RuntimeOptions
+
+    options = RuntimeOptions() if spec["memory"] is None else RuntimeOptions(memory=spec["memory"])
+    out = generate_offloaded(spec["model"], spec["prompt"], spec["new_tokens"], predictor=spec.get("predictor"),
+                             options=options)
+    stats, tokens = out["stats"], max(len(out["token_ids"]), 1)
+    return {"token_ids": out["token_ids"], "prefill_seconds": out["prefill_seconds"],
+            "tokens_per_s": out["tokens_per_s"], "settings": out["settings"],
+            "runtime": {"hit_rate": stats["hit_rate"], "bytes_moved_per_token": stats["bytes_moved"] / tokens,
+                        "stall_ms_per_token": 1000 * stats["stall_seconds"] / tokens, "slots": stats["slots"],
+                        "slot_bytes": stats["slot_bytes"], "stats": stats}}
+
+
+RUNNERS = {"plain": run_plain, "mmap": run_mmap, "prescient": run_prescient}
