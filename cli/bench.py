@@ -1,13 +1,15 @@
 """`prescient bench`: decode tokens/s and memory of the offloading runtime across budgets,
 predictors and policies, with all-resident and accelerate disk-offload baselines (JSON + PNG);
-see `experiments.bench_runtime.bench`."""
+see `experiments.bench_runtime.bench`. With `--memory 0.5GiB,1GiB,...`: tokens/s against a
+memory cap instead, for the plain model, the model memory-mapped and the runtime, each run under
+the cap (`experiments.bench_memory`)."""
 
 from __future__ import annotations
 
 import argparse
 
-from cli.args import (add_next_token_min_chance, add_results_args, add_runtime_args, budgets, names, positive_int,
-                      predictor_specs, runtime_options)
+from cli.args import (add_next_token_min_chance, add_results_args, add_runtime_args, budgets, list_of, memory, names,
+                      positive_int, predictor_specs, runtime_options)
 
 BASELINES = "all_resident,accelerate_disk"
 
@@ -30,7 +32,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                                   "layer ahead, by the routers or --lookahead-probe; +serial: without the expert pipeline, a layer waits for all its "
                                   "copies)")
     p.add_argument("--train-trace", help="trace that freq / token / corr are fit on")
-    p.add_argument("--new-tokens", type=positive_int, default=12, help="new tokens per timed prompt")
+    p.add_argument("--memory", type=list_of(memory), metavar="SIZES",
+                   help="comma list of memory caps (8GiB, 1.5GB or 25%%): the memory curve instead of the budget grid, "
+                        "tokens/s of the plain model, the model memory-mapped and the runtime, each run in a cgroup "
+                        "capped at the size")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="--memory: interleaved rounds of the systems per cap")
+    p.add_argument("--predictor", metavar="ARTIFACT", help="--memory: the runtime's predictor (default: none)")
+    p.add_argument("--run-timeout", type=positive_int, default=1800, metavar="S",
+                   help="--memory: seconds before a run is stopped and recorded as timed out")
+    p.add_argument("--new-tokens", type=positive_int, default=None,
+                   help="new tokens per timed prompt (default 12; with --memory, 128)")
     p.add_argument("--prompts", type=positive_int, default=2, help="timed prompts (one more is the warm-up)")
     p.add_argument("--prompt-tokens", type=positive_int, default=16, help="tokens per prompt")
     p.add_argument("--warmup-tokens", type=positive_int, default=4, help="new tokens of the untimed warm-up prompt")
@@ -43,7 +55,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--baseline-tokens", type=positive_int, default=4, help="new tokens of the accelerate_disk run")
     p.add_argument("--hash-cost", default="auto",
                    help="predictor of hash_thread_cost; auto: sida if given, else skipped; off: skipped")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads per run (default: torch's)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads per run (default: torch's; with --memory, 1)")
     add_runtime_args(p, "store", "transfer_workers", "dtype", "slot_format", "lookahead_probe")  # each run names its policy, budget and prefetch modes
     p.add_argument("--keep-page-cache", action="store_true", help="disk store: leave read pages in the page cache")
     p.add_argument("--in-process", action="store_true", help="every run in this process (quick checks)")
@@ -58,7 +71,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+def run_memory(args: argparse.Namespace) -> dict:
+    """The memory curve (`experiments.bench_memory`)."""
+    from experiments.bench_memory.orchestrate import bench_memory, corpus_prompt, summary_text
+    from prescient.model_dir import ModelDirectory
+    from training.corpora import load_corpus
+
+    directory = ModelDirectory.open(args.model)
+    texts = list(load_corpus(args.dataset, args.split)["text"][:200])
+    prompt = corpus_prompt(directory.tokenizer(), texts, args.prompt_tokens)
+    result = bench_memory(directory.path, args.memory, prompt, json_path=args.json, plot_path=args.plot,
+                          new_tokens=args.new_tokens or 128, repeats=args.repeats, threads=args.threads or 1,
+                          predictor=args.predictor, timeout_s=args.run_timeout)
+    print(summary_text(result))
+    return result
+
+
 def run(args: argparse.Namespace) -> dict:
+    if args.memory:
+        return run_memory(args)
     from experiments.bench_runtime.bench import bench_runtime
     from experiments.bench_runtime.grid import (BASELINES, BenchError, check_grid, default_grid, fraction, full_grid,
                                                 parse_runs)
@@ -79,7 +110,7 @@ def run(args: argparse.Namespace) -> dict:
     texts = list(load_corpus(args.dataset, args.split)["text"][: 20 * (args.prompts + 1)])
     result = bench_runtime(
         args.model, texts, predictors=predictors, runs=runs, timed_prompts=args.prompts,
-        prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, warmup_tokens=args.warmup_tokens,
+        prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens or 12, warmup_tokens=args.warmup_tokens,
         train_trace=args.train_trace, baselines=tuple(args.baselines), baseline_tokens=args.baseline_tokens,
         sample_seed=args.sample, options=runtime_options(args, drop_page_cache=not args.keep_page_cache),
         hash_cost_predictor=hash_cost, threads=args.threads, isolate=not args.in_process, work_dir=args.work_dir,

@@ -1,0 +1,97 @@
+"""`prescient bench --memory`: the zero-copy mmap model is exact against the plain model, the
+cgroup runner reports a kill under a cap far too small, the orchestrator writes killed runs and
+its summary into the JSON, and a bad size is one error line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli.main import main
+from experiments.bench_memory import orchestrate
+from experiments.bench_memory.cgroup import CappedRun, cgroup_kind, run_capped
+from experiments.bench_memory.child import run as run_child
+from experiments.bench_memory.mmap_model import load_mmap_model, mapped_share
+from prescient.model_dir import ModelDirectory, model_class
+
+PROMPT = "def wrap(text, width=70):\n    return"
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_mmap_model_is_zero_copy_and_exact(tiny_moe_dir, arch):
+    directory = ModelDirectory.open(tiny_moe_dir(arch))
+    plain = model_class(directory.config).from_pretrained(directory.path).eval()
+    mapped = load_mmap_model(directory)
+    assert mapped_share(mapped) == 1.0  # every weight, the experts' pieces too, lies inside the file mappings
+    ids = directory.tokenizer()(PROMPT, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        assert torch.equal(plain(ids).logits, mapped(ids).logits)
+        greedy = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+        assert torch.equal(plain.generate(ids, **greedy), mapped.generate(ids, **greedy))
+
+
+def test_child_systems_agree(tiny_moe_dir):
+    spec = {"model": str(tiny_moe_dir("mixtral")), "prompt": PROMPT, "new_tokens": 8, "threads": 1, "memory": None}
+    plain, mapped = (run_child({**spec, "system": system}) for system in ("plain", "mmap"))
+    assert len(plain["token_ids"]) == 8 and plain["token_ids"] == mapped["token_ids"]
+    assert plain["tokens_per_s"] > 0 and mapped["mapped_share"] == 1.0
+
+
+@pytest.mark.skipif(cgroup_kind() == "none", reason="no writable memory cgroup on this machine")
+def test_cgroup_runner_reports_a_kill():
+    cap = 32 * 2**20
+    killed = run_capped([sys.executable, "-c", "x = b'1' * 400_000_000"], cap, timeout_s=60)
+    assert killed.killed and killed.capped and not killed.timed_out
+    assert killed.peak_bytes is not None and killed.peak_bytes <= cap
+    fine = run_capped([sys.executable, "-c", "pass"], 256 * 2**20, timeout_s=60)
+    assert fine.returncode == 0 and not fine.killed and fine.peak_bytes > 0
+
+
+def _fake_runner(speeds: dict[tuple[str, int | None], float | None]):
+    """A runner that answers from `speeds` ((system, cap) -> tokens/s; None: killed) without a child."""
+
+    def run(argv: list[str], cap: int | None, _timeout: float) -> CappedRun:
+        spec = json.loads(Path(argv[-2]).read_text())
+        speed = speeds.get((spec["system"], cap), 10.0)
+        if speed is not None:
+            ids = [1, 2, 3] if spec["system"] != "mmap" else [1, 2, 4]  # mmap inexact, to see it marked
+            Path(argv[-1]).write_text(json.dumps({"token_ids": ids, "tokens_per_s": speed, "prefill_seconds": 0.1}))
+        return CappedRun(0 if speed is not None else -9, speed is None, False, cap or 400, cap, True, "v1",
+                         int(speed is None), 0, 0.1, "")
+
+    return run
+
+
+def test_orchestrator_writes_killed_runs_and_summary(tmp_path):
+    small, big = 100 * 2**20, 2**30
+    runner = _fake_runner({("plain", small): None, ("mmap", small): 4.0, ("prescient", small): 6.0,
+                           ("plain", big): 20.0, ("prescient", big): 19.0})
+    out = tmp_path / "curve.json"
+    orchestrate.bench_memory("model", [big, small], PROMPT, json_path=out, plot_path=tmp_path / "curve.png",
+                             new_tokens=4, repeats=2, runner=runner)
+    result = json.loads(out.read_text())
+    assert [r["system"] for r in result["runs"][:3]] == ["plain", "mmap", "prescient"]  # interleaved
+    killed = [r for r in result["runs"] if r["status"] == "killed"]
+    assert len(killed) == 2 and all(r["system"] == "plain" and r["cap_bytes"] == small for r in killed)
+    by = {(s["system"], s["cap_bytes"]): s for s in result["summary"]}
+    assert by["plain", small]["killed"] == 2 and by["plain", small]["tokens_per_s"] is None
+    assert by["prescient", big]["exact"] and by["mmap", big]["exact"] is False
+    ratio = {r["cap_bytes"]: r for r in result["ratios"]}
+    assert ratio[big]["prescient/plain"] == pytest.approx(0.95) and ratio[small]["prescient/plain"] is None
+    assert ratio[small]["prescient/mmap"] == pytest.approx(1.5)
+    assert result["plain_stops"] == {"largest_killed_cap_bytes": small, "smallest_running_cap_bytes": big}
+    assert result["floor"]["status"] == "ok" and "page cache" in result["how_counted"]
+    assert (tmp_path / "curve.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("sizes", ["1GiB,lots", "1GiB,0GiB", "512", "1GiB,1GiB"])
+def test_bad_memory_sizes_are_one_error_line(tmp_path, capsys, sizes):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--model", str(tmp_path), "--json", str(tmp_path / "out.json"), "--memory", sizes])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and err.startswith("error:") and len(err.splitlines()) == 1
+    assert not (tmp_path / "out.json").exists()
