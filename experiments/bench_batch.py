@@ -40,11 +40,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from experiments.bench_batch_accelerate import measure_accelerate
+from experiments.bench_batch_resident import measure_resident, reference_outputs
 from experiments.machine import release_freed_memory
 from offload_runtime.engine.options import RuntimeOptions
 from prescient.atomic import write_json_atomic
@@ -141,50 +142,6 @@ def spearman(a: list[float], b: list[float]) -> float:
 
     ra, rb = ranks(a), ranks(b)
     return float(np.corrcoef(ra, rb)[0, 1])
-
-
-def reference_outputs(model, prompts: list[list[int]], gen_len: int) -> list[list[int]]:
-    """Each request generated alone by the plain, all-resident `model` (greedy)."""
-    import torch
-
-    with torch.inference_mode():
-        return [model.generate(torch.tensor([p]), max_new_tokens=gen_len, do_sample=False,
-                               pad_token_id=model.config.pad_token_id)[0, len(p):].tolist() for p in prompts]
-
-
-def measure_resident(model, prompts: list[list[int]], gen_len: int, reference: list[list[int]] | None = None,
-                     read_bytes: Callable[[], int] | None = None) -> dict[str, Any]:
-    """Plain batched greedy `generate` (left padding), all weights resident (or `model` as
-    accelerate dispatched it): end to end, the time of `gen_len` new tokens; decode, that minus
-    the time of one (prefill and the first token). With `reference`, "exact": each request's new
-    tokens equal its reference (up to the reference's end); with `read_bytes` (a counter of bytes
-    read so far), the bytes read per generated token over those two calls."""
-    import torch
-
-    width = max(len(p) for p in prompts)
-    pad = model.config.pad_token_id or 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
-    count = read_bytes or (lambda: 0)
-
-    def timed(new: int) -> tuple[float, int, list[list[int]]]:
-        before, start = count(), time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False, pad_token_id=pad)
-        return time.perf_counter() - start, count() - before, out[:, width:].tolist()
-
-    timed(1)  # warm-up
-    (first, first_read, _), (full, full_read, out) = timed(1), timed(gen_len)
-    run = {"decode_seconds": round(full - first, 4), "prefill_seconds": round(first, 4),
-           "decode_tokens_per_s": len(prompts) * (gen_len - 1) / (full - first),
-           "tokens_per_s": len(prompts) * gen_len / full}
-    if reference is not None:
-        run["exact"] = all(o[:len(r)] == r for o, r in zip(out, reference, strict=True))
-    if read_bytes is not None:
-        run["read_bytes_per_token"] = full_read / (len(prompts) * gen_len)
-        run["decode_read_bytes_per_token"] = (full_read - first_read) / max(len(prompts) * (gen_len - 1), 1)
-    return run
 
 
 def correlation_table(trace: str | None, correlation: str | None, fingerprint):
@@ -302,30 +259,18 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, compared:
     only, or not at all (`ACCELERATE_RUNS`)."""
     import torch
 
-    from experiments.bench_batch_accelerate import measure_accelerate
     from experiments.machine import machine_info
-    from offload_runtime.cgopipe.klotski import check_hot_count
-    from offload_runtime.planning.hardware import load_profile, measure_profile
     from offload_runtime.planning.hrm import ModelSpec
     from prescient.fingerprint import fingerprint_model
     from prescient.loading import load_model, load_tokenizer
 
     spec = ModelSpec.from_config(model_dir)
-    if accelerate not in ACCELERATE_RUNS:
-        raise BenchBatchError(f"accelerate runs are one of {', '.join(ACCELERATE_RUNS)}, not {accelerate!r}")
-    if correlation is not None:  # the table's shape, before any work; its fingerprint once the model is loaded
-        _check_table_shape(correlation, spec)
-    if hot_count is not None:  # refused before any work
-        for policy in [*compared, *([BatchPolicy(sweep[0], sweep[0], sweep[1])] if sweep else [])]:
-            check_hot_count(hot_count, spec.num_experts, policy.resident)
+    _refuse_early(spec, accelerate, correlation, hot_count, compared, sweep)
     torch.set_num_threads(threads)
     sweep_policies = [BatchPolicy(n * sweep[0], sweep[0], sweep[1]) for n in sweep[2]] if sweep else []
     count = max(p.requests for p in [*compared, *grid, *sequential_at, *sweep_policies])
     prompts = request_prompts(load_tokenizer(model_dir), count, shortest, longest, dataset, split)
-    profile = load_profile(hardware) if hardware else measure_profile(Path(model_dir))
-    if hardware is None and profile.gpu is None:  # the link is what our store reads experts at
-        profile = dataclasses.replace(profile, disk_to_cpu=store_read_bandwidth(model_dir, options),
-                                      notes=profile.notes + "; disk_to_cpu: expert reads of the store")
+    profile = _hardware_profile(model_dir, hardware, options)
     # the plain model serves the reference outputs, the all-resident run, the measured times and
     # the fingerprint; it is loaded after the disk measurements and dropped before the offloaded
     # runs, since its memory-mapped checkpoint would keep the page cache from being dropped
@@ -340,12 +285,7 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, compared:
                      "dataset": f"{dataset}:{split}", "store": options.store,
                      "drop_page_cache": options.drop_page_cache, "repeats": repeats,
                      "hot_ranking": trace or "expert id", "correlation_table": correlation or trace or "empty, online",
-                     "main_policy": asdict(main), "compared": [p.label for p in compared],
-                     "sequential_at": [p.label for p in sequential_at], "grid": [p.label for p in grid],
-                     "accelerate": {"runs": accelerate, "offload": "disk (an offload folder)",
-                                    "batch": "all N requests in one generate",
-                                    "budget": "non-expert weights + the other schedules' expert slots"},
-                     "hrm": "hrm.estimate_schedule per mode at the mean prompt length"},
+                     **_policy_settings(compared, sequential_at, grid, accelerate)},
         "machine": machine_info(threads), "hardware_profile": profile.to_dict(), "runs": [],
     }
 
@@ -403,6 +343,45 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, compared:
 
         plot_bench_batch(result, plot_path)
     return result
+
+
+def _refuse_early(spec, accelerate: str, correlation: str | None, hot_count: int | None,
+                  compared: list[BatchPolicy], sweep: tuple[int, float, list[int]] | None) -> None:
+    """Refuse, before any work, an unknown accelerate setting, a correlation table of another
+    model's shape (its fingerprint is checked once the model is loaded) and a hot count a policy
+    cannot hold."""
+    from offload_runtime.cgopipe.klotski import check_hot_count
+
+    if accelerate not in ACCELERATE_RUNS:
+        raise BenchBatchError(f"accelerate runs are one of {', '.join(ACCELERATE_RUNS)}, not {accelerate!r}")
+    if correlation is not None:
+        _check_table_shape(correlation, spec)
+    if hot_count is not None:
+        for policy in [*compared, *([BatchPolicy(sweep[0], sweep[0], sweep[1])] if sweep else [])]:
+            check_hot_count(hot_count, spec.num_experts, policy.resident)
+
+
+def _hardware_profile(model_dir: str, hardware: str | None, options: RuntimeOptions):
+    """The HRM's hardware: the named or saved profile, else this machine measured, its disk link
+    (without a GPU) at the rate our store reads experts."""
+    from offload_runtime.planning.hardware import load_profile, measure_profile
+
+    profile = load_profile(hardware) if hardware else measure_profile(Path(model_dir))
+    if hardware is None and profile.gpu is None:  # the link is what our store reads experts at
+        profile = dataclasses.replace(profile, disk_to_cpu=store_read_bandwidth(model_dir, options),
+                                      notes=profile.notes + "; disk_to_cpu: expert reads of the store")
+    return profile
+
+
+def _policy_settings(compared: list[BatchPolicy], sequential_at: list[BatchPolicy], grid: list[BatchPolicy],
+                     accelerate: str) -> dict[str, Any]:
+    """The settings that say which policies ran where, as the JSON records them."""
+    return {"main_policy": asdict(compared[0]), "compared": [p.label for p in compared],
+            "sequential_at": [p.label for p in sequential_at], "grid": [p.label for p in grid],
+            "accelerate": {"runs": accelerate, "offload": "disk (an offload folder)",
+                           "batch": "all N requests in one generate",
+                           "budget": "non-expert weights + the other schedules' expert slots"},
+            "hrm": "hrm.estimate_schedule per mode at the mean prompt length"}
 
 
 def _klotski_times(plain, layers, spec, profile, micro_batch: int, context: int) -> dict[str, float]:

@@ -37,6 +37,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from experiments.bench_batch_resident import measure_resident
+
 
 def weight_budget_bytes(spec, resident_fraction: float) -> int:
     """Bytes of weights the offload runtime's schedules hold at r_w: non-expert weights + slot pool."""
@@ -77,8 +79,6 @@ def measure_accelerate(model_dir: str, prompts: list[list[int]], gen_len: int, r
     the other schedules; a fresh load into a fresh offload folder each run."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from experiments.bench_batch import measure_resident
 
     budget = weight_budget_bytes(spec, resident_fraction)
     with tempfile.TemporaryDirectory(prefix="accelerate-offload-") as folder:
