@@ -244,8 +244,9 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
                  "bench), forecast (the predictor's chance that coming tokens use it; needs a --predictor with "
                  "forecast heads), hotness (its use count so far)"),
         "transfer_workers": lambda p: (p.add_argument(
-            "--transfer-workers", type=transfer_workers, default=1,
-            help="expert copies that run at once (reads in flight); auto: the queue depth that --link-profile chose"),
+            "--transfer-workers", type=transfer_workers, default=None,
+            help="expert copies that run at once (reads in flight); auto: the queue depth that --link-profile chose "
+                 "(default: tuned with --memory, else 1)"),
             p.add_argument("--link-profile", metavar="PROFILE.json",
                            help="with --transfer-workers auto: a `prescient profile-hw --model DIR` JSON whose random-"
                                 "read curve chose the queue depth")),
@@ -255,9 +256,9 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
                  "`prescient bench` JSON or a `prescient profile-hw` JSON (default: prefetch as many as the slots "
                  "allow)"),
         "expert_pipeline": lambda p: p.add_argument(
-            "--expert-pipeline", action=argparse.BooleanOptionalAction, default=True,
+            "--expert-pipeline", action=argparse.BooleanOptionalAction, default=None,
             help="a layer's resident experts compute while its misses are copied, then each miss as it "
-                 "lands (default); --no-expert-pipeline: the layer waits for all its copies first"),
+                 "lands (default: tuned with --memory, else on); --no-expert-pipeline: the layer waits for all its copies first"),
         "expert_kernel": lambda p: (p.add_argument(
             "--expert-kernel", choices=EXPERT_KERNELS, default="model",
             help="EPS-MoE's load-aware kernels: model (the model's own experts implementation, default); auto (per "
@@ -267,18 +268,18 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
                            help="with --expert-kernel auto: a `prescient bench-kernels` JSON whose crossover picks the "
                                 "kernels (default: measured on the model's layer shape at load)")),
         "lookahead_layers": lambda p: p.add_argument(
-            "--lookahead", dest="lookahead_layers", type=lookahead_layers, default=0, metavar="LAYERS",
+            "--lookahead", dest="lookahead_layers", type=lookahead_layers, default=None, metavar="LAYERS",
             help="in-token lookahead (after HybriMoE): when a MoE block starts, the routers of the next 1-3 layers on its "
-                 "input pick experts to prefetch (default 0: off)"),
+                 "input pick experts to prefetch (default: tuned with --memory, else 0: off)"),
         "lookahead_probe": lambda p: p.add_argument(
             "--lookahead-probe", metavar="PROBE",
             help="in-token lookahead (--lookahead N, 1 if not given) with a trained probe artifact guessing the next "
                  "layers' experts from each block's input instead of their routers (prescient train --config "
                  "configs/predictor/probe.yaml)"),
         "next_token": lambda p: p.add_argument(
-            "--next-token", action="store_true",
+            "--next-token", action=argparse.BooleanOptionalAction, default=None,
             help="cross-token prefetch: load the next token's likely experts while this token's layers compute "
-                 "(needs a --predictor with forecast heads)"),
+                 "(needs a --predictor with forecast heads; default: tuned with --memory, else off)"),
     }
 
 
@@ -310,14 +311,12 @@ def add_next_token_min_chance(p: argparse.ArgumentParser, applies: str) -> None:
 
 
 def runtime_options(args: argparse.Namespace, **fields: object) -> RuntimeOptions:
-    """The one `RuntimeOptions` of a command: its flags from `add_runtime_args` (an option
-    without a flag keeps its default), and `fields` the command sets itself."""
+    """The one `RuntimeOptions` of a command: its flags from `add_runtime_args`, over (with
+    `--memory`) the configuration `prescient tune` measured best for the model on this machine,
+    over the built-in defaults; and `fields` the command sets itself."""
     names = set(args.runtime_flags)
     flags = {name: getattr(args, name) for name in names & RuntimeOptions.names()}
-    if flags.get("policy", "") is None:
-        flags["policy"] = best_policy(getattr(args, "predictor", None))
-    if flags.get("lookahead_probe") and not flags.get("lookahead_layers"):
-        flags["lookahead_layers"] = 1  # a probe given is a probe used: one layer ahead unless --lookahead says
+    flags = {name: value for name, value in flags.items() if value is not None}  # None: not named
     if "transfer_workers" in names and args.transfer_workers == "auto":
         from offload_runtime.planning.link_profile import profiled_depth
 
@@ -328,6 +327,28 @@ def runtime_options(args: argparse.Namespace, **fields: object) -> RuntimeOption
         flags["link_timing"] = load_timing(args.hide_only, model_config=args.model).timing
     if "expert_kernel" in names:
         flags["expert_kernel_table"] = args.expert_kernel_table
-    if "next_token" in names and args.next_token:
-        flags["next_token_min_chance"] = args.next_token_min_chance
-    return RuntimeOptions(**{**flags, **fields})
+    if "next_token" in names and args.next_token is not None:
+        flags["next_token_min_chance"] = args.next_token_min_chance if args.next_token else None
+    tuned = tuned_settings(args.model, flags["memory"]) if flags.get("memory") is not None else {}
+    settings = {**tuned, **flags, **fields}
+    if "policy" in names and "policy" not in settings:
+        settings["policy"] = best_policy(getattr(args, "predictor", None))
+    if settings.get("lookahead_probe") and not settings.get("lookahead_layers"):
+        settings["lookahead_layers"] = 1  # a probe given is a probe used: one layer ahead unless --lookahead says
+    return RuntimeOptions(**settings)
+
+
+def tuned_settings(model: str, memory: int) -> dict[str, object]:
+    """What `prescient tune` measured best for `model` on this machine nearest `memory`, said in
+    one line; {} (and how to tune, in one line) where it never ran."""
+    from offload_runtime.planning.tuned import load_tuned
+
+    tuned = load_tuned(model)
+    if tuned is None:
+        log.info("configuration: the built-in defaults (to measure the fastest on this machine: prescient tune "
+                 "--model %s [--predictor P], a few minutes)", model)
+        return {}
+    settings = tuned.settings_for(memory)
+    log.info("configuration: tuned on this machine (%s): %s", tuned.path,
+             ", ".join(f"{k}={v}" for k, v in settings.items()))
+    return settings

@@ -103,14 +103,28 @@ def _resident_plan(model_dir: ModelDirectory, options: RuntimeOptions) -> Memory
     """The plan that loads every expert, if `options.memory` holds the whole model beside the
     reserve (estimated before loading: this process now, plus the model's weights in the compute
     dtype); None otherwise."""
+    others, experts_bytes, total_experts = _weight_bytes(model_dir, options)
+    return plan_resident(options.memory, process_footprint() + others, _reserve(model_dir, options, 0), experts_bytes,
+                         total_experts)
+
+
+def whole_model_memory(model_dir: str | Path | ModelDirectory, options: RuntimeOptions | None = None) -> int:
+    """The memory cap at and above which `--memory` loads every expert (this process now, the whole
+    model's weights in the compute dtype, the reserve): the plain model's need, as estimated here."""
+    options, model_dir = RuntimeOptions.of(options), ModelDirectory.of(model_dir)
+    others, experts_bytes, _ = _weight_bytes(model_dir, options)
+    return process_footprint() + others + experts_bytes + _reserve(model_dir, options, 0)
+
+
+def _weight_bytes(model_dir: ModelDirectory, options: RuntimeOptions) -> tuple[int, int, int]:
+    """The bytes of the weights other than the routed experts, of the experts, and the number of
+    experts, in the compute dtype (from the model's shapes; nothing is read)."""
     skeleton = model_dir.weightless_model(options.torch_dtype)
-    experts = expert_tensor_names(find_moe_layers(skeleton))
+    layers = find_moe_layers(skeleton)
+    experts = expert_tensor_names(layers)
     sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in skeleton.state_dict().items()}
     experts_bytes = sum(size for name, size in sizes.items() if name in experts)
-    others = sum(sizes.values()) - experts_bytes
-    layers = find_moe_layers(skeleton)
-    return plan_resident(options.memory, process_footprint() + others, _reserve(model_dir, options, 0), experts_bytes,
-                         len(layers) * layers[0].num_experts)
+    return sum(sizes.values()) - experts_bytes, experts_bytes, len(layers) * layers[0].num_experts
 
 
 def _load_resident(model_dir: ModelDirectory, options: RuntimeOptions, plan: MemoryPlan):

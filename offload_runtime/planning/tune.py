@@ -1,0 +1,115 @@
+"""`prescient tune`: measure on this machine which configuration decodes fastest at a few memory
+sizes, and keep it as the default (`tuned`).
+
+What decides speed here, measured rather than assumed:
+1. the random-read curve at the expert's size (`link_profile.measure_random_reads`): its best
+   queue depth is the candidate number of transfer workers;
+2. per memory size (default: 40%, 60% and 80% of what the whole model needs, `whole_model_memory`),
+   a short greedy decode of a real prompt for the starting configuration, then for each mechanism
+   in turn — transfer workers at that depth, the other serving policy, cross-token prefetch
+   (SiDA's forecasts one token ahead), in-token lookahead (HybriMoE's next-layer routers), the
+   layer waiting for all its copies instead of the expert pipeline — the configuration with that
+   change, interleaved with the best so far (A B A B). A change is kept when its median tokens/s
+   beats the best's: the default is the best measured.
+Every run decodes through `generate_offloaded` with `RuntimeOptions(memory=size, ...)`, so the
+memory plan, the page-cache handling and the predictor are those `generate` will use.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from offload_runtime.engine.generate import generate_offloaded
+from offload_runtime.engine.loader import whole_model_memory
+from offload_runtime.engine.options import RuntimeOptions, best_policy
+from offload_runtime.planning.link_profile import measure_random_reads, model_read_file
+from offload_runtime.planning.tuned import TUNED_SETTINGS, machine_key
+from prescient.errors import CapacityError
+from prescient.model_dir import ModelDirectory
+
+DEFAULT_SHARES = (0.4, 0.6, 0.8)  # of the whole model's memory: where offloading decides speed
+
+
+def starting_settings(predictor: str | Path | None) -> dict[str, Any]:
+    """The built-in defaults, where tuning starts."""
+    return {"transfer_workers": 1, "policy": best_policy(predictor), "next_token_min_chance": None,
+            "lookahead_layers": 0, "expert_pipeline": True}
+
+
+def candidate_changes(depth: int, forecasts: bool) -> list[tuple[str, dict[str, Any]]]:
+    """Each mechanism's change to try on top of the best so far, in order."""
+    changes = [("transfer workers", {"transfer_workers": depth})] if depth != 1 else []
+    if forecasts:
+        changes += [("policy lru", {"policy": "lru"}), ("cross-token prefetch", {"next_token_min_chance": 0.5})]
+    changes += [("in-token lookahead", {"lookahead_layers": 1}), ("serial layers", {"expert_pipeline": False})]
+    return changes
+
+
+def tune(model_dir: str | Path, predictor: str | Path | None = None, memories: list[int] | None = None,
+         new_tokens: int = 48, repeats: int = 2, prompt: str | None = None) -> dict[str, Any]:
+    """The tuning record: the read curve, every run, and per size the best settings (see the module doc)."""
+    directory = ModelDirectory.of(model_dir)
+    curve = measure_random_reads(*model_read_file(directory), repeats=2)
+    forecasts = predictor is not None and best_policy(predictor) == "learned-belady"
+    sizes = memories or [int(share * whole_model_memory(directory)) for share in DEFAULT_SHARES]
+    prompt = prompt or default_prompt()
+    changes = candidate_changes(curve.depth, forecasts)
+    record: dict[str, Any] = {
+        "model": str(directory), "predictor": predictor and str(predictor), "machine": machine_key(),
+        "new_tokens": new_tokens, "repeats": repeats, "prompt": prompt,
+        "read_curve": {"expert_bytes": curve.expert_bytes, "depths": list(curve.depths),
+                       "bytes_per_s": list(curve.bytes_per_s), "depth": curve.depth},
+        "best": [], "runs": [], "refused": []}
+    bar = tqdm(total=len(sizes) * (1 + len(changes)) * repeats * 2, desc="tune", unit="run", disable=None)
+
+    def decode(memory: int, settings: dict[str, Any]) -> float:
+        result = generate_offloaded(directory, prompt, new_tokens, predictor=predictor,
+                                    options=RuntimeOptions(memory=memory, **settings))
+        record["runs"].append({"memory": memory, "settings": settings, "tokens_per_s": result["tokens_per_s"],
+                               "stats": result["stats"], "memory_plan": result["memory_plan"]})
+        bar.update()
+        return result["tokens_per_s"]
+
+    for memory in sizes:
+        try:
+            best = _best_at(memory, starting_settings(predictor), changes, repeats, decode)
+        except CapacityError as exc:
+            record["refused"].append({"memory": memory, "why": str(exc)})
+            continue
+        record["best"].append({"memory": memory, **best})
+    bar.close()
+    return record
+
+
+def _best_at(memory: int, start: dict[str, Any], changes: list[tuple[str, dict[str, Any]]], repeats: int,
+             decode: Callable[[int, dict[str, Any]], float]) -> dict[str, Any]:
+    """Coordinate search at one size: each change against the best so far, interleaved."""
+    best, best_runs, kept = start, [], []
+    for name, change in changes:
+        trial = {**best, **change}
+        if trial == best:
+            continue
+        trial_runs = []
+        for _ in range(repeats):  # A B A B: the best so far and the trial, in turn
+            best_runs.append(decode(memory, best))
+            trial_runs.append(decode(memory, trial))
+        if statistics.median(trial_runs) > statistics.median(best_runs):
+            best, best_runs = trial, trial_runs
+            kept.append(name)
+    if not best_runs:  # nothing to try: measure the start once for the record
+        best_runs = [decode(memory, best) for _ in range(repeats)]
+    return {"settings": {k: best[k] for k in TUNED_SETTINGS}, "kept": kept,
+            "tokens_per_s": statistics.median(best_runs), "spread": [min(best_runs), max(best_runs)]}
+
+
+def default_prompt(tokens: int = 48) -> str:
+    """A real prompt: the start of a held-out row of the built-in stdlib-code corpus."""
+    from training.corpora import load_corpus
+
+    text = next(row for row in load_corpus("stdlib-code", "validation")["text"] if len(row) > 8 * tokens)
+    return text[: 4 * tokens]

@@ -1,0 +1,96 @@
+"""The configurations `prescient tune` measured best, kept per model and machine, and read back
+as the defaults of `generate`, `serve` and `bench --memory`.
+
+A tuned file holds, per memory size measured, the settings that decode fastest there (transfer
+workers, policy, cross-token prefetch, in-token lookahead, the expert pipeline). It is keyed by the
+checkpoint (its config.json and its weight files' names and sizes: cheap to read on every start,
+unlike the fingerprint, which hashes the weights) and this machine (its processor, cores and
+memory): `$PRESCIENT_CACHE/tuned/` or `~/.cache/moe-prescient/tuned/`. A setting the user names
+always wins; a model never tuned here runs the built-in defaults, and says in one line how to tune.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prescient.atomic import write_results
+from prescient.model_dir import ModelDirectory
+
+log = logging.getLogger(__name__)
+
+TUNED_SETTINGS = ("transfer_workers", "policy", "next_token_min_chance", "lookahead_layers", "expert_pipeline")
+
+
+def machine_key() -> str:
+    """This machine as tuning sees it: processor model, cores and memory (not its host name, which a
+    fresh machine of the same kind changes)."""
+    import psutil
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    text = f"{cpu}|{os.cpu_count()}|{round(psutil.virtual_memory().total / 2**30)}"
+    return f"{os.cpu_count()}cpu-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+
+
+def checkpoint_key(model_dir: str | Path | ModelDirectory) -> str:
+    """The checkpoint as tuning sees it: its config and its weight files' names and sizes."""
+    directory = ModelDirectory.of(model_dir)
+    files = sorted((file.name, file.stat().st_size) for file in directory.weight_files)
+    text = json.dumps([directory.config_dict, files], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def tuned_path(model_dir: str | Path | ModelDirectory) -> Path:
+    """Where the tuned configurations of `model_dir` on this machine are kept."""
+    root = Path(os.environ.get("PRESCIENT_CACHE", Path.home() / ".cache" / "moe-prescient"))
+    return root / "tuned" / f"{checkpoint_key(model_dir)}-{machine_key()}.json"
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """Per memory size measured (bytes), the best settings (`TUNED_SETTINGS`)."""
+
+    path: Path
+    best: dict[int, dict[str, Any]]
+
+    def settings_for(self, memory: int) -> dict[str, Any]:
+        """The settings measured at the size nearest `memory` (by ratio)."""
+        nearest = min(self.best, key=lambda size: abs(math.log(size / memory)))
+        return dict(self.best[nearest])
+
+
+def save_tuned(model_dir: str | Path | ModelDirectory, record: dict) -> Path:
+    """Keep `record` (`tune`'s result, with "best": [{"memory": bytes, "settings": {...}}, ...])
+    as this model's tuned file on this machine; returns its path."""
+    path = tuned_path(model_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_results(record, path)
+    return path
+
+
+def load_tuned(model_dir: str | Path | ModelDirectory) -> Tuned | None:
+    """The tuned configurations of `model_dir` on this machine; None when never tuned here (or the
+    file cannot be read, which is logged)."""
+    path = tuned_path(model_dir)
+    if not path.is_file():
+        return None
+    try:
+        entries = json.loads(path.read_text())["best"]
+        best = {int(entry["memory"]): {k: v for k, v in entry["settings"].items() if k in TUNED_SETTINGS}
+                for entry in entries}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring the tuned configuration %s (%s); rerun `prescient tune`", path, exc)
+        return None
+    return Tuned(path, best) if best else None

@@ -1,0 +1,88 @@
+"""`prescient tune`: it measures each mechanism against the best so far at each memory size, keeps
+the best per model and machine, and `--memory` runs that unless a flag names otherwise."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+
+from cli import args as cli_args
+from cli.main import main
+from offload_runtime.engine import loader
+from offload_runtime.engine.memory_plan import MiB, reserve_bytes
+from offload_runtime.planning import tune as tune_module
+from offload_runtime.planning.tuned import load_tuned, save_tuned
+from prescient.model_dir import ModelDirectory
+
+FOOTPRINT = 400 * MiB
+
+
+@pytest.fixture
+def tuned_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRESCIENT_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _sizes(path, monkeypatch) -> list[int]:
+    """Two caps that buy 4 and 8 slots of the tiny model, with the footprint held fixed."""
+    monkeypatch.setattr(loader, "process_footprint", lambda: FOOTPRINT)
+    directory = ModelDirectory.open(path)
+    expert_bytes = 3 * 32 * 64 * 4  # gate, up and down of hidden 32 x intermediate 64 in float32
+    reserve = reserve_bytes(directory.config, 4, 4 * expert_bytes)  # room for up to 4 transfer workers
+    return [FOOTPRINT + reserve + 4 * expert_bytes, FOOTPRINT + reserve + 8 * expert_bytes]
+
+
+def test_tune_keeps_the_fastest_measured_settings_per_size(tiny_moe_dir, tuned_home, monkeypatch):
+    path = tiny_moe_dir("mixtral")
+    sizes = _sizes(path, monkeypatch)
+    speeds = iter(range(1000))  # every later run faster: each change is kept, in order
+
+    def fake_decode(directory, prompt, new_tokens, predictor, options):
+        return {"tokens_per_s": float(next(speeds)), "stats": {}, "memory_plan": None, "options": options}
+
+    monkeypatch.setattr(tune_module, "generate_offloaded", fake_decode)
+    record = tune_module.tune(path, memories=sizes, new_tokens=4, repeats=1, prompt="def f(x):")
+    assert [best["memory"] for best in record["best"]] == sizes
+    for best in record["best"]:
+        assert best["kept"] == [name for name, _ in tune_module.candidate_changes(record["read_curve"]["depth"],
+                                                                                   False)]
+        assert best["settings"]["lookahead_layers"] == 1 and best["settings"]["expert_pipeline"] is False
+    saved = save_tuned(path, record)
+    assert saved.parent.parent == tuned_home and load_tuned(path).settings_for(sizes[1] + 1) == \
+        record["best"][1]["settings"]
+
+
+def test_tune_runs_real_decodes_and_memory_then_uses_them_unless_a_flag_says(tiny_moe_dir, tuned_home, monkeypatch,
+                                                                              caplog, capsys):
+    path = tiny_moe_dir("mixtral")
+    sizes = _sizes(path, monkeypatch)
+    assert main(["tune", "--model", str(path), "--memory", ",".join(f"{s}B" for s in sizes), "--new-tokens", "4",
+                 "--repeats", "1"]) in (0, None)
+    printed = capsys.readouterr().out
+    assert "kept as this machine's default" in printed and "tokens/s" in printed
+    tuned = load_tuned(path).settings_for(sizes[0])
+
+    parser = argparse.ArgumentParser()
+    cli_args.add_runtime_args(parser)
+    parser.add_argument("--model")
+    with caplog.at_level(logging.INFO):
+        options = cli_args.runtime_options(parser.parse_args(["--model", str(path), "--memory", f"{sizes[0]}B"]))
+    assert "tuned on this machine" in caplog.text
+    assert {k: getattr(options, k) for k in tuned} == tuned
+    other = 1 if tuned["lookahead_layers"] == 0 else 0
+    named = cli_args.runtime_options(parser.parse_args(["--model", str(path), "--memory", f"{sizes[0]}B",
+                                                        "--lookahead", str(other)]))
+    assert named.lookahead_layers == other  # a flag named wins over the tuned setting
+
+
+def test_without_tuning_memory_says_how_to_tune_in_one_line(tiny_moe_dir, tuned_home, caplog):
+    path = tiny_moe_dir("mixtral")
+    parser = argparse.ArgumentParser()
+    cli_args.add_runtime_args(parser)
+    parser.add_argument("--model")
+    with caplog.at_level(logging.INFO):
+        options = cli_args.runtime_options(parser.parse_args(["--model", str(path), "--memory", "1GiB"]))
+    assert f"prescient tune --model {path}" in caplog.text
+    assert (options.transfer_workers, options.lookahead_layers, options.expert_pipeline) == (1, 0, True)
