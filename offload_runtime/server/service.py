@@ -58,7 +58,7 @@ class Service:
         self.config = config
         predictor = "none" if config.predictor is None else getattr(config.predictor, "kind", None) \
             or Path(str(config.predictor)).name.removesuffix(".json").removesuffix(".safetensors")
-        self.metrics = ServerMetrics({"policy": config.options.policy, "budget": str(config.options.budget),
+        self.metrics = ServerMetrics({"policy": config.options.policy, "budget": memory_or_budget(config.options),
                                       "predictor": predictor})
         self.model = self.tokenizer = self.scheduler = None
         self.context_length = 0
@@ -104,8 +104,10 @@ class Service:
             self.scheduler = Scheduler(model, eos, max_batch=c.max_batch, max_queue=c.max_queue,
                                        on_finish=self.metrics.observe_finished)
             self.metrics.scheduler = self.scheduler
-            log.info("serving %s as %r: policy %s, budget %s, predictor %s, up to %d requests per batch",
-                     c.model_dir, c.name, c.options.policy, c.options.budget, c.predictor or "none", c.max_batch)
+            plan = getattr(model.offload_runtime, "memory_plan", None)
+            log.info("serving %s as %r: policy %s, %s, predictor %s, up to %d requests per batch",
+                     c.model_dir, c.name, c.options.policy, plan.line() if plan else f"budget {c.options.budget}",
+                     c.predictor or "none", c.max_batch)
         except BaseException as exc:
             self.load_error = exc
             log.error("cannot serve %s: %s", c.model_dir, exc)
@@ -189,3 +191,8 @@ class Service:
         except SchedulerClosedError as exc:
             raise ClientError(503, str(exc), type="server_error") from None
         return sequence, events
+
+
+def memory_or_budget(options: RuntimeOptions) -> str:
+    """What bounds the experts' memory, as the metrics label it: "memory 8.00GiB" or the budget."""
+    return f"memory {options.memory / 2**30:.2f}GiB" if options.memory is not None else str(options.budget)

@@ -29,7 +29,8 @@ def _sizes(path, monkeypatch) -> list[int]:
     """Two caps that buy 4 and 8 slots of the tiny model, with the footprint held fixed."""
     monkeypatch.setattr(loader, "process_footprint", lambda: FOOTPRINT)
     directory = ModelDirectory.open(path)
-    expert_bytes = 3 * 32 * 64 * 4  # gate, up and down of hidden 32 x intermediate 64 in float32
+    config = directory.config
+    expert_bytes = 3 * config.hidden_size * config.intermediate_size * 4  # gate, up and down in float32
     reserve = reserve_bytes(directory.config, 4, 4 * expert_bytes)  # room for up to 4 transfer workers
     return [FOOTPRINT + reserve + 4 * expert_bytes, FOOTPRINT + reserve + 8 * expert_bytes]
 

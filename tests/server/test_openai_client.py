@@ -176,3 +176,12 @@ def test_predictor_prefetches_while_serving_and_output_is_unchanged(tiny_moe_dir
         assert running.metric("prescient_prefetches_issued_total", predictor="frequency") > 0
         assert running.metric("prescient_hash_tables_on_time_total") + \
             running.metric("prescient_hash_tables_late_total") > 0
+
+
+def test_a_memory_that_holds_every_expert_serves_the_plain_model_batched(tiny_moe_dir, reference):
+    with serve(tiny_moe_dir("mixtral"), memory="16GiB", max_batch=4) as running:
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda p: complete(running.client, p, stream=False), PROMPTS[:4]))
+        for prompt, (text, tokens, _, _) in zip(PROMPTS, results):
+            assert (text, tokens) == reference(prompt)
+        assert running.metric("prescient_expert_slots") == 2 * 8  # every expert of the 2 x 8 resident
