@@ -182,21 +182,14 @@ def compare_caches(
     start = time.perf_counter()
     policies = check_policies(tuple(policies))
     _check_link(batch_sizes, layers_ahead, transfer_per_step, timing, hide_only, next_token, predictor is not None)
-    if not expert_pipelines or (timing is None and expert_pipelines != (True,)):
-        raise CompareCachesError("the expert pipeline on or off is a model of the timed clock: give --timing (and "
-                                 f"one mode or both), got {list(expert_pipelines)}")
+    _check_expert_pipelines(expert_pipelines, timing)
     trace = load_trace(trace_dir)
     fp = trace.fingerprint
     total = fp.n_moe_layers * fp.n_experts
     slots = [capacity_slots(c, total) for c in capacities]
     if prefetch_k is not None and not 1 <= prefetch_k <= fp.n_experts:
         raise CompareCachesError(f"prefetch_k must be in 1..{fp.n_experts} (the experts of a layer), got {prefetch_k}")
-    if train_trace is not None:
-        fit = load_trace(train_trace)
-        fp.require_same(fit.fingerprint, f"train trace {train_trace}")
-        fit_on = str(train_trace)
-    else:
-        fit, fit_on = trace, SAME_TRACE
+    fit, fit_on = _fit_trace(trace, train_trace)
 
     result: dict[str, Any] = {
         "trace": trace.describe(trace_dir),
@@ -254,6 +247,23 @@ def compare_caches(
                         "simulate_s": round(sum(r["seconds"] for r in result["runs"]), 3),
                         "accesses": sum(r["accesses"] for r in result["runs"])}
     return result
+
+
+def _check_expert_pipelines(expert_pipelines: tuple[bool, ...], timing: LinkTiming | None) -> None:
+    """The expert pipeline on or off is a model of the timed clock: one mode or both, with `timing` only."""
+    if not expert_pipelines or (timing is None and expert_pipelines != (True,)):
+        raise CompareCachesError("the expert pipeline on or off is a model of the timed clock: give --timing (and "
+                                 f"one mode or both), got {list(expert_pipelines)}")
+
+
+def _fit_trace(trace: Trace, train_trace: str | Path | None) -> tuple[Trace, str]:
+    """The trace predictors and the static policy are fitted on (`train_trace`, checked to be of
+    the same model, else `trace` itself) and how the JSON names it."""
+    if train_trace is None:
+        return trace, SAME_TRACE
+    fit = load_trace(train_trace)
+    trace.fingerprint.require_same(fit.fingerprint, f"train trace {train_trace}")
+    return fit, str(train_trace)
 
 
 def _replays(trace: Trace, batch_sizes: tuple[int, ...], router_scores: bool, chances: dict[str, np.ndarray],

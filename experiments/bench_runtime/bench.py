@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from functools import partial
@@ -193,6 +194,14 @@ def bench_runtime(
 
             bar.set_postfix_str("simulating")
             simulate_bench(result, oracle_trace, paths, next_token_min_chance)
+    _finish(result, save, json_path, plot_path, fail_if_not_exact)
+    return result
+
+
+def _finish(result: dict[str, Any], save: Callable[[], Any], json_path: str | Path | None,
+            plot_path: str | Path | None, fail_if_not_exact: bool) -> None:
+    """The ratios and `complete` (never with a run that is not exact), the last save, the plot,
+    and then, with `fail_if_not_exact`, a `NotExactError` naming the runs that were not exact."""
     result["ratios"] = ratios(result["runs"], result["baselines"], HEADLINE_BUDGET)
     bad = not_exact([*result["runs"], *result["baselines"].values()])
     result["complete"] = not bad  # kept for inspection, never complete with a run that is not exact
@@ -203,7 +212,6 @@ def bench_runtime(
         plot_bench(result, plot_path)
     if fail_if_not_exact:
         require_exact(bad, json_path)
-    return result
 
 
 def _work_dir(work_dir: str | Path | None) -> AbstractContextManager[str]:
