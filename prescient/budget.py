@@ -11,7 +11,10 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+import psutil
+
 from prescient.errors import CapacityError
+from prescient.memory_cap import cgroup_limit
 
 _BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -54,10 +57,6 @@ def parse_memory(text: str) -> int:
 def machine_memory() -> int:
     """This machine's memory in bytes: its RAM, or the memory limit of the cgroup this process runs
     in where that is lower (a container's share)."""
-    import psutil
-
-    from prescient.memory_cap import cgroup_limit
-
     limit = cgroup_limit()
     total = psutil.virtual_memory().total
     return min(total, limit) if limit is not None else total

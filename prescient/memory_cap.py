@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import psutil
+
 UNLIMITED = 2**60  # cgroup v1 writes "no limit" as a huge page-rounded number
 
 
@@ -53,8 +55,6 @@ def cgroup_limit() -> int | None:
 def process_footprint() -> int:
     """This process's resident bytes (anonymous memory and the mapped files it touched): what a
     cap counts of it, beside the page cache of the files it read."""
-    import psutil
-
     return psutil.Process(os.getpid()).memory_info().rss
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from prescient.atomic import write_results
 from prescient.model_dir import ModelDirectory
 
@@ -32,8 +34,6 @@ TUNED_SETTINGS = ("transfer_workers", "policy", "next_token_min_chance", "lookah
 def machine_key() -> str:
     """This machine as tuning sees it: processor model, cores and memory (not its host name, which a
     fresh machine of the same kind changes)."""
-    import psutil
-
     cpu = platform.processor() or platform.machine()
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
