@@ -52,12 +52,14 @@ def test_cgroup_runner_reports_a_kill():
 
 
 def _fake_runner(speeds: dict[tuple[str, int | None], float | None]):
-    """A runner that answers from `speeds` ((system, cap) -> tokens/s; None: killed) without a child."""
+    """A runner that answers from `speeds` ((system, cap) -> tokens/s; None: killed; "refused") without a child."""
 
     def run(argv: list[str], cap: int | None, _timeout: float) -> CappedRun:
         spec = json.loads(Path(argv[-2]).read_text())
         speed = speeds.get((spec["system"], cap), 10.0)
-        if speed is not None:
+        if speed == "refused":
+            Path(argv[-1]).write_text(json.dumps({"refused": "--memory 50 MiB cannot hold this model"}))
+        elif speed is not None:
             ids = [1, 2, 3] if spec["system"] != "mmap" else [1, 2, 4]  # mmap inexact, to see it marked
             Path(argv[-1]).write_text(json.dumps({"token_ids": ids, "tokens_per_s": speed, "prefill_seconds": 0.1}))
         return CappedRun(0 if speed is not None else -9, speed is None, False, cap or 400, cap, True, "v1",
@@ -67,16 +69,18 @@ def _fake_runner(speeds: dict[tuple[str, int | None], float | None]):
 
 
 def test_orchestrator_writes_killed_runs_and_summary(tmp_path):
-    small, big = 100 * 2**20, 2**30
+    tiny, small, big = 50 * 2**20, 100 * 2**20, 2**30
     runner = _fake_runner({("plain", small): None, ("mmap", small): 4.0, ("prescient", small): 6.0,
-                           ("plain", big): 20.0, ("prescient", big): 19.0})
+                           ("plain", big): 20.0, ("prescient", big): 19.0,
+                           ("plain", tiny): None, ("mmap", tiny): None, ("prescient", tiny): "refused"})
     out = tmp_path / "curve.json"
-    orchestrate.bench_memory("model", [big, small], PROMPT, json_path=out, plot_path=tmp_path / "curve.png",
+    orchestrate.bench_memory("model", [big, small, tiny], PROMPT, json_path=out, plot_path=tmp_path / "curve.png",
                              new_tokens=4, repeats=2, runner=runner)
     result = json.loads(out.read_text())
     assert [r["system"] for r in result["runs"][:3]] == ["plain", "mmap", "prescient"]  # interleaved
-    killed = [r for r in result["runs"] if r["status"] == "killed"]
-    assert len(killed) == 2 and all(r["system"] == "plain" and r["cap_bytes"] == small for r in killed)
+    killed = [(r["system"], r["cap_bytes"]) for r in result["runs"] if r["status"] == "killed"]
+    assert sorted(set(killed)) == sorted({("plain", small), ("plain", tiny), ("mmap", tiny)}) and len(killed) == 6
+    assert {r["status"] for r in result["runs"] if r["cap_bytes"] == tiny and r["system"] == "prescient"} == {"refused"}
     by = {(s["system"], s["cap_bytes"]): s for s in result["summary"]}
     assert by["plain", small]["killed"] == 2 and by["plain", small]["tokens_per_s"] is None
     assert by["prescient", big]["exact"] and by["mmap", big]["exact"] is False

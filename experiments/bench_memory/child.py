@@ -4,8 +4,9 @@
 
 SPEC: {"system": "floor" | "plain" | "mmap" | "prescient", "model", "prompt", "new_tokens",
 "threads", "memory" (the cap in bytes, or null), "predictor" (prescient's artifact, or null)}.
-OUT: the system's record (token ids, prefill seconds, decode tokens/s, ...) and this process's
-memory at the end (`proc_status`). `floor` imports torch, transformers and the runtime and loads
+OUT: the system's record (token ids, prefill seconds, decode tokens/s, ...), or {"refused": why}
+where the runtime refuses the cap (a `CapacityError`: too small for it, by its own account), and
+this process's memory at the end (`proc_status`). `floor` imports torch, transformers and the runtime and loads
 nothing: the memory any of the systems holds before its model.
 """
 
@@ -49,8 +50,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> None:
     spec_path, out_path = argv
+    from prescient.errors import CapacityError
+
     spec = json.loads(Path(spec_path).read_text())
-    record = run(spec)
+    try:
+        record = run(spec)
+    except CapacityError as exc:
+        record = {"refused": str(exc)}
     record["proc_status"] = proc_status()
     Path(out_path).write_text(json.dumps(record))
 

@@ -32,10 +32,14 @@ METHOD = {
                 "first new token, tokens/s over the rest (decode only)",
     "exact": "a run is exact when its token ids equal the uncapped plain model's",
     "killed": "the kernel killed the run for want of memory under the cap (the cgroup's oom_kill count, or SIGKILL)",
+    "refused": "the runtime refused the cap before loading (too small by its own account; the message names the "
+               "smallest it takes)",
     "summary": "per cap and system: median and min-max of tokens/s over the runs that finished; killed runs counted",
     "ratios": "median tokens/s of prescient over plain and over mmap at the same cap (null where either did not "
               "run)",
-    "floor": "peak of a child that imports torch, transformers and the runtime and loads nothing",
+    "floor": "a child that imports torch, transformers and the runtime and loads nothing, uncapped: peak_bytes is "
+             "the cgroup's peak (page cache of the libraries read included, reclaimable under a cap), "
+             "proc_status.VmHWM its peak RSS (anonymous + mapped libraries), the line on the plot",
     "runtime": "prescient's statistics over prefill and decode: hit rate, bytes moved and ms stalled on loads per "
                "new token",
 }
@@ -64,7 +68,7 @@ def child_run(spec: dict[str, Any], cap: int | None, runner: Runner, timeout_s: 
         outcome = runner([sys.executable, "-m", "experiments.bench_memory.child", str(spec_path), str(out_path)],
                          cap, timeout_s)
         record = json.loads(out_path.read_text()) if outcome.returncode == 0 and out_path.exists() else {}
-    status = ("killed" if outcome.killed else "timeout" if outcome.timed_out
+    status = ("killed" if outcome.killed else "timeout" if outcome.timed_out else "refused" if "refused" in record
               else "ok" if outcome.returncode == 0 and record else "failed")
     peak = outcome.peak_bytes if outcome.peak_bytes is not None else record.get("proc_status", {}).get("VmHWM")
     return {"system": spec["system"], "cap_bytes": cap, "status": status, "peak_bytes": peak,
@@ -83,7 +87,7 @@ def summarize(runs: list[dict[str, Any]], caps: list[int], systems: tuple[str, .
             mine = [r for r in runs if r["cap_bytes"] == cap and r["system"] == system]
             done = [r for r in mine if r["status"] == "ok"]
             entry = {"cap_bytes": cap, "system": system, "runs": len(mine),
-                     **{s: sum(r["status"] == s for r in mine) for s in ("killed", "timeout", "failed")},
+                     **{s: sum(r["status"] == s for r in mine) for s in ("killed", "refused", "timeout", "failed")},
                      "exact": all(r.get("exact") for r in done) if done else None,
                      "tokens_per_s": _spread([r["tokens_per_s"] for r in done if r.get("tokens_per_s")]),
                      "prefill_seconds": _spread([r["prefill_seconds"] for r in done if r.get("prefill_seconds")]),
@@ -178,14 +182,20 @@ def unknown(systems: tuple[str, ...]) -> list[str]:
 def summary_text(result: dict[str, Any]) -> str:
     """One line per cap and system: tokens/s median [min-max], killed runs, exactness; then the ratios."""
     lines = [f"memory curve of {result['settings']['model']} (cgroup {result['cgroup']}; floor "
-             f"{(result['floor'].get('peak_bytes') or 0) / 2**30:.2f} GiB; plain uncapped "
+             f"{floor_bytes(result) / 2**30:.2f} GiB RSS; plain uncapped "
              f"{result['reference'].get('tokens_per_s') or 0:.1f} tok/s)"]
     for s in result["summary"]:
         speed = s["tokens_per_s"]
         text = f"{speed['median']:.1f} tok/s [{speed['min']:.1f}-{speed['max']:.1f}]" if speed else "-"
         lines.append(f"  {s['cap_bytes'] / 2**30:6.2f} GiB  {s['system']:<9} {text:<26} killed {s['killed']}/"
-                     f"{s['runs']}  exact {s['exact']}")
+                     f"{s['runs']}  refused {s['refused']}/{s['runs']}  exact {s['exact']}")
     for r in result["ratios"]:
         lines.append(f"  {r['cap_bytes'] / 2**30:6.2f} GiB  prescient/plain {r['prescient/plain']}  "
                      f"prescient/mmap {r['prescient/mmap']}")
     return "\n".join(lines)
+
+
+def floor_bytes(result: dict[str, Any]) -> int:
+    """The import floor: the floor child's peak RSS, else its cgroup peak."""
+    floor = result.get("floor", {})
+    return floor.get("proc_status", {}).get("VmHWM") or floor.get("peak_bytes") or 0

@@ -1,6 +1,7 @@
 """The memory curve's PNG: decode tokens/s against the memory cap, one curve per system (median,
-min-max bars), killed runs as x at the bottom, where the plain model stops running shaded, the
-import floor as a vertical line and the uncapped plain model as a horizontal one."""
+min-max bars), killed runs as x and refused caps as hollow squares at the bottom, where the plain
+model stops running shaded, the import floor as a vertical line and the uncapped plain model as a
+horizontal one."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only backend)
 
+from experiments.bench_memory.orchestrate import floor_bytes  # noqa: E402
 from prescient.atomic import write_atomic  # noqa: E402
 
 COLORS = {"plain": "black", "mmap": "tab:orange", "prescient": "tab:blue"}
@@ -31,6 +33,10 @@ def _curves(ax, summary: list[dict[str, Any]]) -> None:
                    [s["tokens_per_s"]["max"] - m for m, s in zip(mid, done)]]
             inexact = " (not all exact)" if any(s["exact"] is False for s in done) else ""
             ax.errorbar(x, mid, yerr=err, marker="o", capsize=3, color=color, label=system + inexact)
+        refused = [s["cap_bytes"] / GIB for s in mine if s["refused"] and not s["tokens_per_s"]]
+        if refused:
+            ax.plot(refused, [0] * len(refused), "s", ms=8, mfc="none", mew=1.5, color=color, clip_on=False,
+                    label=f"{system} refused the cap")
         killed = [s["cap_bytes"] / GIB for s in mine if s["killed"] and not s["tokens_per_s"]]
         if killed:
             ax.plot(killed, [0] * len(killed), "x", ms=KILLED_SIZE.get(system, 9), mew=2, color=color, clip_on=False,
@@ -41,9 +47,9 @@ def plot_memory_curve(result: dict[str, Any], path: str | Path) -> Path:
     """Draw the curve and write the PNG atomically."""
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     _curves(ax, result["summary"])
-    floor = result.get("floor", {}).get("peak_bytes")
+    floor = floor_bytes(result)
     if floor:
-        ax.axvline(floor / GIB, color="gray", ls=":", label=f"import floor ({floor / GIB:.2f} GiB)")
+        ax.axvline(floor / GIB, color="gray", ls=":", label=f"import floor, RSS ({floor / GIB:.2f} GiB)")
     reference = result.get("reference", {}).get("tokens_per_s")
     if reference:
         ax.axhline(reference, color="black", ls="--", lw=1, alpha=0.5, label="plain, uncapped")
