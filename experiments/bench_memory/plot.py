@@ -33,7 +33,7 @@ def _curves(ax, summary: list[dict[str, Any]]) -> None:
                    [s["tokens_per_s"]["max"] - m for m, s in zip(mid, done)]]
             inexact = " (not all exact)" if any(s["exact"] is False for s in done) else ""
             ax.errorbar(x, mid, yerr=err, marker="o", capsize=3, color=color, label=system + inexact)
-        refused = [s["cap_bytes"] / GIB for s in mine if s["refused"] and not s["tokens_per_s"]]
+        refused = [s["cap_bytes"] / GIB for s in mine if s.get("refused") and not s["tokens_per_s"]]
         if refused:
             ax.plot(refused, [0] * len(refused), "s", ms=8, mfc="none", mew=1.5, color=color, clip_on=False,
                     label=f"{system} refused the cap")
