@@ -13,6 +13,7 @@ from cache.tiered import PRECISION_RULES
 from offload_runtime.engine.expert_kernels import EXPERT_KERNELS
 from offload_runtime.engine.options import (DTYPES, MAX_LOOKAHEAD_LAYERS, MAX_TRANSFER_WORKERS, SLOT_FORMATS,
                                             STORES, RuntimeOptions, best_policy)
+from offload_runtime.planning.tuned import tuned_settings
 from prescient.atomic import check_folder, resolve_output
 from prescient.budget import MEMORY_HELP, Budget, parse_memory
 from prescient.devices import check_device
@@ -329,26 +330,10 @@ def runtime_options(args: argparse.Namespace, **fields: object) -> RuntimeOption
         flags["expert_kernel_table"] = args.expert_kernel_table
     if "next_token" in names and args.next_token is not None:
         flags["next_token_min_chance"] = args.next_token_min_chance if args.next_token else None
-    tuned = tuned_settings(args.model, flags["memory"]) if flags.get("memory") is not None else {}
+    tuned = tuned_settings(args.model, flags["memory"]) if flags.get("memory") is not None else {}  # says which
     settings = {**tuned, **flags, **fields}
     if "policy" in names and "policy" not in settings:
         settings["policy"] = best_policy(getattr(args, "predictor", None))
     if settings.get("lookahead_probe") and not settings.get("lookahead_layers"):
         settings["lookahead_layers"] = 1  # a probe given is a probe used: one layer ahead unless --lookahead says
     return RuntimeOptions(**settings)
-
-
-def tuned_settings(model: str, memory: int) -> dict[str, object]:
-    """What `prescient tune` measured best for `model` on this machine nearest `memory`, said in
-    one line; {} (and how to tune, in one line) where it never ran."""
-    from offload_runtime.planning.tuned import load_tuned
-
-    tuned = load_tuned(model)
-    if tuned is None:
-        log.info("configuration: the built-in defaults (to measure the fastest on this machine: prescient tune "
-                 "--model %s [--predictor P], a few minutes)", model)
-        return {}
-    settings = tuned.settings_for(memory)
-    log.info("configuration: tuned on this machine (%s): %s", tuned.path,
-             ", ".join(f"{k}={v}" for k, v in settings.items()))
-    return settings

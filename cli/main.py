@@ -54,6 +54,7 @@ COMMANDS = {
     "bench-predictor-latency": "bench_predictor_latency",
     "ablation": "ablation",
     "archs": "archs",
+    "report": "report",
 }
 
 

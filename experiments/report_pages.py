@@ -1,6 +1,6 @@
 """The results pages: for each, what a reader should conclude and the tables that show it, each
 table read from the JSONs in `results/` that the command beside it wrote. Rendered by
-`python -m experiments.report` (the engine, `experiments/report.py`)."""
+`prescient report` (the engine, `experiments/report.py`)."""
 
 from __future__ import annotations
 

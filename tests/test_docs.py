@@ -22,7 +22,7 @@ def test_results_pages_are_what_their_jsons_render_to():
     pages = render_all()
     assert pages, "no results page is defined"
     differ = [str(p.relative_to(ROOT)) for p in stale(pages)]
-    assert not differ, f"{differ} differ from what their JSONs render to: run `python -m experiments.report` and commit"
+    assert not differ, f"{differ} differ from what their JSONs render to: run `prescient report` and commit"
 
 
 def _api_entries() -> list[tuple[str, dict]]:

@@ -20,7 +20,8 @@ from prescient.errors import CapacityError
 from prescient.memory_cap import cgroup_limit
 
 MiB = 2**20
-WORKSPACE = 64 * MiB  # activations of a decode step and a short prefill, allocator slack
+SLACK = 16 * MiB  # the allocator's free lists, small buffers
+PREFILL_TOKENS = 512  # activations are reserved for a prefill this long; longer prompts need more room
 RESERVED_CONTEXT = 4096  # tokens of KV cache kept free (the model's context where shorter)
 
 
@@ -69,12 +70,22 @@ def kv_bytes_per_token(config, dtype_bytes: int) -> int:
     return 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
+def workspace_bytes(config, dtype_bytes: int) -> int:
+    """Activations of a `PREFILL_TOKENS` prefill through the widest FFN (an expert's gate, up and
+    product) and the residual stream, plus `SLACK`."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(text, "hidden_size", 0) or 0
+    widest = max(getattr(text, name, 0) or 0 for name in ("intermediate_size", "moe_intermediate_size",
+                                                           "expert_intermediate_size", "ffn_dim"))
+    return PREFILL_TOKENS * (3 * widest + 4 * hidden) * dtype_bytes + SLACK
+
+
 def reserve_bytes(config, dtype_bytes: int, copy_buffers: int) -> int:
     """What the cap keeps free beside weights and slots: the KV cache of `RESERVED_CONTEXT` tokens
     (or the model's context), the workspace, and `copy_buffers` bytes of reads in flight."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     context = min(getattr(text, "max_position_embeddings", None) or RESERVED_CONTEXT, RESERVED_CONTEXT)
-    return kv_bytes_per_token(config, dtype_bytes) * context + WORKSPACE + copy_buffers
+    return kv_bytes_per_token(config, dtype_bytes) * context + workspace_bytes(config, dtype_bytes) + copy_buffers
 
 
 def plan_resident(cap: int, footprint: int, reserve: int, experts_bytes: int, total_experts: int) -> MemoryPlan | None:
