@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.bench_memory.cgroup import HOW_COUNTED, CappedRun, cgroup_kind, drop_page_cache, run_capped
+from experiments.bench_memory.plot import floor_bytes, plot_memory_curve
 from experiments.bench_memory.systems import SYSTEMS
 from prescient.errors import PrescientError
 
@@ -169,8 +170,6 @@ def bench_memory(model_dir: str | Path, caps: list[int], prompt: str, *, json_pa
                 result["runs"].append(record)
                 _write(result, caps, json_path)
     if plot_path:
-        from experiments.bench_memory.plot import plot_memory_curve
-
         plot_memory_curve(result, plot_path)
     return result
 
@@ -193,9 +192,3 @@ def summary_text(result: dict[str, Any]) -> str:
         lines.append(f"  {r['cap_bytes'] / 2**30:6.2f} GiB  prescient/plain {r['prescient/plain']}  "
                      f"prescient/mmap {r['prescient/mmap']}")
     return "\n".join(lines)
-
-
-def floor_bytes(result: dict[str, Any]) -> int:
-    """The import floor: the floor child's peak RSS, else its cgroup peak."""
-    floor = result.get("floor", {})
-    return floor.get("proc_status", {}).get("VmHWM") or floor.get("peak_bytes") or 0

@@ -13,7 +13,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only backend)
 
-from experiments.bench_memory.orchestrate import floor_bytes  # noqa: E402
 from prescient.atomic import write_atomic  # noqa: E402
 
 COLORS = {"plain": "black", "mmap": "tab:orange", "prescient": "tab:blue"}
@@ -41,6 +40,12 @@ def _curves(ax, summary: list[dict[str, Any]]) -> None:
         if killed:
             ax.plot(killed, [0] * len(killed), "x", ms=KILLED_SIZE.get(system, 9), mew=2, color=color, clip_on=False,
                     label=f"{system} killed (out of memory)")
+
+
+def floor_bytes(result: dict[str, Any]) -> int:
+    """The import floor: the floor child's peak RSS, else its cgroup peak."""
+    floor = result.get("floor", {})
+    return floor.get("proc_status", {}).get("VmHWM") or floor.get("peak_bytes") or 0
 
 
 def plot_memory_curve(result: dict[str, Any], path: str | Path) -> Path:

@@ -5,8 +5,8 @@ prompt's put and each new token; prefill runs to the first new token, decode fro
 - `plain`: transformers' own model, `from_pretrained` + `generate` (the anchor).
 - `mmap`: the same model with its weights zero-copy views of the memory-mapped safetensors files
   (`mmap_model`): the kernel's page cache is the expert cache.
-- `prescient`: `generate_offloaded` with `RuntimeOptions(memory=CAP)`: the runtime sizes itself
-  to the cap (its default configuration otherwise).
+- `prescient`: `generate_offloaded` with what `--memory CAP` runs by default (`tuned.memory_options`:
+  the configuration `prescient tune` measured best on this machine, else the built-in defaults).
 """
 
 from __future__ import annotations
@@ -64,12 +64,14 @@ def run_mmap(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_prescient(spec: dict[str, Any]) -> dict[str, Any]:
-    """`generate_offloaded` under `RuntimeOptions(memory=spec["memory"])` (None: the defaults);
-    the runtime's statistics cover prefill and decode."""
+    """`generate_offloaded` with `--memory`'s default configuration at `spec["memory"]` (None: the
+    built-in budget); the runtime's statistics cover prefill and decode."""
     from offload_runtime.engine.generate import generate_offloaded
     from offload_runtime.engine.options import RuntimeOptions
+    from offload_runtime.planning.tuned import memory_options
 
-    options = RuntimeOptions() if spec["memory"] is None else RuntimeOptions(memory=spec["memory"])
+    options = RuntimeOptions() if spec["memory"] is None else \
+        memory_options(spec["model"], spec["memory"], spec.get("predictor"))
     out = generate_offloaded(spec["model"], spec["prompt"], spec["new_tokens"], predictor=spec.get("predictor"),
                              options=options)
     stats, tokens = out["stats"], max(len(out["token_ids"]), 1)

@@ -23,6 +23,7 @@ from typing import Any
 
 import psutil
 
+from offload_runtime.engine.options import RuntimeOptions, best_policy
 from prescient.atomic import write_results
 from prescient.model_dir import ModelDirectory
 
@@ -94,3 +95,24 @@ def load_tuned(model_dir: str | Path | ModelDirectory) -> Tuned | None:
         log.warning("ignoring the tuned configuration %s (%s); rerun `prescient tune`", path, exc)
         return None
     return Tuned(path, best) if best else None
+
+
+def tuned_settings(model_dir: str | Path | ModelDirectory, memory: int) -> dict[str, Any]:
+    """What `prescient tune` measured best for `model_dir` on this machine nearest `memory`, said in
+    one line; {} (and how to tune, in one line) where it never ran."""
+    tuned = load_tuned(model_dir)
+    if tuned is None:
+        log.info("configuration: the built-in defaults (to measure the fastest on this machine: prescient tune "
+                 "--model %s [--predictor P], a few minutes)", model_dir)
+        return {}
+    settings = tuned.settings_for(memory)
+    log.info("configuration: tuned on this machine (%s): %s", tuned.path,
+             ", ".join(f"{k}={v}" for k, v in settings.items()))
+    return settings
+
+
+def memory_options(model_dir: str | Path | ModelDirectory, memory: int,
+                   predictor: str | Path | None = None) -> RuntimeOptions:
+    """What `--model M --memory SIZE [--predictor P]` runs when nothing else is named: the tuned
+    settings nearest `memory`, over the built-in defaults and the best measured policy."""
+    return RuntimeOptions(memory=memory, **{"policy": best_policy(predictor), **tuned_settings(model_dir, memory)})
