@@ -25,11 +25,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> dict:
     from offload_runtime.planning.tune import tune
-    from offload_runtime.planning.tuned import save_tuned
+    from offload_runtime.planning.tuned import save_tuned, tuned_path
     from prescient.atomic import write_results
 
+    def keep(record: dict) -> None:  # after each size: a stopped tuning keeps what it measured
+        save_tuned(args.model, record)
+        if args.json:
+            write_results(record, args.json)
+
     record = tune(args.model, args.predictor, list(args.memory) if args.memory else None, args.new_tokens,
-                  args.repeats)
+                  args.repeats, on_size=keep)
     for best in record["best"]:
         settings = ", ".join(f"{k}={v}" for k, v in best["settings"].items())
         low, high = best["spread"]
@@ -38,7 +43,5 @@ def run(args: argparse.Namespace) -> dict:
     for refused in record["refused"]:
         print(f"{refused['memory'] / 2**30:.2f} GiB: not run ({refused['why']})")
     if record["best"]:
-        print(f"kept as this machine's default for {args.model}: {save_tuned(args.model, record)}")
-    if args.json:
-        write_results(record, args.json)
+        print(f"kept as this machine's default for {args.model}: {tuned_path(args.model)}")
     return record

@@ -51,8 +51,10 @@ def candidate_changes(depth: int, forecasts: bool) -> list[tuple[str, dict[str, 
 
 
 def tune(model_dir: str | Path, predictor: str | Path | None = None, memories: list[int] | None = None,
-         new_tokens: int = 48, repeats: int = 2, prompt: str | None = None) -> dict[str, Any]:
-    """The tuning record: the read curve, every run, and per size the best settings (see the module doc)."""
+         new_tokens: int = 48, repeats: int = 2, prompt: str | None = None,
+         on_size: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The tuning record: the read curve, every run, and per size the best settings (see the module
+    doc); `on_size(record)` after each size, so that a stopped tuning keeps the sizes it finished."""
     directory = ModelDirectory.of(model_dir)
     curve = measure_random_reads(*model_read_file(directory), repeats=2)
     forecasts = predictor is not None and best_policy(predictor) == "learned-belady"
@@ -82,6 +84,8 @@ def tune(model_dir: str | Path, predictor: str | Path | None = None, memories: l
             record["refused"].append({"memory": memory, "why": str(exc)})
             continue
         record["best"].append({"memory": memory, **best})
+        if on_size is not None:
+            on_size(record)
     bar.close()
     return record
 
