@@ -3,9 +3,9 @@ report`, writes them beside the command reference; `prescient report --check` wr
 fails when a committed page differs).
 
 Every number on a results page comes from a JSON in `results/` through a table of
-`experiments/report_pages.py`: a `Table` names the JSONs it reads, the command that wrote them and
-the machine it ran on (taken from the JSON's own `machine` record where it has one), and turns the
-JSONs into rows. A `Page` is a title, one paragraph saying what a reader should conclude, and its
+`experiments/report_pages/` (one module a page): a `Table` names the JSONs it reads, the command
+that wrote them and the machine it ran on (taken from the JSON's own `machine` record where it has
+one), and turns the JSONs into rows. A `Page` is a title, one paragraph saying what a reader should conclude, and its
 tables. The README's headline table (between its `results:begin` and `results:end` markers) is
 rendered the same way from `HEADLINES`, each row linking its page and its JSON. To add a result: run the command, keep its JSON in `results/`, add a `Table` to a page
 there, run `prescient report` and commit the page. `tests/test_docs.py` fails when a committed page is not

@@ -1,6 +1,6 @@
 """What a results page is made of, and the formatting of its numbers: a `Page` of `Table`s, each
 read from JSONs in `results/` (`load`), and the README's `Headline`s. The pages themselves are in
-`experiments/report_pages.py`; `experiments/report.py` renders them."""
+`experiments/report_pages/`, one module a page; `experiments/report.py` renders them."""
 
 from __future__ import annotations
 
