@@ -46,6 +46,7 @@ from typing import Any
 
 from experiments.bench_batch_accelerate import measure_accelerate
 from experiments.bench_batch_resident import measure_resident, reference_outputs
+from experiments.bench_batch_shared import hot_ranking, median_spread
 from experiments.machine import release_freed_memory
 from offload_runtime.engine.options import RuntimeOptions
 from prescient.atomic import write_json_atomic
@@ -276,7 +277,7 @@ def bench_batch(model_dir: str, json_path: str, plot_path: str | None, compared:
     # runs, since its memory-mapped checkpoint would keep the page cache from being dropped
     plain, layers = load_model(model_dir, dtype=torch.float32)
     fingerprint = fingerprint_model(plain, layers)
-    hot = _hot_ranking(fingerprint, trace)
+    hot = hot_ranking(fingerprint, trace)
     table = correlation_table(trace, correlation, fingerprint)
     mean_prompt = round(sum(len(p) for p in prompts) / len(prompts))
     main = compared[0]
@@ -412,12 +413,6 @@ def _klotski_plan(times: dict[str, float], table, hot, sweep: tuple[int, float, 
     return plan.to_dict()
 
 
-def _median_spread(values: list[float]) -> dict[str, Any]:
-    import statistics
-
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
 def summary(result: dict[str, Any]) -> dict[str, Any]:
     """Medians and spreads per policy and schedule; the ratios the issue's targets name."""
     runs = result["runs"]
@@ -429,7 +424,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         modes = {}
         for mode in dict.fromkeys(r["mode"] for r in mine):
             of = [r for r in mine if r["mode"] == mode]
-            modes[mode] = {key: _median_spread([r[key] for r in of])
+            modes[mode] = {key: median_spread([r[key] for r in of])
                            for key in ("tokens_per_s", "decode_tokens_per_s", "bytes_per_token", "decode_bytes_per_token")}
             if mode.startswith("klotski"):
                 modes[mode]["activated_share"] = of[0]["activated_share"]
@@ -461,7 +456,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
             for key in ("tokens_per_s", "decode_tokens_per_s")}}
     sweep = [r for r in runs if r["part"] == "sweep"]
     if sweep:
-        measured = {n: _median_spread([r["tokens_per_s"] for r in sweep if r["group_size"] == n])
+        measured = {n: median_spread([r["tokens_per_s"] for r in sweep if r["group_size"] == n])
                     for n in sorted({r["group_size"] for r in sweep})}
         best = max(measured, key=lambda n: measured[n]["median"])
         chosen = result["klotski_plan"]["group_size"]
@@ -497,17 +492,3 @@ def more_experts(requests: list[int], layouts: tuple[tuple[int, int], ...] = ((1
     from offload_runtime.planning.hrm import expected_experts
 
     return {f"E={e} top-{k}": {n: expected_experts(n, e, k) / e for n in sorted(set(requests))} for e, k in layouts}
-
-
-def _hot_ranking(fingerprint, trace: str | None) -> list[list[float]]:
-    """[L][E] expert frequencies from `trace` (hottest experts stay resident), else by expert id."""
-    import numpy as np
-
-    from cache.simulator import expert_frequencies
-    from prescient.traces import load_trace
-
-    if trace is None:
-        return [[-e for e in range(fingerprint.n_experts)] for _ in range(fingerprint.n_moe_layers)]
-    loaded = load_trace(trace)
-    fingerprint.require_same(loaded.fingerprint, f"trace {trace}")
-    return np.asarray(expert_frequencies(loaded["topk_ids"].numpy(), fingerprint.n_experts)).tolist()

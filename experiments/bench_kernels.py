@@ -31,7 +31,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from experiments.bench_batch import BATCH_OPTIONS, BatchPolicy, _median_spread
+from experiments.bench_batch import BATCH_OPTIONS, BatchPolicy
+from experiments.bench_batch_shared import hot_ranking, median_spread
 from offload_runtime.engine.options import RuntimeOptions
 from prescient.atomic import write_json_atomic
 
@@ -133,8 +134,8 @@ def bench_kernels(model_dir: str, json_path: str, policies: list[BatchPolicy], r
 
     import torch
 
-    from experiments.bench_batch import (_hot_ranking, correlation_table, measure_schedule, reference_outputs,
-                                         request_prompts)
+    from experiments.bench_batch import correlation_table, measure_schedule, request_prompts
+    from experiments.bench_batch_resident import reference_outputs
     from experiments.machine import machine_info
     from prescient.fingerprint import fingerprint_model
     from prescient.loading import load_model, load_tokenizer
@@ -171,7 +172,7 @@ def bench_kernels(model_dir: str, json_path: str, policies: list[BatchPolicy], r
     arm_options = {"model": options, "auto": auto,
                    "auto-pipelined": dataclasses.replace(auto, expert_kernel_table=str(always))}
     fingerprint = fingerprint_model(plain, layers)
-    hot = _hot_ranking(fingerprint, trace)
+    hot = hot_ranking(fingerprint, trace)
     table = correlation_table(trace, None, fingerprint)
     reference = reference_outputs(plain, prompts, gen_len)
     result["logits_check"] = [logits_check(model_dir, plain, prompts, gen_len, dataclasses.replace(arm, budget=1.0))
@@ -205,7 +206,7 @@ def summary(runs: list[dict[str, Any]], policies: list[BatchPolicy], arms: tuple
     by_policy = {}
     for policy in policies:
         mine = [r for r in runs if r["label"] == policy.label]
-        spreads = {arm: {key: _median_spread([r[key] for r in mine if r["arm"] == arm]) for key in keys}
+        spreads = {arm: {key: median_spread([r[key] for r in mine if r["arm"] == arm]) for key in keys}
                    for arm in arms}
         row = {**asdict(policy), "arms": spreads, "exact": all(r["exact"] for r in mine)}
         for arm in arms[1:]:
@@ -215,7 +216,7 @@ def summary(runs: list[dict[str, Any]], policies: list[BatchPolicy], arms: tuple
                 paired = [of[rep, arm] / of[rep, "model"] for rep in sorted({r["repeat"] for r in mine})
                           if (rep, arm) in of and (rep, "model") in of]
                 ratios[key] = {"ratio_of_medians": spreads[arm][key]["median"] / spreads["model"][key]["median"],
-                               "paired": _median_spread(paired)}
+                               "paired": median_spread(paired)}
             row[f"{arm}_over_model"] = ratios
         by_policy[policy.label] = row
     return {"by_policy": by_policy, "all_exact": all(r["exact"] for r in runs)}

@@ -71,8 +71,8 @@ def test_accelerate_budget_is_the_other_schedules_weights(tmp_path, tiny_moe_dir
     decoder layers under it; each run is exact against the requests generated alone."""
     import torch
 
-    from experiments.bench_batch import reference_outputs
     from experiments.bench_batch_accelerate import measure_accelerate, weight_budget_bytes
+    from experiments.bench_batch_resident import reference_outputs
     from offload_runtime.planning.hrm import ModelSpec
     from prescient.loading import load_model
 
