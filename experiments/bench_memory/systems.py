@@ -76,7 +76,7 @@ def run_prescient(spec: dict[str, Any]) -> dict[str, Any]:
                              options=options)
     stats, tokens = out["stats"], max(len(out["token_ids"]), 1)
     return {"token_ids": out["token_ids"], "prefill_seconds": out["prefill_seconds"],
-            "tokens_per_s": out["tokens_per_s"], "settings": out["settings"],
+            "tokens_per_s": out["tokens_per_s"], "settings": out["settings"], "memory_plan": out["memory_plan"],
             "runtime": {"hit_rate": stats["hit_rate"], "bytes_moved_per_token": stats["bytes_moved"] / tokens,
                         "stall_ms_per_token": 1000 * stats["stall_seconds"] / tokens, "slots": stats["slots"],
                         "slot_bytes": stats["slot_bytes"], "stats": stats}}
