@@ -8,8 +8,12 @@ answers 429). Each turn of the inference thread
      (left-padded), samples each one's first token and merges their KV caches into the batch;
   3. runs one decode forward over every running request: one new token per row, each row at its
      own position with its padding masked, so a request's tokens are those it would get alone;
-  4. samples each row with its own settings and generator, streams the token out, and retires
-     the rows that finished (end of text, `max_tokens`, a stop string).
+  4. samples each row with its own settings and generator, streams the token out (with its
+     logprobs when the request asks), and retires the rows that finished (end of text,
+     `max_tokens`, a stop string).
+
+A request with `prompt_logprobs` gets its prompt's own logprobs from its prefill (that forward
+then keeps every position's logits); one with `max_tokens` 0 ends after its prefill, unsampled.
 
 The offloaded model's expert cache then serves all running requests at once: an expert loaded
 for one row's token is used by every row that routes to it in that step. The runtime is told
@@ -33,6 +37,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from offload_runtime.server.kv_batch import KVBatch
+from offload_runtime.server.logprobs import TokenLogprob, prompt_logprobs, token_logprob
 from offload_runtime.server.text import TextStream
 from prescient.errors import PrescientError
 
@@ -54,6 +59,10 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # top-N logprobs of each generated token (None: none)
+    prompt_logprobs: bool = False  # the prompt tokens' own logprobs too (top `logprobs` of each)
+    ignore_eos: bool = False  # the end-of-text token does not end the request
+    min_tokens: int = 0  # tokens generated before end-of-text or a stop string may end it
 
 
 @dataclass
@@ -64,6 +73,7 @@ class Event:
     token_id: int | None  # None on the final event of a request that ended without a new token
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"; None while running
     error: str | None = None
+    logprob: TokenLogprob | None = None  # the token's, when the request asks for logprobs
 
 
 @dataclass(eq=False)
@@ -74,6 +84,8 @@ class Request:
     stream: TextStream
     id: int = field(default_factory=itertools.count().__next__)
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, with params.logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, set by the prefill
     arrived: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -203,16 +215,17 @@ class Scheduler:
         self._running, self._batch = [], None
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
-                 requests: list[Request]) -> torch.Tensor:
-        """The last position's logits ([B, V], float32) of one forward over `requests`' rows."""
+                 requests: list[Request], every_position: bool = False) -> torch.Tensor:
+        """The logits of one forward over `requests`' rows, on the model's device: [B, T, V] with
+        `every_position`, else the last position's only ([B, 1, V])."""
         device = self.model.device
         if self.runtime is not None:
             self.runtime.sequence_ids = [r.id for r in requests]
         out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                         cache=cache, use_cache=True, logits_to_keep=1)
+                         cache=cache, use_cache=True, logits_to_keep=0 if every_position else 1)
         if self.runtime is not None:
             self.stats = self.runtime.stats()
-        return out.logits[:, -1].float().cpu()
+        return out.logits
 
     def _prefill(self, requests: list[Request]) -> None:
         length = max(len(r.prompt_ids) for r in requests)
@@ -223,7 +236,12 @@ class Scheduler:
             valid[row, length - len(request.prompt_ids):] = True
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids, valid.long(), positions, cache, requests)
+        scored = [row for row, r in enumerate(requests) if r.params.prompt_logprobs]
+        logits = self._forward(ids, valid.long(), positions, cache, requests, every_position=bool(scored))
+        for row in scored:  # the prompt's own logprobs: its positions but the last predict its tokens after the first
+            request = requests[row]
+            request.prompt_logprobs = prompt_logprobs(logits[row, length - len(request.prompt_ids):-1],
+                                                      request.prompt_ids, request.params.logprobs or 0)
         self.counters.prefill_forwards += 1
         self.counters.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
         batch = KVBatch(cache, valid)
@@ -233,7 +251,7 @@ class Scheduler:
             self._batch.merge(batch)
         self._running += requests
         self._next += [0] * len(requests)
-        self._emit(logits, first_row=len(self._running) - len(requests))
+        self._emit(logits[:, -1].float().cpu(), first_row=len(self._running) - len(requests))
 
     def _decode(self) -> None:
         mask, positions = self._batch.decode_inputs()
@@ -242,37 +260,58 @@ class Scheduler:
         self._batch.appended()
         self.counters.decode_steps += 1
         self.counters.decode_rows += len(self._running)
-        self._emit(logits, first_row=0)
+        self._emit(logits[:, -1].float().cpu(), first_row=0)
 
     def _emit(self, logits: torch.Tensor, first_row: int) -> None:
         """Sample rows first_row.. of the running batch from `logits` (one row each), hand out
         their tokens, and retire the finished ones."""
-        done = []
+        done, sampled = [], 0
         now = time.perf_counter()
         for offset, row_logits in enumerate(logits):
             row = first_row + offset
             request = self._running[row]
-            token = sample(row_logits, request.params, request.generator)
-            request.output_ids.append(token)
-            self._next[row] = token
-            if request.first_token_at is None:
-                request.first_token_at = now
-            self.counters.completion_tokens += 1
-            text = request.stream.add(token)
-            if token in self.eos_token_ids or request.stream.stopped:
-                reason = "stop"
-            elif len(request.output_ids) >= request.params.max_tokens:
-                reason = "length"
-            else:
-                request.on_event(Event(text, token))
+            if request.params.max_tokens == 0:  # prompt scoring only: the prefill was all it asked for
+                done.append(request)
+                self._finish(request, "length")
                 continue
-            done.append(request)
-            self._finish(request, reason, text=text + request.stream.flush(), token=token)
+            token, reason = self._step(request, row_logits, now)
+            self._next[row] = token
+            sampled += 1
+            if reason is not None:
+                done.append(request)
         self._retire(done, finished=True)
         with self._recent_lock:
-            self._recent.append((now, len(logits)))
+            self._recent.append((now, sampled))
             while self._recent and self._recent[0][0] < now - 60:
                 self._recent.popleft()
+
+    def _step(self, request: Request, logits: torch.Tensor, now: float) -> tuple[int, str | None]:
+        """Sample `request`'s next token from its row's `logits` ([V]) and hand it out; the token
+        and the finish reason (None while the request goes on)."""
+        params = request.params
+        early = len(request.output_ids) < params.min_tokens  # end-of-text and stop strings cannot end it yet
+        shaped = logits
+        if early and self.eos_token_ids:
+            shaped = logits.clone()
+            shaped[list(self.eos_token_ids)] = float("-inf")
+        token = sample(shaped, params, request.generator)
+        logprob = token_logprob(logits, token, params.logprobs) if params.logprobs is not None else None
+        request.output_ids.append(token)
+        if logprob is not None:
+            request.logprobs.append(logprob)
+        if request.first_token_at is None:
+            request.first_token_at = now
+        self.counters.completion_tokens += 1
+        text = request.stream.add(token, stops=not early)
+        if (token in self.eos_token_ids and not params.ignore_eos and not early) or request.stream.stopped:
+            reason = "stop"
+        elif len(request.output_ids) >= params.max_tokens:
+            reason = "length"
+        else:
+            request.on_event(Event(text, token, logprob=logprob))
+            return token, None
+        self._finish(request, reason, text=text + request.stream.flush(), token=token, logprob=logprob)
+        return token, reason
 
     def _retire(self, requests: list[Request], finished: bool = False) -> None:
         """Take `requests` out of the running batch (cancelled ones are finished here)."""
@@ -293,12 +332,12 @@ class Scheduler:
             self.runtime.end_sequences([r.id for r in requests])
 
     def _finish(self, request: Request, reason: str, text: str = "", token: int | None = None,
-                error: str | None = None) -> None:
+                error: str | None = None, logprob: TokenLogprob | None = None) -> None:
         request.finish_reason, request.finished_at = reason, time.perf_counter()
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         if self.on_finish is not None:
             self.on_finish(request)
-        request.on_event(Event(text, token, reason, error))
+        request.on_event(Event(text, token, reason, error, logprob))
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

@@ -3,22 +3,29 @@ pydantic models, as vLLM's `protocol.py`; `model_dump()` gives the JSON).
 
 Requests are strict: a field of the wrong type and a field the OpenAI API does not have are 400
 errors (as OpenAI itself answers "Unrecognized request argument"); OpenAI fields this server
-does not implement are accepted only at their no-op values (`n` = 1, no logprobs, zero
-penalties, ...), anything else is a 400 naming the field.
+does not implement are accepted only at their no-op values (`n` = 1, no logprobs on chat, zero
+penalties, ...), anything else is a 400 naming the field. vLLM's extensions that mean something
+here are accepted too: `ignore_eos`, `min_tokens`, `stream_options.continuous_usage_stats`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from offload_runtime.server.logprobs import MAX_LOGPROBS
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: StrictBool = False
+    include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False  # vLLM's: with include_usage, usage on every chunk
+
+    def per_chunk(self) -> bool:
+        return bool(self.include_usage and self.continuous_usage_stats)
 
 
 class _Common(BaseModel):
@@ -33,12 +40,13 @@ class _Common(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
+    ignore_eos: StrictBool = False  # vLLM's: the end-of-text token does not end the answer
+    min_tokens: StrictInt = Field(0, ge=0)  # vLLM's: tokens before end-of-text or a stop string may end it
     # OpenAI fields accepted only at their no-op values (see `unsupported`)
     n: StrictInt = 1
     presence_penalty: StrictFloat | StrictInt = 0.0
     frequency_penalty: StrictFloat | StrictInt = 0.0
     logit_bias: dict[str, StrictFloat | StrictInt] | None = None
-    logprobs: Any = None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -54,24 +62,22 @@ class _Common(BaseModel):
             return field, f"{field} is not supported; leave it at 0"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
-        if self.logprobs not in (None, False, 0):
-            return "logprobs", "logprobs are not supported"
         if len(self.stop_strings()) > 4:
             return "stop", "at most 4 stop sequences"
         return None
 
 
 class CompletionRequest(_Common):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt]
-    echo: StrictBool = False
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]  # the last: lm-eval's
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top-N logprobs per token
+    echo: StrictBool = False  # the prompt (and its tokens' logprobs) before the completion
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list) \
+                and len(self.prompt) != 1:
             return "prompt", "one prompt per request (a list of several prompts is not supported)"
-        if self.echo:
-            return "echo", "echo is not supported"
         if self.best_of not in (None, 1):
             return "best_of", "only best_of = 1 is supported"
         if self.suffix:
@@ -98,8 +104,11 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs:
+            return "logprobs", "logprobs are not supported on chat completions; /v1/completions has them"
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             return "max_completion_tokens", "give max_tokens or max_completion_tokens, not both"
         return super().unsupported()
@@ -113,10 +122,19 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions API's `logprobs` object: per token, in order."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None for the prompt's first token (echo)
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]  # each token's first character in the choice's text
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -200,9 +218,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
                  total_tokens=prompt_tokens + completion_tokens)
 
 
-def completion_body(rid: str, model: str, text: str, finish_reason: str | None, use: Usage | None) -> Completion:
-    return Completion(id=rid, model=model, choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
-                      usage=use)
+def completion_body(rid: str, model: str, text: str, finish_reason: str | None, use: Usage | None,
+                    logprobs: dict | None = None) -> Completion:
+    choice = CompletionChoice(text=text, finish_reason=finish_reason,
+                              logprobs=None if logprobs is None else CompletionLogprobs(**logprobs))
+    return Completion(id=rid, model=model, choices=[choice], usage=use)
 
 
 def chat_body(rid: str, model: str, text: str, finish_reason: str | None, use: Usage | None) -> ChatCompletion:

@@ -4,6 +4,7 @@ background and checks each request against it (`ClientError`: the 4xx answer a c
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -61,7 +62,7 @@ class Service:
         self.metrics = ServerMetrics({"policy": config.options.policy, "budget": memory_or_budget(config.options),
                                       "predictor": predictor})
         self.model = self.tokenizer = self.scheduler = None
-        self.context_length = 0
+        self.context_length = context_length(config.model_dir)  # known before the weights load (/v1/models)
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None
         self._loader: threading.Thread | None = None
@@ -140,8 +141,8 @@ class Service:
         if isinstance(body, schemas.ChatRequest):
             text = chat_prompt(self.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
             ids, param = self.tokenizer(text, add_special_tokens=False)["input_ids"], "messages"
-        elif isinstance(body.prompt, list) and all(isinstance(t, int) for t in body.prompt) and body.prompt:
-            ids, param = list(body.prompt), "prompt"
+        elif isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], str):
+            ids, param = list(body.prompt[0] if isinstance(body.prompt[0], list) else body.prompt), "prompt"
             if min(ids) < 0 or max(ids) >= len(self.tokenizer):
                 raise ClientError(400, f"token ids must be in [0, {len(self.tokenizer)})", param="prompt")
         else:
@@ -149,7 +150,7 @@ class Service:
             ids, param = self.tokenizer(text)["input_ids"], "prompt"
         if not ids:
             raise ClientError(400, "the prompt is empty", param=param)
-        if len(ids) >= self.context_length:
+        if len(ids) >= self.context_length + _scoring_only(body):  # a scored prompt may fill the context
             raise ClientError(400, f"the prompt is {len(ids)} tokens; the model's context is {self.context_length} "
                                     "tokens, and at least one must be left to generate", param=param,
                                code="context_length_exceeded")
@@ -164,14 +165,20 @@ class Service:
         else:
             asked, param = body.max_tokens, "max_tokens"
             max_tokens = asked if asked is not None else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
-        if max_tokens < 1:
-            raise ClientError(400, f"{param} must be at least 1, not {max_tokens}", param=param)
+        if max_tokens < 1 - _scoring_only(body):
+            raise ClientError(400, f"{param} must be at least 1 (0 only with echo), not {max_tokens}", param=param)
+        if body.min_tokens > max_tokens:
+            raise ClientError(400, f"min_tokens = {body.min_tokens} is more than {param} = {max_tokens}",
+                               param="min_tokens")
         if max_tokens > room:
             raise ClientError(400, f"{param} = {max_tokens} goes past the model's context: the prompt takes "
                                     f"{prompt_tokens} of {self.context_length} tokens, {room} are left", param=param,
                                code="context_length_exceeded")
+        logprobs = body.logprobs if isinstance(body, schemas.CompletionRequest) else None
         return SamplingParams(max_tokens=max_tokens, temperature=float(body.temperature), top_p=float(body.top_p),
-                              seed=body.seed, stop=body.stop_strings())
+                              seed=body.seed, stop=body.stop_strings(), logprobs=logprobs,
+                              prompt_logprobs=logprobs is not None and body.echo, ignore_eos=body.ignore_eos,
+                              min_tokens=body.min_tokens)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Sequence, asyncio.Queue]:
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
@@ -191,6 +198,23 @@ class Service:
         except SchedulerClosedError as exc:
             raise ClientError(503, str(exc), type="server_error") from None
         return sequence, events
+
+
+def context_length(model_dir: Path) -> int:
+    """The model's context in tokens, from its config.json (0 where it cannot be read: loading
+    then fails with the reason, and sets it from the loaded model)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        config = config.get("text_config", config) if "max_position_embeddings" not in config else config
+        return int(config.get("max_position_embeddings") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
+def _scoring_only(body: schemas.CompletionRequest | schemas.ChatRequest) -> bool:
+    """A completion that asks for its prompt back and nothing generated (`echo`, `max_tokens` 0):
+    what lm-evaluation-harness's loglikelihood requests amount to."""
+    return isinstance(body, schemas.CompletionRequest) and body.echo and body.max_tokens == 0
 
 
 def memory_or_budget(options: RuntimeOptions) -> str:

@@ -7,7 +7,8 @@ reference model has none) gets `DEFAULT_CHAT_TEMPLATE`, which writes each messag
 `TextStream` turns a sequence's tokens into text deltas. It decodes the whole output each time
 (a byte-level BPE token can be part of a character, and one token's text can depend on its
 neighbours), and holds back what may still change: a trailing incomplete character ("\\ufffd")
-and a tail that could be the start of a stop string. Text stops before the first stop string.
+and a tail that could be the start of a stop string. Text stops before the first stop string
+(once the request's `min_tokens` are out).
 """
 
 from __future__ import annotations
@@ -32,12 +33,18 @@ class TextStream:
         self.text = ""  # the output so far, cut before a stop string once one appears
         self.emitted = ""  # the part of `text` handed out as deltas
         self.stopped = False  # a stop string appeared
+        self.unchecked = 0  # the text's length when stop strings began to count (`min_tokens`)
 
-    def add(self, token_id: int) -> str:
-        """Take one generated token; returns the new text that is safe to hand out now."""
+    def add(self, token_id: int, stops: bool = True) -> str:
+        """Take one generated token; returns the new text that is safe to hand out now. With
+        `stops` False (before a request's `min_tokens`) no stop string ends the text, and later a
+        stop string is looked for only where it could end past this token's text, as vLLM does."""
         self.ids.append(token_id)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if not stops:
+            self.unchecked = len(text)
+        cut = -1 if not stops else min((i for i in (text.find(s, max(0, self.unchecked - len(s) + 1))
+                                                    for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.text, self.stopped = text[:cut], True
             return self.flush()

@@ -44,6 +44,13 @@ BAD = [  # (endpoint, body, status, error param or None, words in the message)
     ("chat/completions", {**CHAT, "max_completion_tokens": 0, "max_tokens": None}, 400, "max_completion_tokens",
      "at least 1"),
     ("chat/completions", {**CHAT, "logprobs": True}, 400, "logprobs", "not supported"),
+    ("completions", {**OK, "logprobs": 21}, 400, "logprobs", "less than or equal to 20"),
+    ("completions", {**OK, "logprobs": True}, 400, "logprobs", "integer"),
+    ("completions", {**OK, "prompt": [[1, 2], [3]]}, 400, "prompt", "one prompt per request"),
+    ("completions", {**OK, "min_tokens": 8}, 400, "min_tokens", "more than max_tokens"),
+    ("completions", {**OK, "min_tokens": -1}, 400, "min_tokens", "greater than or equal to 0"),
+    ("completions", {**OK, "top_k": 5}, 400, "top_k", "Unrecognized request argument"),
+    ("completions", {**OK, "stream_options": {"include_usage": True, "bogus": 1}}, 400, "stream_options.bogus", "Unrecognized"),
 ]
 
 
