@@ -289,9 +289,8 @@ class Scheduler:
         """Sample `request`'s next token from its row's `logits` ([V]) and hand it out; the token
         and the finish reason (None while the request goes on)."""
         params = request.params
-        early = len(request.output_ids) < params.min_tokens  # end-of-text and stop strings cannot end it yet
         shaped = logits
-        if early and self.eos_token_ids:
+        if len(request.output_ids) < params.min_tokens and self.eos_token_ids:  # end-of-text cannot come yet
             shaped = logits.clone()
             shaped[list(self.eos_token_ids)] = float("-inf")
         token = sample(shaped, params, request.generator)
@@ -302,8 +301,8 @@ class Scheduler:
         if request.first_token_at is None:
             request.first_token_at = now
         self.counters.completion_tokens += 1
-        text = request.stream.add(token, stops=not early)
-        if (token in self.eos_token_ids and not params.ignore_eos and not early) or request.stream.stopped:
+        text = request.stream.add(token, stops=len(request.output_ids) >= params.min_tokens)  # as vLLM counts
+        if (token in self.eos_token_ids and not params.ignore_eos) or request.stream.stopped:
             reason = "stop"
         elif len(request.output_ids) >= params.max_tokens:
             reason = "length"
