@@ -1,6 +1,6 @@
 """docs/openai-api.md against the server's code: every `/metrics` name the server exports is in
 its table and every name in the table is exported; every field the request models refuse at a
-non-no-op value is listed with its error."""
+non-no-op value is listed with its error; every field the request models read is on the page."""
 
 from __future__ import annotations
 
@@ -58,3 +58,11 @@ def test_every_refused_field_is_listed_with_its_error():
         if f"`{field}`" not in text or message.split(";")[0] not in text:
             missing.append((field, message))
     assert not missing, f"refusals not on {PAGE.name}: {missing}"
+
+
+def test_every_request_field_is_on_the_page():
+    text = PAGE.read_text()
+    fields = {*schemas.CompletionRequest.model_fields, *schemas.ChatRequest.model_fields,
+              *schemas.StreamOptions.model_fields}
+    missing = sorted(f for f in fields if not re.search(rf"`[^`\n]*\b{f}\b[^`\n]*`", text))
+    assert not missing, f"request fields not on {PAGE.name}: {missing}"
