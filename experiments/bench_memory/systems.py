@@ -11,31 +11,21 @@ prompt's put and each new token; prefill runs to the first new token, decode fro
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 from torch import nn
 
+from offload_runtime.engine.generate import TokenClock, generate_offloaded
+
 SYSTEMS = ("plain", "mmap", "prescient")
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, _value: Any) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        self.times.append(time.perf_counter())
 
 
 def timed_generate(model: nn.Module, tokenizer, prompt: str, new_tokens: int) -> dict[str, Any]:
     """Greedy ids after `prompt` (up to `new_tokens`, as `generate_offloaded` asks), prefill
     seconds and decode tokens/s."""
     inputs = tokenizer(prompt, return_tensors="pt")
-    clock = _Clock()
+    clock = TokenClock()
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, streamer=clock,
                              pad_token_id=tokenizer.pad_token_id)
@@ -66,7 +56,6 @@ def run_mmap(spec: dict[str, Any]) -> dict[str, Any]:
 def run_prescient(spec: dict[str, Any]) -> dict[str, Any]:
     """`generate_offloaded` with `--memory`'s default configuration at `spec["memory"]` (None: the
     built-in budget); the runtime's statistics cover prefill and decode."""
-    from offload_runtime.engine.generate import generate_offloaded
     from offload_runtime.engine.options import RuntimeOptions
     from offload_runtime.planning.tuned import memory_options
 

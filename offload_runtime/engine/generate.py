@@ -14,7 +14,7 @@ from prescient.errors import PrescientError
 from prescient.model_dir import ModelDirectory
 
 
-class _Clock:
+class TokenClock:
     """A generate() streamer that only notes when each put arrives: the prompt, then each token."""
 
     def __init__(self) -> None:
@@ -81,7 +81,7 @@ def generate_offloaded(model_dir: str | Path | ModelDirectory, prompt: str, max_
     model = load_offloaded(directory, predictor, options)
     with model.offload_runtime as runtime:
         inputs = inputs.to(options.device)
-        clock = _Clock()
+        clock = TokenClock()
         decoding: dict[str, Any] = {"do_sample": False}
         if sampling is not None:
             torch.manual_seed(sampling.seed)
