@@ -176,6 +176,14 @@ class OffloadedExperts(_Offloaded):
         # count); other experts code may index k columns (LongCat's squeezes them), and gets the model's k
         self._columns = 1 if self._implementation is not None else self._k
         self._kernel, self._table, self._kernel_twins = _kernel_setting(layer, self._twin, runtime, packed)
+        # twins over a window of the slots, by (first, last) slot: transformers' grouped_mm on the CPU
+        # costs per group, empty or not, so a call on the whole pool pays for every slot (see `_windowed`)
+        self._windows: dict[tuple[int, int], nn.Module] | None = None if packed or len(self._weightless) else {}
+        self._spec = expert_spec(layer)[0]
+        object.__setattr__(self, "_slot_buffers", buffers)  # not nn.Module's `_buffers`: no state_dict copy
+        # the twin's attributes that count its experts (`_fused_twin` made them count slots)
+        self._counts = [attr for attr, value in vars(layer.experts).items() if "expert" in attr
+                        and isinstance(value, int) and not isinstance(value, bool) and value == layer.num_experts]
 
     @property
     def _implementation(self) -> str | None:
@@ -185,14 +193,46 @@ class OffloadedExperts(_Offloaded):
 
     def _ids(self, slots: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
         """Expert and weightless ids → slot ids and the ids after the slots."""
+        if not len(self._weightless):
+            return slots[top_k_index]
         return torch.cat([slots, self._weightless.to(slots.device)])[top_k_index]
 
+    def _windowed(self, experts: list[int], ids: torch.Tensor, implementation: str | None
+                  ) -> tuple[nn.Module, torch.Tensor]:
+        """The twin to call on slot `ids` of `experts`, and the ids it takes: with transformers'
+        grouped_mm on the CPU, a twin over just the slots from the first to the last of `experts`
+        (ids shifted to it), since that kernel's cost grows with the groups it is given, empty or
+        not; its groups are the same matmuls on the same rows, so the result is identical."""
+        if self._windows is None or implementation != "grouped_mm" or ids.device.type != "cpu":
+            return self._twin, ids
+        row = self._runtime.pool.map.rows[self.layer]
+        slots = [int(row[e]) for e in experts]
+        first, last = min(slots), max(slots)
+        if last - first + 1 >= self._runtime.pool.num_slots:
+            return self._twin, ids
+        window = self._windows.get((first, last))
+        if window is None:
+            if len(self._windows) >= 256:  # each is a few small objects; bound them all the same
+                self._windows.clear()
+            window = self._windows[first, last] = twin(self._twin, {
+                name: self._spec.as_module_tensor(name, self._slot_buffers[name][first:last + 1])
+                for name in self._spec.shapes})
+            for attr in self._counts:
+                setattr(window, attr, last - first + 1)
+        return window, ids - first
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        weighted = top_k_index < self.num_experts
-        experts = torch.unique(top_k_index[weighted]).tolist()
+        if len(self._weightless):
+            weighted = top_k_index < self.num_experts
+            experts = torch.unique(top_k_index[weighted]).tolist()
+        else:  # every choice is an expert with weights; a decode step's few ids are quicker sorted in Python
+            weighted = None
+            experts = (sorted(set(top_k_index.flatten().tolist())) if top_k_index.numel() <= 256
+                       else torch.unique(top_k_index).tolist())
         device = top_k_index.device
-        sums_in_router_order = self._implementation in ("batched_mm", "grouped_mm")
-        kernel, pipelined = self._plan(weighted, len(experts))
+        implementation = self._implementation
+        sums_in_router_order = implementation in ("batched_mm", "grouped_mm")
+        kernel, pipelined = self._plan(top_k_index, weighted, len(experts))
         fits = len(experts) <= self._runtime.pool.num_slots
         if kernel is None:
             # one call of the twin on slot ids sums as the model does, unless the eager loop adds more
@@ -200,7 +240,10 @@ class OffloadedExperts(_Offloaded):
             if (fits and (sums_in_router_order or self._k <= 2)
                     and (not pipelined or self._runtime.landed(self.layer, experts))):
                 with self._runtime.use(self.layer, experts, device) as slots:
-                    return self._twin(hidden_states, self._ids(slots, top_k_index), top_k_weights)
+                    twin, ids = self._windowed(experts, self._ids(slots, top_k_index), implementation)
+                    return twin(hidden_states, ids, top_k_weights)
+        if weighted is None:
+            weighted = top_k_index < self.num_experts
         # each group of experts runs on its own (token, choice) rows at routing weight one (on the
         # chosen kernel's twin), the weightless choices last; the outputs are then weighted and summed
         # as the model's own code does (`_combine`): a sum of partial sums rounds differently in bf16
@@ -229,7 +272,7 @@ class OffloadedExperts(_Offloaded):
         combined = self._combine(unweighted, top_k_index, top_k_weights, sums_in_router_order)
         return combined.reshape(hidden_states.shape)
 
-    def _plan(self, weighted: torch.Tensor, experts: int) -> tuple[str | None, bool]:
+    def _plan(self, top_k_index: torch.Tensor, weighted: torch.Tensor | None, experts: int) -> tuple[str | None, bool]:
         """The kernel this call computes with (None: the twin's own, the model's implementation) and
         whether its experts compute as their copies land (the runtime's `arrival_order`): by
         `RuntimeOptions.expert_kernel`; "auto" picks both by the tokens per activated expert."""
@@ -238,7 +281,8 @@ class OffloadedExperts(_Offloaded):
             return None, pipelined
         if self._kernel != "auto":
             return (None if self._kernel == self._implementation else self._kernel), pipelined
-        load = int(weighted.sum()) / experts  # only "auto" reads the load (a device sync on a GPU)
+        # only "auto" reads the load (a device sync on a GPU); weighted None: every choice is weighted
+        load = (top_k_index.numel() if weighted is None else int(weighted.sum())) / experts
         kernel = choose(load, self._table)
         return (None if kernel == self._implementation else kernel), pipelined and pipelines(load, self._table)
 

@@ -201,7 +201,8 @@ class OffloadRuntime:
         try:
             # the copy: each miss (a key without a slot) gets one and a demand load, which the
             # transfer engine serves ahead of every prefetch
-            missing = [key for key in keys if self.pool.map.slot_of(key) is None]
+            row = self.pool.map.rows[layer]  # read without the map's lock: this thread alone writes it
+            missing = [key for key in keys if row[key[1]] < 0]
             for key in missing:
                 self._load(key, demand=True)
             if self.lookahead is not None:  # the next layers' routers on this block's input
@@ -209,10 +210,19 @@ class OffloadRuntime:
             if self.builder is not None:  # meanwhile, the predicted experts of the layers ahead
                 self._prefetch_after(layer, len(missing))
             for key in keys if wait else ():  # the layer computes once its experts are in
-                self.engine.wait(key)
-            yield self.pool.map.table[layer].to(device, copy=True)
+                if not self._landed(key):  # a copy done (the common case) needs no engine call
+                    self.engine.wait(key)
+            table = self.pool.map.table[layer]
+            # on the CPU the row itself: each caller indexes it at once, and no slot changes while
+            # the layer runs (only this thread assigns them)
+            yield table if table.device == device else table.to(device)
         finally:
             self.cache.unpin_many(keys)
+
+    def _landed(self, key: Key) -> bool:
+        """Whether `key`'s last requested copy is done and did not fail (see `Ticket.ready`)."""
+        ticket = self._tickets.get(key)
+        return ticket is not None and ticket.ready()
 
     def parts(self, layer: int, experts: list[int], device: torch.device) -> Iterator[tuple[list[int], torch.Tensor]]:
         """`experts` of `layer` in the groups they compute in, each with the slot table while it
@@ -240,7 +250,8 @@ class OffloadRuntime:
     def landed(self, layer: int, experts: list[int]) -> bool:
         """Whether every one of `experts` of `layer` is in its slot, its copy done (an evicted
         expert's last copy is done too, but it has no slot)."""
-        return all(self.pool.map.slot_of((layer, e)) is not None and self.engine.ready((layer, e)) for e in experts)
+        row = self.pool.map.rows[layer]
+        return all(row[e] >= 0 and self._landed((layer, e)) for e in experts)
 
     def prefetch(self, keys: list[Key], priority: float = 0.0) -> list[Key]:
         """Insert `keys` that are not resident (a prefetch: not an access; none of `keys` is
@@ -284,7 +295,8 @@ class OffloadRuntime:
                 if self.fine_store is not None and table.later_chances is not None:
                     self.cache.on_later(table.later_chances.numpy())
         keys = plan.keys_after(layer, demand_loads)
-        if keys is not None:
+        rows = self.pool.map.rows
+        if keys and any(rows[key] < 0 for key in keys):  # all resident: the call would insert nothing
             plan.issued(self.prefetch(keys, priority=plan.priority))
 
     # -- reporting and shutdown -------------------------------------------------------------

@@ -60,7 +60,13 @@ def _one_spec(specs: Sequence[ExpertSpec]) -> ExpertSpec:
 
 class SlotMap:
     """Thread-safe key ↔ slot bookkeeping, with a [L, E] table of slot ids (-1: no slot). The
-    slots may come in tiers (`tiers`: the slot count of each, numbered one tier after another)."""
+    slots may come in tiers (`tiers`: the slot count of each, numbered one tier after another).
+
+    `rows` is the table as a NumPy array sharing its memory: the runtime's inference thread, the
+    only one that assigns and releases, reads it without the lock on the decode path. With one
+    tier of at least L·E slots (every expert fits), key (l, e) gets slot l·E + e, its home: a
+    layer's experts then sit in E consecutive slots, as in the model's own [E, ...] tensors, and
+    a layer call computes on that window of the pool (see `offloaded_experts`)."""
 
     def __init__(self, num_slots: int, num_layers: int, num_experts: int, tiers: Sequence[int] | None = None) -> None:
         tiers = list(tiers) if tiers is not None else [num_slots]
@@ -69,6 +75,8 @@ class SlotMap:
         self.num_slots = num_slots
         self.tier_starts = [sum(tiers[:i]) for i in range(len(tiers))]
         self.table = torch.full((num_layers, num_experts), -1, dtype=torch.long)
+        self.rows = self.table.numpy()  # the same memory
+        self.home = len(tiers) == 1 and num_slots >= num_layers * num_experts  # see the class doc
         # per tier, pop() hands out its lowest slot first
         self._free = [list(range(start + n - 1, start - 1, -1)) for start, n in zip(self.tier_starts, tiers)]
         self._slot: dict[Key, int] = {}
@@ -83,7 +91,12 @@ class SlotMap:
             free = self._free[tier]
             if not free:
                 raise SlotError(f"no free slot for expert {key}: all {self.num_slots} are taken; release one first")
-            slot = free.pop()
+            home = key[0] * self.table.shape[1] + key[1] if self.home else None
+            if home is not None and self._key[home] is None:  # once per key: no eviction when every expert fits
+                free.remove(home)
+                slot = home
+            else:
+                slot = free.pop()
             self._slot[key], self._key[slot] = slot, key
             self.table[key] = slot
             return slot

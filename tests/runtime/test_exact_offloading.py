@@ -136,3 +136,28 @@ def test_the_eager_loop_with_top_k_above_two_is_exact(tiny_tokenizer, tmp_path):
     model, _ = plain_model(path, "bfloat16")
     model.set_experts_implementation("eager")
     check_exact(path, "bfloat16", [4, 6, 8], reference=model, experts_implementation="eager")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_grouped_mm_on_a_window_of_the_slots_is_exact(model_dir, dtype):
+    """transformers' grouped_mm on the CPU costs per group, empty or not, so a layer call computes
+    on the slots from its first expert's to its last's (`OffloadedExperts._windowed`); with every
+    expert in a slot each sits at its home slot l·E + e, so a window never spans another layer.
+    Exact at every budget, and at the full one the windows stay within a layer."""
+    path = model_dir("reference")
+    ids = load_tokenizer(path)(PROMPT, return_tensors="pt").input_ids
+    reference, layers = plain_model(path, dtype)
+    want = decode(reference, ids, sample=False)
+    total = len(layers) * layers[0].num_experts
+    for slots in (total // 4, total):
+        model = load_offloaded(path, options=RuntimeOptions(budget=f"{slots}slots", dtype=dtype))
+        with model.offload_runtime as runtime:
+            got = decode(model, ids, sample=False)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), slots
+            windows = [window for layer in runtime.layers for window in layer.experts._windows]
+            assert windows, "the decode steps computed on windows of the slots"
+            if slots == total:
+                E = layers[0].num_experts
+                homes = runtime.pool.map.table.flatten().tolist()
+                assert all(slot in (-1, home) for home, slot in enumerate(homes))  # each used expert at home
+                assert all(first // E == last // E for first, last in windows)
