@@ -14,9 +14,11 @@ each row's sequence, and each (stream, sequence) keeps its own batch-1 state, st
 that sequence is seen and stepped over its real tokens only; `forget(ids)` drops the states of
 sequences that ended.
 
-Requests queue without bound, so the inference thread never waits on the predictor; a predictor
-slower than the model falls behind and its tables arrive late. A failure of the predictor stops
-the thread and is raised, as `HashBuilderError`, by every later `submit` or `poll`.
+Requests queue without bound, and `poll` never waits: a predictor slower than the model falls
+behind and its tables arrive late. `wait(step, timeout)` is SiDA's own rule instead (its inference
+thread idles until the batch's table is popped): block until the table lands, at most `timeout`.
+A failure of the predictor stops the thread and is raised, as `HashBuilderError`, by every later
+`submit`, `poll` or `wait`.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class HashBuilder:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._tables: dict[int, HashTable] = {}
         self._lock = threading.Lock()
+        self._landed = threading.Condition(self._lock)  # a table landed, or the thread stopped
         self._error: BaseException | None = None
         self._closed = False
         self._states: dict[int, Any] = {}  # per stream, the predictor's decode state (None is a valid state)
@@ -103,10 +106,23 @@ class HashBuilder:
         with self._lock:
             return self._tables.get(step)
 
+    def wait(self, step: int, timeout: float) -> HashTable | None:
+        """The table of forward `step`, waiting at most `timeout` seconds for it; None if it has
+        not landed by then (or never will: the thread stopped)."""
+        self._raise_pending()
+        with self._landed:
+            self._landed.wait_for(lambda: step in self._tables or self._error is not None or self._closed
+                                  or not self._thread.is_alive(), timeout)
+            table = self._tables.get(step)
+        self._raise_pending()
+        return table
+
     def close(self) -> None:
         """Drop queued requests and stop the thread (a running prediction finishes). Idempotent;
         never raises: a failure not yet raised by `submit`/`poll` was logged by the thread."""
         self._closed = True
+        with self._landed:
+            self._landed.notify_all()
         self._requests.put(None)
         self._thread.join(self.join_timeout)
         if self._thread.is_alive():
@@ -189,8 +205,11 @@ class HashBuilder:
                     scores, tokens, forecasts = self._predict_rows(input_ids, mask, stream, rows)
             except BaseException as exc:  # raised in the inference thread by submit() / poll()
                 log.error("hash-building thread failed at forward %d: %r", step, exc)
-                self._error = exc
+                with self._landed:
+                    self._error = exc
+                    self._landed.notify_all()
                 return
-            with self._lock:
+            with self._landed:
                 self._tables = {s: t for s, t in self._tables.items() if s > step - self.keep}
                 self._tables[step] = HashTable(step, scores, tokens, *forecasts)
+                self._landed.notify_all()

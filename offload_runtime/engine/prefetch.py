@@ -35,6 +35,11 @@ class Prefetcher:
         self.options = options  # link_timing: _hideable; next_token_min_chance: _next_keys
         self.late_tables = 0  # forwards whose table was not ready when their first MoE layer ran
         self.tables_on_time = 0
+        # per MoE layer after a forward's first (the first is served by no table of its own forward):
+        # whether the forward's table was taken while an earlier layer ran, so its prefetches for
+        # this layer could start before it; a table taken while layer l runs is late for l alone
+        self.layers_on_time = 0
+        self.layers_late = 0
         self.start(-1, range(n_layers))
 
     def start(self, step: int, layers: range) -> None:
@@ -44,11 +49,14 @@ class Prefetcher:
         self.wanted_next: list[list[Key]] = []  # the next forward's forecast keys, per layer (cross-token)
         self.later: np.ndarray | None = None  # this forward's chances of use by later ones (learned eviction)
         self._counted = False  # whether this forward's table was counted late or on time
+        self._counted_layer = layers.start  # the last layer counted in layers_on_time / layers_late
+        self._taken_at: int | None = None  # the layer running when the table was taken
         self._after = -1  # last layer whose prefetches were issued this forward
         self._rank = 0  # prefetches requested this forward
 
     def take(self, table: HashTable, layer: int) -> None:
         """The forward's hash table, ready while `layer` runs."""
+        self._taken_at = layer
         self.wanted = self._predicted_keys(table)
         if table.next_chances is not None:
             self.wanted_next = self._next_keys(table.next_chances)
@@ -70,6 +78,12 @@ class Prefetcher:
                 self.late_tables += 1
             else:
                 self.tables_on_time += 1
+        if layer > self._counted_layer:  # once per layer (a layer of many experts runs in parts)
+            self._counted_layer = layer
+            if self._taken_at is not None and self._taken_at < layer:
+                self.layers_on_time += 1
+            else:
+                self.layers_late += 1
         if self.wanted is None or layer <= self._after:
             return None
         self._after = layer

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from concurrent import futures
@@ -82,6 +83,11 @@ class RuntimeStats:
     predictor_failures: int = 0  # hash-building thread failures survived (on_predictor_error="demand")
     fine_accesses: int = 0  # mixed precision: accesses served by an expert's fine copy
     lookahead_prefetches: int = 0  # keys inserted by in-token lookahead (`RuntimeOptions.lookahead_layers`)
+    # per MoE layer after each forward's first: whether the forward's hash table had been taken
+    # while an earlier layer ran (its prefetches for the layer could start before it) or not
+    table_layers_on_time: int = 0
+    table_layers_late: int = 0
+    table_wait_seconds: float = 0.0  # inference thread blocked waiting for hash tables (`table_wait`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -111,6 +117,10 @@ class OffloadRuntime:
         self._tickets: dict[Key, Ticket] = {}
         self.sequence_ids: list | None = None  # serving: each batch row's sequence id (see the module doc)
         self.on_predictor_error = "raise"  # or "demand": log, count, and go on without the predictor
+        # SiDA's rule: at a forward's first MoE layer, wait up to this many seconds for its hash
+        # table (0: never wait; a late table then serves only the layers after the one it lands in)
+        self.table_wait = 0.0
+        self.table_wait_seconds = 0.0
         self.predictor_failures = 0
         packed = list(zip(pool.tier_buffers(), [s.packed for s in stores])) if store.packed else None
         for layer in layers:  # the resident expert tensors are dropped with the old module
@@ -287,6 +297,10 @@ class OffloadRuntime:
         if plan.wanted is None:
             try:
                 table = self.builder.poll(self._step)
+                if table is None and self.table_wait > 0 and layer == plan.layers.start:
+                    start = time.perf_counter()
+                    table = self.builder.wait(self._step, self.table_wait)
+                    self.table_wait_seconds += time.perf_counter() - start
             except HashBuilderError as exc:
                 self._predictor_failed(exc)
                 return
@@ -314,6 +328,8 @@ class OffloadRuntime:
             slots=self.pool.num_slots, slot_bytes=self.pool.nbytes, predictor_failures=self.predictor_failures,
             fine_accesses=self.cache.fine_accesses if self.fine_store is not None else 0,
             lookahead_prefetches=self.lookahead.issued if self.lookahead is not None else 0,
+            table_layers_on_time=self.prefetcher.layers_on_time, table_layers_late=self.prefetcher.layers_late,
+            table_wait_seconds=round(self.table_wait_seconds, 4),
         )
 
     def close(self) -> None:

@@ -165,3 +165,42 @@ def test_runtime_counts_late_tables_and_output_is_unchanged(tiny_moe_dir):
     stats = runtime.stats()
     assert stats.forwards == 3 and stats.late_tables >= 1  # the prompt's table takes ~0.3 s
     assert stats.late_tables + stats.tables_on_time == 3
+
+
+def test_wait_blocks_until_the_table_lands_or_the_timeout():
+    gate = threading.Event()
+    builder = HashBuilder(CountingPredictor(gate=gate))
+    try:
+        builder.submit(0, torch.tensor([[1]]), new_sequence=True)
+        start = time.monotonic()
+        assert builder.wait(0, timeout=0.05) is None and time.monotonic() - start >= 0.04
+        threading.Timer(0.05, gate.set).start()
+        assert builder.wait(0, timeout=10).step == 0  # woken when it lands, not at the timeout
+    finally:
+        builder.close()
+    assert builder.wait(1, timeout=10) is None  # closed: nothing more lands, no waiting
+
+
+def test_waiting_for_tables_puts_every_later_layer_on_time_and_output_is_unchanged(tiny_moe_dir):
+    """SiDA's rule (`table_wait`): the first MoE layer waits for the forward's table, so the
+    layers after it are counted on time; without it a slow predictor's tables are late for all."""
+    path = tiny_moe_dir("olmoe")
+    plain, layers = load_model(path, dtype=torch.float32)
+    fingerprint = fingerprint_model(plain, layers)
+    inputs = dict(load_tokenizer(path)("def cache(key, value):", return_tensors="pt"))
+    want = plain.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    later_layers = 3 * (len(layers) - 1)  # 3 forwards
+    for wait in (0.0, 5.0):
+        predictor = SlowFrequencyPredictor(torch.ones(fingerprint.n_moe_layers, fingerprint.n_experts),
+                                           PredictorMeta("frequency", fingerprint))
+        model = load_offloaded(path, predictor=predictor, budget=0.5)
+        model.offload_runtime.table_wait = wait
+        with model.offload_runtime as runtime, torch.inference_mode():
+            assert torch.equal(model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False), want)
+        stats = runtime.stats()
+        assert stats.table_layers_on_time + stats.table_layers_late == later_layers
+        if wait:
+            assert stats.tables_on_time == 3 and stats.table_layers_on_time == later_layers
+            assert stats.table_wait_seconds > 0.03 * 3  # each step sleeps 0.03 s a token
+        else:
+            assert stats.table_layers_late >= 1 and stats.table_wait_seconds == 0
