@@ -19,7 +19,7 @@ from predictor.base import ExpertPredictor, PredictorError
 from prescient.arch import find_moe_layers, is_encoder_decoder
 from prescient.budget import Budget
 from prescient.checkpoint_schemes import CompressionError
-from prescient.fingerprint import ModelFingerprint, expert_tensor_names, loaded_fingerprint
+from prescient.fingerprint import ModelFingerprint, expert_tensor_names, fingerprint_model_dir, loaded_fingerprint
 from prescient.loading import load_model, load_without_experts
 from prescient.memory_cap import drop_file_pages, process_footprint
 from prescient.model_dir import ModelDirectory
@@ -162,7 +162,7 @@ def _fine_store(options: RuntimeOptions, fingerprint: ModelFingerprint, model, l
     if not (fine_dir / "config.json").is_file():
         raise FileNotFoundError(f"fine model {fine_dir} is not a model directory (no config.json)")
     fine_dir = ModelDirectory.open(fine_dir)
-    fingerprint.require_same(fine_dir.fingerprint, f"fine model {fine_dir}")
+    fingerprint.require_same(fingerprint_model_dir(fine_dir), f"fine model {fine_dir}")
     fine = ExpertStore(fine_dir, model, layers, mode=options.store, drop_page_cache=options.drop_page_cache,
                        slot_format=options.slot_format)
     if fine.packed.keys() != coarse.packed.keys() or set(coarse.spec.shapes) != set(fine.spec.shapes):

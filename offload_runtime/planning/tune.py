@@ -11,12 +11,15 @@ What decides speed here, measured rather than assumed:
    layer waiting for all its copies instead of the expert pipeline — the configuration with that
    change, interleaved with the best so far (A B A B). A change is kept when its median tokens/s
    beats the best's: the default is the best measured.
-Every run decodes through `generate_offloaded` with `RuntimeOptions(memory=size, ...)`, so the
-memory plan, the page-cache handling and the predictor are those `generate` will use.
+Every run decodes through `generate_offloaded` with `RuntimeOptions(memory=size, ...)` in a fresh
+process (forked from one that imported torch and transformers once), so the memory plan, the
+page-cache handling and the predictor are those `generate` will use, and no run inherits the heap
+an earlier one left behind.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +36,24 @@ from prescient.errors import CapacityError
 from prescient.model_dir import ModelDirectory
 
 DEFAULT_SHARES = (0.4, 0.6, 0.8)  # of the whole model's memory: where offloading decides speed
+PRELOAD = ["torch", "transformers", "offload_runtime.engine.generate"]  # imported once, in the fork server
+
+Decode = Callable[[str, str, int, "str | None", RuntimeOptions], dict[str, Any]]
+
+
+def decode_in_child(model_dir: str, prompt: str, new_tokens: int, predictor: str | None,
+                    options: RuntimeOptions) -> dict[str, Any]:
+    """`generate_offloaded` in a process of its own: tokens/s, statistics and memory plan."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    with context.Pool(1, maxtasksperchild=1) as pool:
+        return pool.apply(_decode, (model_dir, prompt, new_tokens, predictor, options))
+
+
+def _decode(model_dir: str, prompt: str, new_tokens: int, predictor: str | None,
+            options: RuntimeOptions) -> dict[str, Any]:
+    result = generate_offloaded(model_dir, prompt, new_tokens, predictor=predictor, options=options)
+    return {key: result[key] for key in ("tokens_per_s", "stats", "memory_plan")}
 
 
 def starting_settings(predictor: str | Path | None) -> dict[str, Any]:
@@ -52,9 +73,10 @@ def candidate_changes(depth: int, forecasts: bool) -> list[tuple[str, dict[str, 
 
 def tune(model_dir: str | Path, predictor: str | Path | None = None, memories: list[int] | None = None,
          new_tokens: int = 48, repeats: int = 2, prompt: str | None = None,
-         on_size: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+         on_size: Callable[[dict[str, Any]], None] | None = None, decode: Decode = decode_in_child) -> dict[str, Any]:
     """The tuning record: the read curve, every run, and per size the best settings (see the module
-    doc); `on_size(record)` after each size, so that a stopped tuning keeps the sizes it finished."""
+    doc); `on_size(record)` after each size, so that a stopped tuning keeps the sizes it finished;
+    `decode` runs one configuration (a fresh process by default)."""
     directory = ModelDirectory.of(model_dir)
     curve = measure_random_reads(*model_read_file(directory), repeats=2)
     forecasts = predictor is not None and best_policy(predictor) == "learned-belady"
@@ -69,9 +91,9 @@ def tune(model_dir: str | Path, predictor: str | Path | None = None, memories: l
         "best": [], "runs": [], "refused": []}
     bar = tqdm(total=len(sizes) * (1 + len(changes)) * repeats * 2, desc="tune", unit="run", disable=None)
 
-    def decode(memory: int, settings: dict[str, Any]) -> float:
-        result = generate_offloaded(directory, prompt, new_tokens, predictor=predictor,
-                                    options=RuntimeOptions(memory=memory, **settings))
+    def run(memory: int, settings: dict[str, Any]) -> float:
+        result = decode(str(directory), prompt, new_tokens, predictor and str(predictor),
+                        RuntimeOptions(memory=memory, **settings))
         record["runs"].append({"memory": memory, "settings": settings, "tokens_per_s": result["tokens_per_s"],
                                "stats": result["stats"], "memory_plan": result["memory_plan"]})
         bar.update()
@@ -79,7 +101,7 @@ def tune(model_dir: str | Path, predictor: str | Path | None = None, memories: l
 
     for memory in sizes:
         try:
-            best = _best_at(memory, starting_settings(predictor), changes, repeats, decode)
+            best = _best_at(memory, starting_settings(predictor), changes, repeats, run)
         except CapacityError as exc:
             record["refused"].append({"memory": memory, "why": str(exc)})
             continue
