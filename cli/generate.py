@@ -58,6 +58,7 @@ def summary(record: dict) -> str:
         f"prefetch: {s['prefetch_inserts']} inserted, accuracy {s['prefetch_accuracy']:.1%}, "
         f"{s['wasted_prefetches']} wasted",
         f"moved {s['bytes_moved'] / 2**20:.2f} MiB in {s['loads']} loads; stalled {s['stall_seconds']:.3f} s on loads",
-        f"hash tables: {s['tables_on_time']} on time, {s['late_tables']} late",
+        f"hash tables: {s['tables_on_time']} on time, {s['late_tables']} late at their first layer; layers served "
+        f"by their table in time: {s['table_layers_on_time']}, late: {s['table_layers_late']}",
         f"decode: {speed}",
     ])
