@@ -27,6 +27,7 @@ def test_grid_parsing():
         parse_grid("8:4")
 
 
+@pytest.mark.slow  # 20-45 s: the default suite must stay under 10 minutes on 2 cores
 def test_bench_batch_end_to_end(tmp_path, tiny_tokenizer):
     model = save_tiny_model(tiny_test_config("mixtral", tiny_tokenizer, num_hidden_layers=4), tmp_path / "model",
                             tokenizer=tiny_tokenizer)

@@ -17,6 +17,7 @@ from training.tracing import trace_model
 LIMIT = 16 * 1024  # bytes per file: room for configs, manifests and tokenizers, not for weights or shards
 
 
+@pytest.mark.slow  # 20-45 s: the default suite must stay under 10 minutes on 2 cores
 def test_quantize_on_a_full_disk_leaves_nothing_and_a_rerun_succeeds(tiny_moe_dir, tmp_path):
     model, out = tiny_moe_dir("mixtral"), tmp_path / "int4"
     args = ("quantize", "--model", model, "--bits", "4", "--out", out)
@@ -28,6 +29,7 @@ def test_quantize_on_a_full_disk_leaves_nothing_and_a_rerun_succeeds(tiny_moe_di
     assert json.loads((out / "quantize.json").read_text())["bits"] == 4
 
 
+@pytest.mark.slow  # 20-45 s: the default suite must stay under 10 minutes on 2 cores
 def test_trace_on_a_full_disk_stays_resumable_and_a_rerun_completes_it(tiny_moe_dir, text_corpus, tmp_path):
     out = tmp_path / "trace"
     args = ("trace", "--model", tiny_moe_dir("mixtral"), "--dataset", f"json:{text_corpus}", "--split", "train",

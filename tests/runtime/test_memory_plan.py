@@ -56,16 +56,17 @@ def test_memory_and_budget_together_are_refused():
         RuntimeOptions(memory="1GiB", store="host")
 
 
-def _model(tiny_moe_dir):
+def _model(tiny_moe_dir, dtype: str = "float32"):
     path = tiny_moe_dir("mixtral")
     directory = ModelDirectory.open(path)
-    reference = generate(load_model(path)[0], encode(path, False))
+    reference = generate(load_model(path, dtype=getattr(torch, dtype))[0], encode(path, False))
     return path, directory, reference
 
 
-def test_a_cap_that_holds_every_expert_runs_the_plain_model_without_hooks(tiny_moe_dir):
-    path, _, reference = _model(tiny_moe_dir)
-    model = load_offloaded(path, memory="16GiB")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_cap_that_holds_every_expert_runs_the_plain_model_without_hooks(tiny_moe_dir, dtype):
+    path, _, reference = _model(tiny_moe_dir, dtype)
+    model = load_offloaded(path, memory="16GiB", dtype=dtype)
     assert isinstance(model.offload_runtime, ResidentRuntime)
     assert not any(module._forward_hooks or module._forward_pre_hooks
                    for name, module in model.named_modules() if name)  # only the model's forward counter
@@ -75,14 +76,15 @@ def test_a_cap_that_holds_every_expert_runs_the_plain_model_without_hooks(tiny_m
     assert runtime.stats().forwards > 0 and runtime.memory_plan.resident
 
 
-def test_a_cap_below_the_whole_model_buys_the_slots_it_can_and_computes_the_same(tiny_moe_dir, monkeypatch):
-    path, directory, reference = _model(tiny_moe_dir)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_cap_below_the_whole_model_buys_the_slots_it_can_and_computes_the_same(tiny_moe_dir, monkeypatch, dtype):
+    path, directory, reference = _model(tiny_moe_dir, dtype)
     monkeypatch.setattr(loader, "process_footprint", lambda: FOOTPRINT)
-    probe = load_offloaded(path, budget=1.0)
+    probe = load_offloaded(path, budget=1.0, dtype=dtype)
     expert_bytes, total = probe.offload_runtime.pool.spec.nbytes, probe.offload_runtime.pool.num_slots
     probe.offload_runtime.close()
-    reserve = reserve_bytes(directory.config, 4, expert_bytes)  # float32, one transfer worker
-    model = load_offloaded(path, memory=FOOTPRINT + reserve + 5 * expert_bytes)
+    reserve = reserve_bytes(directory.config, getattr(torch, dtype).itemsize, expert_bytes)  # one transfer worker
+    model = load_offloaded(path, memory=FOOTPRINT + reserve + 5 * expert_bytes, dtype=dtype)
     with model.offload_runtime as runtime:
         out = generate(model, encode(path, False))
     assert isinstance(runtime, OffloadRuntime) and runtime.pool.num_slots == 5 < total

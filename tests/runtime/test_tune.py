@@ -13,6 +13,7 @@ from cli.main import main
 from offload_runtime.engine import loader
 from offload_runtime.engine.memory_plan import MiB, reserve_bytes
 from offload_runtime.planning import tune as tune_module
+from offload_runtime.planning import tuned as tuned_module
 from offload_runtime.planning.tuned import load_tuned, save_tuned
 from prescient.model_dir import ModelDirectory
 
@@ -20,8 +21,12 @@ FOOTPRINT = 400 * MiB
 
 
 @pytest.fixture
-def tuned_home(tmp_path, monkeypatch):
+def tuned_home(tmp_path, monkeypatch, caplog):
+    """A tuned-file folder of the test's own; the tuned module's one-line messages captured (an
+    earlier test's logging configuration may have disabled its logger)."""
     monkeypatch.setenv("PRESCIENT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tuned_module.log, "disabled", False)
+    caplog.set_level(logging.INFO, logger=tuned_module.log.name)
     return tmp_path / "cache"
 
 

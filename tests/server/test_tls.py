@@ -18,6 +18,7 @@ from tests.server.serving import MODEL, free_port, serve_process
 KEYS = ("sk-tls-one", "sk-tls-two")
 
 
+@pytest.mark.slow  # 20-45 s: the default suite must stay under 10 minutes on 2 cores
 def test_https_with_keys_from_the_environment(tiny_moe_dir, tmp_path):
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1", "localhost")
