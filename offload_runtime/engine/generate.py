@@ -90,7 +90,7 @@ def generate_offloaded(model_dir: str | Path | ModelDirectory, prompt: str, max_
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, streamer=clock,
                                  pad_token_id=tokenizer.pad_token_id, **decoding)
         stats = runtime.stats()
-        plan = getattr(runtime, "memory_plan", None)
+        plan = runtime.memory_plan
     # a decoder's output repeats the prompt; an encoder-decoder's starts with the decoder start token
     first = 1 if model.config.is_encoder_decoder else inputs["input_ids"].shape[1]
     token_ids = out[0, first:].tolist()

@@ -50,6 +50,8 @@ def load_offloaded(model_dir: str | Path | ModelDirectory, predictor: str | Path
     if options.memory is not None and options.fine_model is None:
         resident = _resident_plan(model_dir, options)
         if resident is not None:
+            if predictor is not None:
+                log.info("every expert fits in --memory: the predictor is not needed (nothing to prefetch)")
             return _load_resident(model_dir, options, resident)
     model, layers = load_without_experts(model_dir, dtype=options.torch_dtype)  # experts stay on disk
     eviction = make_serving_policy(options.policy, layers[0].top_k)

@@ -116,6 +116,7 @@ class OffloadRuntime:
         self._step = -1
         self._tickets: dict[Key, Ticket] = {}
         self.sequence_ids: list | None = None  # serving: each batch row's sequence id (see the module doc)
+        self.memory_plan = None  # with `RuntimeOptions.memory`: what the cap bought (`memory_plan.MemoryPlan`)
         self.on_predictor_error = "raise"  # or "demand": log, count, and go on without the predictor
         # SiDA's rule: at a forward's first MoE layer, wait up to this many seconds for its hash
         # table (0: never wait; a late table then serves only the layers after the one it lands in)

@@ -105,7 +105,7 @@ class Service:
             self.scheduler = Scheduler(model, eos, max_batch=c.max_batch, max_queue=c.max_queue,
                                        on_finish=self.metrics.observe_finished)
             self.metrics.scheduler = self.scheduler
-            plan = getattr(model.offload_runtime, "memory_plan", None)
+            plan = model.offload_runtime.memory_plan
             log.info("serving %s as %r: policy %s, %s, predictor %s, up to %d requests per batch",
                      c.model_dir, c.name, c.options.policy, plan.line() if plan else f"budget {c.options.budget}",
                      c.predictor or "none", c.max_batch)
