@@ -1,10 +1,12 @@
-"""`prescient trace`: router traces of any transformers MoE model over a dataset."""
+"""`prescient trace`: router traces of any transformers MoE model over a dataset, the model whole
+or (with `--memory` / `--budget`) through the offloading runtime, whose routing is the same."""
 
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
 
-from cli.args import output_dir, positive_int
+from cli.args import add_runtime_args, output_dir, positive_int, runtime_options
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -20,13 +22,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--hidden-states", action="store_true",
                    help="keep each MoE layer's input hidden state per token too (bfloat16), to train a probe")
     p.add_argument("--out", type=output_dir, required=True, help="trace folder (a new one, or one to resume)")
+    # without --memory or --budget the model is loaded whole; with either, through the runtime
+    add_runtime_args(p, "memory", "budget", "store", "dtype")
     return p
 
 
 def run(args: argparse.Namespace) -> None:
+    from offload_runtime.engine.loader import load_offloaded
     from training.tracing import trace_model
 
-    out = trace_model(args.model, args.dataset, args.out, split=args.split, max_tokens=args.max_tokens,
-                      top_t=args.top_t, text_field=args.text_field, seq_len=args.seq_len, batch_size=args.batch_size,
-                      hidden_states=args.hidden_states)
+    options = runtime_options(args)
+    model = load_offloaded(args.model, None, options) if args.memory or args.budget else None
+    with model.offload_runtime if model is not None else nullcontext():
+        out = trace_model(args.model, args.dataset, args.out, split=args.split, max_tokens=args.max_tokens,
+                          top_t=args.top_t, text_field=args.text_field, seq_len=args.seq_len,
+                          batch_size=args.batch_size, hidden_states=args.hidden_states, dtype=options.torch_dtype,
+                          model=model)
     print(f"trace written to {out}")

@@ -25,12 +25,13 @@ from itertools import chain, islice
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from predictor.lookahead import recording_block_inputs
 from prescient.arch import MoELayer, is_encoder_decoder
 from prescient.errors import TraceError
-from prescient.fingerprint import fingerprint_model
+from prescient.fingerprint import ModelFingerprint, loaded_fingerprint
 from prescient.loading import load_model, load_tokenizer
 from prescient.traces import HIDDEN, HIDDEN_DTYPE, MANIFEST, TraceManifest, TraceWriter, read_manifest
 from training.corpora import load_corpus
@@ -188,22 +189,38 @@ def _hidden_size(model) -> int:
     return int(size)
 
 
+def _traced_model(model_dir: str | Path, dtype: torch.dtype,
+                  model: nn.Module | None) -> tuple[nn.Module, list[MoELayer], ModelFingerprint]:
+    """(model, its MoE layers, the fingerprint of `model_dir`): `model` as given, loaded through the
+    offloading runtime (its `offload_runtime` knows the layers and the fingerprint), or the whole
+    model loaded here in `dtype`."""
+    if model is not None:
+        return model, model.offload_runtime.layers, model.offload_runtime.fingerprint
+    model, layers = load_model(model_dir, dtype=dtype)
+    return model, layers, loaded_fingerprint(model_dir, model, layers, dtype)
+
+
 def trace_model(model_dir: str | Path, dataset: str, out: str | Path, split: str = "validation",
                 max_tokens: int = 50_000, top_t: int = 30, text_field: str = "text", seq_len: int = 128,
-                batch_size: int = 16, shard_sequences: int = 256, hidden_states: bool = False) -> Path:
+                batch_size: int = 16, shard_sequences: int = 256, hidden_states: bool = False,
+                dtype: torch.dtype = torch.float32, model: nn.Module | None = None) -> Path:
     """Trace `model_dir` over `dataset`'s split into `out`; resumes an interrupted run.
-    `hidden_states`: keep each MoE layer's block input per row too (bfloat16)."""
+    `hidden_states`: keep each MoE layer's block input per row too (bfloat16). The model computes
+    in `dtype` (a trace in another dtype than float32 records it in its settings); `model`, when
+    given, is `model_dir` already loaded in `dtype` through the offloading runtime
+    (`offload_runtime.engine.loader.load_offloaded`), which routes exactly as the whole model does,
+    so the trace is the one the whole model writes, in less memory."""
     out = Path(out)
     _check_sizes(max_tokens=max_tokens, top_t=top_t, seq_len=seq_len, batch_size=batch_size,
                  shard_sequences=shard_sequences)
-    model, layers = load_model(model_dir, dtype=torch.float32)
+    model, layers, fingerprint = _traced_model(model_dir, dtype, model)
     tokenizer = load_tokenizer(model_dir)
-    fingerprint = fingerprint_model(model, layers)
     texts = load_corpus(dataset, split, text_field)["text"]
     manifest = TraceManifest(
         fingerprint=fingerprint, dataset=dataset, split=split, top_t=min(top_t, fingerprint.n_experts),
         settings={"model": _model_name(model_dir), "max_tokens": max_tokens, "seq_len": seq_len,
                   "shard_sequences": shard_sequences, "text_field": text_field,
+                  **({} if dtype == torch.float32 else {"dtype": str(dtype).removeprefix("torch.")}),
                   **({"decoder_reads_row_token": True} if is_encoder_decoder(model) else {})},
         hidden_size=_hidden_size(model) if hidden_states else None,
     )
