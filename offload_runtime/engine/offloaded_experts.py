@@ -35,6 +35,7 @@ that bf16, where a sum of partial sums rounds differently from one sum, stays bi
 from __future__ import annotations
 
 import copy as shallow
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Protocol
@@ -66,6 +67,19 @@ class ExpertSlots(Protocol):
               device: torch.device) -> Iterator[tuple[list[int], torch.Tensor]]: ...
 
     def landed(self, layer: int, experts: list[int]) -> bool: ...
+
+
+def most_routed_first(chosen: torch.Tensor) -> list[int]:
+    """The distinct expert ids in `chosen` (a layer's routing choices, any shape), the expert the
+    most tokens routed to first (ties: the lower id). The runtime requests a layer's demand copies
+    in this order: HybriMoE's transfer priority, the highest load first, so the expert most rows
+    wait for lands first (and, with the expert pipeline, computes first)."""
+    if chosen.numel() <= 256:  # a decode step's few ids are quicker counted in Python
+        counts = Counter(chosen.flatten().tolist())
+        return sorted(counts, key=lambda e: (-counts[e], e))
+    counts = torch.bincount(chosen.flatten())
+    order = torch.argsort(counts, descending=True, stable=True)
+    return order[:int((counts > 0).sum())].tolist()
 
 
 def twin(module: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
@@ -224,11 +238,10 @@ class OffloadedExperts(_Offloaded):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         if len(self._weightless):
             weighted = top_k_index < self.num_experts
-            experts = torch.unique(top_k_index[weighted]).tolist()
-        else:  # every choice is an expert with weights; a decode step's few ids are quicker sorted in Python
+            experts = most_routed_first(top_k_index[weighted])
+        else:  # every choice is an expert with weights
             weighted = None
-            experts = (sorted(set(top_k_index.flatten().tolist())) if top_k_index.numel() <= 256
-                       else torch.unique(top_k_index).tolist())
+            experts = most_routed_first(top_k_index)
         device = top_k_index.device
         implementation = self._implementation
         sums_in_router_order = implementation in ("batched_mm", "grouped_mm")
@@ -325,7 +338,8 @@ class OffloadedDenseExperts(_Offloaded):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         rows = hidden_states.view(self.num_experts, -1, hidden_states.shape[-1])
         out = torch.zeros_like(rows)
-        experts = torch.nonzero(rows.reshape(self.num_experts, -1).any(dim=1)).squeeze(1).tolist()
+        loads = rows.any(dim=-1).sum(dim=1)  # per expert, its nonzero (routed) rows
+        experts = most_routed_first(torch.repeat_interleave(torch.arange(self.num_experts, device=rows.device), loads))
         for part, slots in self._runtime.parts(self.layer, experts, hidden_states.device):
             for e in part:
                 out[e] = self._slot_twins[int(slots[e])](rows[e]).reshape(rows[e].shape)
@@ -353,7 +367,7 @@ class OffloadedSwitchExperts(_Offloaded):
         expert_of = chosen.argmax(-1)
         out = torch.zeros_like(hidden_states)
         device = selected_experts.device
-        for part, slots in self._runtime.parts(self.layer, torch.unique(expert_of[routed]).tolist(), device):
+        for part, slots in self._runtime.parts(self.layer, most_routed_first(expert_of[routed]), device):
             rows = torch.nonzero(routed & torch.isin(expert_of, torch.tensor(part, device=device))).squeeze(1)
             one_hot = selected_experts.new_zeros(chosen.shape[0], 1, self._runtime.pool.num_slots)
             one_hot[rows, 0, slots[expert_of[rows]]] = 1
