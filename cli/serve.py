@@ -2,7 +2,8 @@
 `offload_runtime.server`): completions and chat (streamed or not), /v1/models, /health and
 Prometheus /metrics of the expert cache and the predictor. Stops gracefully on SIGTERM or Ctrl-C.
 Beyond loopback: `--api-key` (or PRESCIENT_API_KEY, kept out of the process list) and HTTPS with
-`--ssl-keyfile` / `--ssl-certfile`."""
+`--ssl-keyfile` / `--ssl-certfile`. `--replicas N` serves N replicas on Ray Serve (the extra `[ray]`;
+see `offload_runtime.server.ray_replicas`), a conversation kept on the replica that holds its experts."""
 
 from __future__ import annotations
 
@@ -48,6 +49,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="serve HTTPS: the PEM private key (with --ssl-certfile)")
     p.add_argument("--ssl-certfile", default=None, metavar="CERT.pem",
                    help="serve HTTPS: the PEM certificate (chain) of the key")
+    p.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                   help="serve N replicas on Ray Serve, each loading the model (needs the extra [ray])")
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="with --replicas: the Ray cluster to join (auto: the one `ray start` runs here); "
+                        "default: start a local one")
+    p.add_argument("--routing", choices=("cache", "random", "least-loaded"), default="cache",
+                   help="with --replicas: keep a conversation (X-Session-ID or its prompt's start) on one replica "
+                        "unless it is busy (cache), or route at random or to the least loaded")
     add_runtime_args(p)
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -59,10 +68,18 @@ def run(args: argparse.Namespace) -> None:
 
     from offload_runtime.server import run_server
 
+    app_args = dict(model_dir=args.model, predictor=args.predictor, options=runtime_options(args),
+                    served_model_name=args.served_model_name, max_batch=args.max_batch, max_queue=args.max_queue,
+                    shutdown_timeout=args.shutdown_timeout, api_keys=args.api_key or (),
+                    metrics_need_key=args.metrics_need_key)
+    if args.replicas is not None:
+        from offload_runtime.server.ray_replicas import run_replicas
+
+        run_replicas(app_args, args.replicas, host=args.host, port=args.port, ray_address=args.ray_address,
+                     routing=args.routing, threads=args.threads, ssl_keyfile=args.ssl_keyfile,
+                     ssl_certfile=args.ssl_certfile)
+        return
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    run_server(host=args.host, port=args.port, log_level=args.log_level, model_dir=args.model,
-               predictor=args.predictor, options=runtime_options(args), served_model_name=args.served_model_name,
-               max_batch=args.max_batch, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
-               api_keys=args.api_key or (), metrics_need_key=args.metrics_need_key, ssl_keyfile=args.ssl_keyfile,
-               ssl_certfile=args.ssl_certfile)
+    run_server(host=args.host, port=args.port, log_level=args.log_level, ssl_keyfile=args.ssl_keyfile,
+               ssl_certfile=args.ssl_certfile, **app_args)

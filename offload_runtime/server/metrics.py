@@ -1,7 +1,8 @@
 """`/metrics`: the server's and the offloading runtime's own numbers, in the Prometheus text format.
 
 Every series carries the labels `policy`, `budget` and `predictor`, so the scrapes of servers
-run with different settings line up side by side. Request timings are histograms observed as
+run with different settings line up side by side; a replica of several (`ray_replicas`) adds
+`replica`, and `merge_expositions` puts the replicas' scrapes into one. Request timings are histograms observed as
 requests finish; everything else is read at scrape time from the scheduler's counters and from
 the runtime statistics it snapshots after each forward (`OffloadRuntime.stats()`).
 """
@@ -14,7 +15,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from offload_runtime.server.scheduler import Request, Scheduler
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-LABELS = ("policy", "budget", "predictor")
 _RATE_WINDOW_S = 10.0
 
 # (metric name, help, RuntimeStats field); all counters
@@ -43,9 +43,9 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.scheduler: Scheduler | None = None  # set once the model is loaded
         self.ttft = Histogram("prescient_time_to_first_token_seconds", "arrival to first generated token",
-                              LABELS, registry=self.registry,
+                              tuple(labels), registry=self.registry,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
-        self.latency = Histogram("prescient_request_latency_seconds", "arrival to last token", LABELS,
+        self.latency = Histogram("prescient_request_latency_seconds", "arrival to last token", tuple(labels),
                                  registry=self.registry,
                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
         self.registry.register(self)
@@ -97,3 +97,29 @@ class ServerMetrics:
         yield family(GaugeMetricFamily, "expert_cache_hit_rate", "hits / accesses since start", stats.hit_rate)
         yield family(GaugeMetricFamily, "expert_slots", "expert slots in fast memory", stats.slots)
         yield family(GaugeMetricFamily, "expert_slot_bytes", "bytes of the expert slots", stats.slot_bytes)
+
+
+def merge_expositions(texts: list[str]) -> bytes:
+    """One Prometheus text exposition of several (the replicas' /metrics, each labelled by its
+    `replica`): each metric's help and type once, then every exposition's samples of it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, object] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            merged = families.setdefault(family.name, family)
+            if merged is not family:
+                merged.samples.extend(family.samples)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Fixed:
+    """A collector of families already made (what `merge_expositions` renders)."""
+
+    def __init__(self, families: list) -> None:
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)

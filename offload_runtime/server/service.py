@@ -36,6 +36,7 @@ class ServeConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish at shutdown
     api_keys: tuple[str, ...] = ()  # with any, /v1 routes answer 401 unless one is sent as a bearer token
     metrics_need_key: bool = False  # /metrics behind the keys too (else open, as /health)
+    replica: str | None = None  # one of several replicas: its name, a label of every /metrics series
 
     @property
     def name(self) -> str:
@@ -59,8 +60,8 @@ class Service:
         self.config = config
         predictor = "none" if config.predictor is None else getattr(config.predictor, "kind", None) \
             or Path(str(config.predictor)).name.removesuffix(".json").removesuffix(".safetensors")
-        self.metrics = ServerMetrics({"policy": config.options.policy, "budget": memory_or_budget(config.options),
-                                      "predictor": predictor})
+        labels = {"policy": config.options.policy, "budget": memory_or_budget(config.options), "predictor": predictor}
+        self.metrics = ServerMetrics(labels if config.replica is None else {**labels, "replica": config.replica})
         self.model = self.tokenizer = self.scheduler = None
         self.context_length = context_length(config.model_dir)  # known before the weights load (/v1/models)
         self.load_error: BaseException | None = None
