@@ -277,6 +277,11 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
             help="in-token lookahead (--lookahead N, 1 if not given) with a trained probe artifact guessing the next "
                  "layers' experts from each block's input instead of their routers (prescient train --config "
                  "configs/predictor/probe.yaml)"),
+        "map_experts": lambda p: p.add_argument(
+            "--map-experts", action=argparse.BooleanOptionalAction, default=None,
+            help="with --memory: every weight a view of the memory-mapped checkpoint, the kernel's page cache the "
+                 "experts' cache (no slots, no predictor), whatever the cap; --no-map-experts: never (default: tuned "
+                 "with --memory, else mapped where every expert fits and the checkpoint stores them in --dtype)"),
         "next_token": lambda p: p.add_argument(
             "--next-token", action=argparse.BooleanOptionalAction, default=None,
             help="cross-token prefetch: load the next token's likely experts while this token's layers compute "

@@ -15,7 +15,7 @@ from cli.main import main
 from experiments.bench_memory import orchestrate
 from experiments.bench_memory.cgroup import CappedRun, cgroup_kind, run_capped
 from experiments.bench_memory.child import run as run_child
-from experiments.bench_memory.mmap_model import load_mmap_model, mapped_share
+from offload_runtime.engine.mapped import load_mmap_model, mapped_share
 from prescient.model_dir import ModelDirectory, model_class
 
 PROMPT = "def wrap(text, width=70):\n    return"
@@ -25,7 +25,7 @@ PROMPT = "def wrap(text, width=70):\n    return"
 def test_mmap_model_is_zero_copy_and_exact(tiny_moe_dir, arch):
     directory = ModelDirectory.open(tiny_moe_dir(arch))
     plain = model_class(directory.config).from_pretrained(directory.path).eval()
-    mapped = load_mmap_model(directory)
+    mapped, _ = load_mmap_model(directory)
     assert mapped_share(mapped) == 1.0  # every weight, the experts' pieces too, lies inside the file mappings
     ids = directory.tokenizer()(PROMPT, return_tensors="pt")["input_ids"]
     with torch.inference_mode():

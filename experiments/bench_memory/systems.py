@@ -4,7 +4,7 @@ prompt's put and each new token; prefill runs to the first new token, decode fro
 
 - `plain`: transformers' own model, `from_pretrained` + `generate` (the anchor).
 - `mmap`: the same model with its weights zero-copy views of the memory-mapped safetensors files
-  (`mmap_model`): the kernel's page cache is the expert cache.
+  (`offload_runtime.engine.mapped`): the kernel's page cache is the expert cache.
 - `prescient`: `generate_offloaded` with what `--memory CAP` runs by default (`tuned.memory_options`:
   the configuration `prescient tune` measured best on this machine, else the built-in defaults).
 """
@@ -44,11 +44,11 @@ def run_plain(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_mmap(spec: dict[str, Any]) -> dict[str, Any]:
-    from experiments.bench_memory.mmap_model import load_mmap_model, mapped_share
+    from offload_runtime.engine.mapped import load_mmap_model, mapped_share
     from prescient.model_dir import ModelDirectory
 
     directory = ModelDirectory.open(spec["model"])
-    model = load_mmap_model(directory)
+    model, _ = load_mmap_model(directory)
     record = timed_generate(model, directory.tokenizer(), spec["prompt"], spec["new_tokens"])
     return {**record, "mapped_share": mapped_share(model)}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,8 @@ def generate_offloaded(model_dir: str | Path | ModelDirectory, prompt: str, max_
     tokenizer = directory.tokenizer()
     inputs = tokenizer(prompt, return_tensors="pt")
     check_prompt(inputs["input_ids"].shape[1], max_new_tokens, directory)
+    if options.memory is not None and options.context_tokens is None:  # reserve for this request, not 4096 tokens
+        options = replace(options, context_tokens=inputs["input_ids"].shape[1] + max_new_tokens)
     model = load_offloaded(directory, predictor, options)
     with model.offload_runtime as runtime:
         inputs = inputs.to(options.device)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-
 from cache import make_serving_policy
-from offload_runtime.engine.memory_plan import MemoryPlan, held_by, plan_offloaded, plan_resident, reserve_bytes
+from offload_runtime.engine.mapped import load_mmap_model
+from offload_runtime.engine.memory_plan import (MemoryPlan, held_by, plan_mapped, plan_offloaded, plan_resident,
+                                                reserve_bytes)
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.resident import ResidentRuntime
 from offload_runtime.engine.runtime import OffloadRuntime
@@ -19,6 +21,7 @@ from predictor.base import ExpertPredictor, PredictorError
 from prescient.arch import find_moe_layers, is_encoder_decoder
 from prescient.budget import Budget
 from prescient.checkpoint_schemes import CompressionError
+from prescient.errors import ModelFilesError
 from prescient.fingerprint import ModelFingerprint, expert_tensor_names, fingerprint_model_dir, loaded_fingerprint
 from prescient.loading import load_model, load_without_experts
 from prescient.memory_cap import drop_file_pages, process_footprint
@@ -48,11 +51,11 @@ def load_offloaded(model_dir: str | Path | ModelDirectory, predictor: str | Path
     options = RuntimeOptions.of(options, **settings)  # every option checked before any file is read
     model_dir = ModelDirectory.of(model_dir)
     if options.memory is not None and options.fine_model is None:
-        resident = _resident_plan(model_dir, options)
-        if resident is not None:
+        whole = _load_whole(model_dir, options)
+        if whole is not None:
             if predictor is not None:
-                log.info("every expert fits in --memory: the predictor is not needed (nothing to prefetch)")
-            return _load_resident(model_dir, options, resident)
+                log.info("every expert is loaded with the model: the predictor is not needed (nothing to prefetch)")
+            return whole
     model, layers = load_without_experts(model_dir, dtype=options.torch_dtype)  # experts stay on disk
     eviction = make_serving_policy(options.policy, layers[0].top_k)
     fingerprint = loaded_fingerprint(model_dir, model, layers, options.torch_dtype)
@@ -101,32 +104,67 @@ def load_offloaded(model_dir: str | Path | ModelDirectory, predictor: str | Path
     return model
 
 
-def _resident_plan(model_dir: ModelDirectory, options: RuntimeOptions) -> MemoryPlan | None:
-    """The plan that loads every expert, if `options.memory` holds the whole model beside the
-    reserve (estimated before loading: this process now, plus the model's weights in the compute
-    dtype); None otherwise."""
-    others, experts_bytes, total_experts = _weight_bytes(model_dir, options)
-    return plan_resident(options.memory, process_footprint() + others, _reserve(model_dir, options, 0), experts_bytes,
-                         total_experts)
+def _load_whole(model_dir: ModelDirectory, options: RuntimeOptions):
+    """The whole model where `options.memory` holds it, its experts mapped from the checkpoint where
+    it stores them in the compute dtype (else copied into memory), or mapped whatever the cap where
+    `options.map_experts` asks; None: offload (see `memory_plan`)."""
+    need = _whole_model_need(model_dir, options)
+    if options.map_experts:
+        plan = plan_mapped(options.memory, need.footprint, need.reserve, need.experts_bytes // need.total_experts,
+                           need.total_experts, need.top_k)
+        return _load_mapped(model_dir, options, plan)
+    plan = plan_resident(options.memory, need.footprint, need.reserve, need.experts_bytes, need.total_experts)
+    if plan is None:
+        return None
+    if options.map_experts is None and options.device == "cpu":
+        try:
+            return _load_mapped(model_dir, options, replace(plan, mapped=True))
+        except ModelFilesError as exc:  # another dtype or expert layout than the mapped model computes with
+            log.info("the experts are copied into memory, not mapped: %s", exc)
+    return _load_resident(model_dir, options, plan)
+
+
+@dataclass(frozen=True)
+class WholeModelNeed:
+    """What the whole model needs, estimated before loading: this process now with the weights other
+    than the routed experts (`footprint`), the reserve, and the experts (in the compute dtype)."""
+
+    footprint: int
+    reserve: int
+    experts_bytes: int
+    total_experts: int
+    top_k: int
+
+    @property
+    def total(self) -> int:
+        return self.footprint + self.reserve + self.experts_bytes
 
 
 def whole_model_memory(model_dir: str | Path | ModelDirectory, options: RuntimeOptions | None = None) -> int:
     """The memory cap at and above which `--memory` loads every expert (this process now, the whole
     model's weights in the compute dtype, the reserve): the plain model's need, as estimated here."""
-    options, model_dir = RuntimeOptions.of(options), ModelDirectory.of(model_dir)
-    others, experts_bytes, _ = _weight_bytes(model_dir, options)
-    return process_footprint() + others + experts_bytes + _reserve(model_dir, options, 0)
+    return _whole_model_need(ModelDirectory.of(model_dir), RuntimeOptions.of(options)).total
 
 
-def _weight_bytes(model_dir: ModelDirectory, options: RuntimeOptions) -> tuple[int, int, int]:
-    """The bytes of the weights other than the routed experts, of the experts, and the number of
-    experts, in the compute dtype (from the model's shapes; nothing is read)."""
+def _whole_model_need(model_dir: ModelDirectory, options: RuntimeOptions) -> WholeModelNeed:
+    """The whole model's `WholeModelNeed` in `options.dtype`, from the model's shapes (nothing read)."""
     skeleton = model_dir.weightless_model(options.torch_dtype)
     layers = find_moe_layers(skeleton)
     experts = expert_tensor_names(layers)
     sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in skeleton.state_dict().items()}
     experts_bytes = sum(size for name, size in sizes.items() if name in experts)
-    return sum(sizes.values()) - experts_bytes, experts_bytes, len(layers) * layers[0].num_experts
+    return WholeModelNeed(process_footprint() + sum(sizes.values()) - experts_bytes, _reserve(model_dir, options, 0),
+                          experts_bytes, len(layers) * layers[0].num_experts, layers[0].top_k)
+
+
+def _load_mapped(model_dir: ModelDirectory, options: RuntimeOptions, plan: MemoryPlan):
+    """The model with every weight a view of its memory-mapped checkpoint (`mapped`), with a
+    `ResidentRuntime` as its `offload_runtime`."""
+    model, layers = load_mmap_model(model_dir, options.torch_dtype)
+    fingerprint = loaded_fingerprint(model_dir, model, layers, options.torch_dtype)
+    model.offload_runtime = ResidentRuntime(model, layers, fingerprint, plan)
+    log.info("%s", plan.line())
+    return model
 
 
 def _load_resident(model_dir: ModelDirectory, options: RuntimeOptions, plan: MemoryPlan):
@@ -152,7 +190,7 @@ def _offloaded_plan(model_dir: ModelDirectory, options: RuntimeOptions, store: E
 
 
 def _reserve(model_dir: ModelDirectory, options: RuntimeOptions, copy_buffers: int) -> int:
-    return reserve_bytes(model_dir.config, options.torch_dtype.itemsize, copy_buffers)
+    return reserve_bytes(model_dir.config, options.torch_dtype.itemsize, copy_buffers, options.context_tokens)
 
 
 def _fine_store(options: RuntimeOptions, fingerprint: ModelFingerprint, model, layers,

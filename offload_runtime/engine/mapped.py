@@ -1,5 +1,7 @@
 """The model with every weight a zero-copy view of its memory-mapped safetensors file: the
-kernel's page cache is the expert cache, as in llama.cpp's mmap runs. Nothing is copied at load;
+kernel's page cache is the expert cache, as in llama.cpp's mmap runs. `--memory` loads the model
+so where every expert fits (and where `tune` measured it fastest): nothing is copied at load, and a
+cap a little under the model's need costs re-reads of the pages the kernel drops, not a kill. Nothing is copied at load;
 a weight's pages are read from the file when a forward first touches them, and under memory
 pressure the kernel drops clean pages and reads them again when next used.
 
@@ -19,6 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from offload_runtime.engine.expert_layout import LayoutDeriver, expert_spec
+from prescient.arch import MoELayer, find_moe_layers
 from prescient.errors import ModelFilesError
 from prescient.model_dir import ModelDirectory
 
@@ -97,8 +101,6 @@ class MappedExperts(nn.Module):
 def _expert_pieces(model: nn.Module, layer, directory: ModelDirectory, views: dict[str, torch.Tensor]):
     """Per expert of `layer`, per parameter: (output rows, view of the mapped file), from the
     checkpoint layout the offload runtime's store reads (`expert_layout`)."""
-    from offload_runtime.engine.expert_layout import LayoutDeriver, expert_spec
-
     experts = layer.experts
     flags = [getattr(experts, f, d) for f, d in (("has_gate", True), ("is_transposed", False), ("has_bias", False),
                                                  ("has_post_expert_norm", False))]
@@ -136,18 +138,18 @@ def _map_files(directory: ModelDirectory) -> tuple[list[mmap.mmap], dict[str, to
     return mappings, views
 
 
-def load_mmap_model(model_dir: str | Path | ModelDirectory) -> nn.Module:
-    """The model built without weights, each checkpoint tensor set to its view of the mapped file
-    (tied weights tied after) and each MoE layer's experts a `MappedExperts` over the views; the
-    mappings live as long as the model (`model.mmaps`). ModelFilesError where a weight is missing,
+def load_mmap_model(model_dir: str | Path | ModelDirectory, dtype: torch.dtype | None = None
+                    ) -> tuple[nn.Module, list[MoELayer]]:
+    """The model built without weights (in `dtype`, default the checkpoint's), each checkpoint
+    tensor set to its view of the mapped file (tied weights tied after) and each MoE layer's experts
+    a `MappedExperts` over the views, and its MoE layers as found before (their `experts` the
+    weightless originals); the mappings live as long as the model (`model.mmaps`). ModelFilesError where a weight is missing,
     is stored in another dtype or shape than the model's, or the experts are of another kind."""
     from transformers import GenerationConfig
     from transformers.core_model_loading import revert_weight_conversion
 
-    from prescient.arch import find_moe_layers
-
     directory = ModelDirectory.of(model_dir)
-    model = directory.weightless_model()
+    model = directory.weightless_model(dtype)
     layers = find_moe_layers(model)
     model.mmaps, views = _map_files(directory)
     expert_ids = {id(p) for layer in layers for p in layer.experts.parameters()}
@@ -170,7 +172,7 @@ def load_mmap_model(model_dir: str | Path | ModelDirectory) -> nn.Module:
         raise ModelFilesError(f"{directory}: no weight for {missing[:3]} in its safetensors files")
     if (directory.path / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(directory.path)
-    return model.eval()
+    return model.eval(), layers
 
 
 def mapped_share(model: nn.Module) -> float:

@@ -2,9 +2,13 @@
 
 The cap counts everything the process holds (see `prescient.memory_cap`): the imported libraries,
 the non-expert weights, the expert slots, the predictor, the KV cache and activations, and the page
-cache its reads leave. Two outcomes:
+cache its reads leave. Three outcomes:
 - every expert fits beside the rest: the model loads whole and runs its own forward, no hooks (the
-  plain transformers model, so never slower than it);
+  plain transformers model, so never slower than it), its weights views of the memory-mapped
+  checkpoint where it holds them in the compute dtype (`mapped`: nothing copied, the page cache is
+  the expert cache), else copied into memory;
+- where `tune` measured it faster, or it is asked for, mapped below that too: the page cache then
+  holds what the cap leaves and the kernel reads back what it drops;
 - otherwise the experts are offloaded: what is left of the cap after the measured footprint of the
   process (non-expert weights and predictor loaded) and the reserve buys slots. A cap that cannot buy one
   layer's top-k is refused, naming the smallest cap that works.
@@ -22,7 +26,7 @@ from prescient.memory_cap import cgroup_limit
 MiB = 2**20
 SLACK = 16 * MiB  # the allocator's free lists, small buffers
 PREFILL_TOKENS = 512  # activations are reserved for a prefill this long; longer prompts need more room
-RESERVED_CONTEXT = 4096  # tokens of KV cache kept free (the model's context where shorter)
+RESERVED_CONTEXT = 4096  # tokens of KV cache kept free (the model's context, or the request's, where shorter)
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class MemoryPlan:
     slots: int  # of `total_experts`; all of them when resident
     resident: bool  # every expert loaded with the model: no offloading, no hooks
     held_by: str  # "cgroup" (the kernel holds the cap) or "dropped pages" (the store drops its reads)
+    mapped: bool = False  # resident as views of the memory-mapped checkpoint: the page cache holds the experts
 
     @property
     def drop_page_cache(self) -> bool:
@@ -45,8 +50,14 @@ class MemoryPlan:
     def line(self) -> str:
         """The chosen configuration in one line, as `generate` and `serve` print it."""
         gib = 2**30
-        where = "all experts resident, the model's own forward" if self.resident else \
-            f"{self.slots} of {self.total_experts} experts in slots ({self.slots * self.expert_bytes / gib:.2f} GiB)"
+        if self.mapped:
+            cached = min(self.total_experts, max(0, (self.cap - self.footprint - self.reserve) // self.expert_bytes))
+            where = (f"every expert mapped from the checkpoint, the model's own forward (the page cache holds "
+                     f"~{cached} of {self.total_experts})")
+        elif self.resident:
+            where = "all experts resident, the model's own forward"
+        else:
+            where = f"{self.slots} of {self.total_experts} experts in slots ({self.slots * self.expert_bytes / gib:.2f} GiB)"
         return (f"memory {self.cap / gib:.2f} GiB: {where}; process {self.footprint / gib:.2f} GiB, reserve "
                 f"{self.reserve / gib:.2f} GiB; held by {self.held_by}")
 
@@ -70,32 +81,46 @@ def kv_bytes_per_token(config, dtype_bytes: int) -> int:
     return 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
-def workspace_bytes(config, dtype_bytes: int) -> int:
-    """Activations of a `PREFILL_TOKENS` prefill through the widest FFN (an expert's gate, up and
+def workspace_bytes(config, dtype_bytes: int, prefill_tokens: int = PREFILL_TOKENS) -> int:
+    """Activations of a `prefill_tokens` prefill through the widest FFN (an expert's gate, up and
     product) and the residual stream, plus `SLACK`."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = getattr(text, "hidden_size", 0) or 0
     widest = max(getattr(text, name, 0) or 0 for name in ("intermediate_size", "moe_intermediate_size",
                                                            "expert_intermediate_size", "ffn_dim"))
-    return PREFILL_TOKENS * (3 * widest + 4 * hidden) * dtype_bytes + SLACK
+    return prefill_tokens * (3 * widest + 4 * hidden) * dtype_bytes + SLACK
 
 
-def reserve_bytes(config, dtype_bytes: int, copy_buffers: int) -> int:
-    """What the cap keeps free beside weights and slots: the KV cache of `RESERVED_CONTEXT` tokens
-    (or the model's context), the workspace, and `copy_buffers` bytes of reads in flight."""
+def reserve_bytes(config, dtype_bytes: int, copy_buffers: int, context_tokens: int | None = None) -> int:
+    """What the cap keeps free beside weights and slots: the KV cache of `context_tokens` (the
+    longest sequence the process will hold; None: `RESERVED_CONTEXT`, or the model's context where
+    shorter), the workspace of a prefill that long (at most `PREFILL_TOKENS`), and `copy_buffers`
+    bytes of reads in flight."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    context = min(getattr(text, "max_position_embeddings", None) or RESERVED_CONTEXT, RESERVED_CONTEXT)
-    return kv_bytes_per_token(config, dtype_bytes) * context + workspace_bytes(config, dtype_bytes) + copy_buffers
+    context = min(getattr(text, "max_position_embeddings", None) or RESERVED_CONTEXT, context_tokens or RESERVED_CONTEXT)
+    return (kv_bytes_per_token(config, dtype_bytes) * context
+            + workspace_bytes(config, dtype_bytes, min(context, PREFILL_TOKENS)) + copy_buffers)
 
 
-def plan_resident(cap: int, footprint: int, reserve: int, experts_bytes: int, total_experts: int) -> MemoryPlan | None:
-    """The plan that loads every expert with the model, if `cap` holds the process's estimated
-    `footprint` (non-expert weights loaded), the reserve and `experts_bytes` (all experts); else
-    None. No predictor is loaded then: with every expert resident there is nothing to prefetch."""
+def plan_resident(cap: int, footprint: int, reserve: int, experts_bytes: int, total_experts: int,
+                  mapped: bool = False) -> MemoryPlan | None:
+    """The plan that loads every expert with the model (`mapped`: as views of the checkpoint), if
+    `cap` holds the process's estimated `footprint` (non-expert weights loaded), the reserve and
+    `experts_bytes` (all experts); else None. No predictor is loaded then: with every expert
+    resident there is nothing to prefetch."""
     if footprint + reserve + experts_bytes > cap:
         return None
     return MemoryPlan(cap, footprint, reserve, experts_bytes // total_experts, total_experts, total_experts,
-                      True, held_by(cap))
+                      True, held_by(cap), mapped)
+
+
+def plan_mapped(cap: int, footprint: int, reserve: int, expert_bytes: int, total_experts: int,
+                min_cached: int) -> MemoryPlan:
+    """Every expert mapped from the checkpoint whatever the cap: the page cache holds what is left
+    beside the process's estimated `footprint` and the reserve; a CapacityError naming the smallest
+    cap that works when that is fewer than `min_cached` experts (one layer's top-k)."""
+    _require(cap, footprint, reserve, expert_bytes, min_cached, "experts in the page cache")
+    return MemoryPlan(cap, footprint, reserve, expert_bytes, total_experts, total_experts, True, held_by(cap), True)
 
 
 def plan_offloaded(cap: int, footprint: int, reserve: int, expert_bytes: int, total_experts: int,
@@ -103,13 +128,21 @@ def plan_offloaded(cap: int, footprint: int, reserve: int, expert_bytes: int, to
     """The slots what is left of `cap` buys beside the process's measured `footprint` (non-expert
     weights and predictor loaded) and the reserve; a CapacityError naming the smallest cap that works
     when that is fewer than `min_slots` (one layer's top-k)."""
+    slots = _require(cap, footprint, reserve, expert_bytes, min_slots, "expert slots")
+    return MemoryPlan(cap, footprint, reserve, expert_bytes, total_experts, min(slots, total_experts), False,
+                      held_by(cap))
+
+
+def _require(cap: int, footprint: int, reserve: int, expert_bytes: int, least: int, what: str) -> int:
+    """How many experts `cap` holds beside `footprint` and `reserve`; a CapacityError naming the
+    smallest cap that works when fewer than `least`."""
     fixed = footprint + reserve
-    slots = min((cap - fixed) // expert_bytes, total_experts) if cap > fixed else 0
-    if slots < min_slots:
-        least = fixed + min_slots * expert_bytes
+    count = (cap - fixed) // expert_bytes if cap > fixed else 0
+    if count < least:
+        smallest = fixed + least * expert_bytes
         raise CapacityError(
             f"--memory {cap / 2**30:.2f} GiB cannot hold this model: the process needs {fixed / 2**30:.2f} GiB "
             f"beside its experts (libraries, the weights other than the experts and the predictor, "
-            f"{reserve / 2**20:.0f} MiB of KV cache and buffers) and {min_slots} expert slots of {expert_bytes / 2**20:.1f} MiB; the smallest "
-            f"memory that works is {least / 2**30:.2f} GiB ({-(-least // 2**20)}MiB)")
-    return MemoryPlan(cap, footprint, reserve, expert_bytes, total_experts, int(slots), False, held_by(cap))
+            f"{reserve / 2**20:.0f} MiB of KV cache and buffers) and {least} {what} of {expert_bytes / 2**20:.1f} MiB; "
+            f"the smallest memory that works is {smallest / 2**30:.2f} GiB ({-(-smallest // 2**20)}MiB)")
+    return int(count)

@@ -115,6 +115,8 @@ class RuntimeOptions:
     lookahead_probe: str | None = None
     expert_kernel: str = "model"
     expert_kernel_table: str | None = None
+    map_experts: bool | None = None
+    context_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str):
@@ -131,6 +133,7 @@ class RuntimeOptions:
             if not isinstance(getattr(self, flag), bool):
                 raise OptionsError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         object.__setattr__(self, "device", str(check_device(self.device)))
+        self._memory_settings()
         _whole("transfer_workers", self.transfer_workers, 1)
         if self.transfer_workers > MAX_TRANSFER_WORKERS:
             raise OptionsError(f"transfer_workers must be 1 to {MAX_TRANSFER_WORKERS}, got {self.transfer_workers}")
@@ -191,6 +194,19 @@ class RuntimeOptions:
         _whole("memory", memory, 1)
         object.__setattr__(self, "memory", memory)
 
+    def _memory_settings(self) -> None:
+        """`map_experts` and `context_tokens` shape what `memory` buys: both need it."""
+        if self.map_experts not in (None, True, False):
+            raise OptionsError(f"map_experts must be True, False or None (automatic), got {self.map_experts!r}")
+        if self.context_tokens is not None:
+            _whole("context_tokens", self.context_tokens, 1)
+        named = [name for name in ("map_experts", "context_tokens") if getattr(self, name) is not None]
+        if named and self.memory is None:
+            raise OptionsError(f"{' and '.join(named)} shape what a memory cap buys: give memory (--memory SIZE) too")
+        if self.map_experts and (self.fine_model is not None or self.slot_format != "expanded" or self.device != "cpu"):
+            raise OptionsError("mapped experts are the checkpoint's own weights in this process's memory: on the cpu "
+                               "device, with no fine model and no packed slots")
+
     def _path(self, name: str, what: str) -> None:
         """Option `name` must be a path (str or os.PathLike); it is kept as a str."""
         value = getattr(self, name)
@@ -226,4 +242,5 @@ class RuntimeOptions:
                 "slot_format": self.slot_format, "fine_model": self.fine_model, "fine_share": self.fine_share,
                 "precision_rule": self.precision_rule, "expert_pipeline": self.expert_pipeline,
                 "lookahead_layers": self.lookahead_layers, "lookahead_probe": self.lookahead_probe,
-                "expert_kernel": self.expert_kernel, "expert_kernel_table": self.expert_kernel_table}
+                "expert_kernel": self.expert_kernel, "expert_kernel_table": self.expert_kernel_table,
+                "map_experts": self.map_experts, "context_tokens": self.context_tokens}

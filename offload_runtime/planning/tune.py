@@ -9,8 +9,10 @@ What decides speed here, measured rather than assumed:
    in turn — transfer workers at that depth, the other serving policy, cross-token prefetch
    (SiDA's forecasts one token ahead), in-token lookahead (HybriMoE's next-layer routers), the
    layer waiting for all its copies instead of the expert pipeline — the configuration with that
-   change, interleaved with the best so far (A B A B). A change is kept when its median tokens/s
-   beats every run of the best so far (a gain within the spread is not a gain).
+   change, and last the experts mapped from the checkpoint with the page cache as their cache instead
+   of slots (`mapped`; what llama.cpp's mmap runs do), each interleaved with the best so far (A B A B).
+   A change is kept when its median tokens/s beats every run of the best so far (a gain within the
+   spread is not a gain).
 Every run decodes through `generate_offloaded` with `RuntimeOptions(memory=size, ...)` in a fresh
 process (forked from one that imported torch and transformers once), so the memory plan, the
 page-cache handling and the predictor are those `generate` will use, and no run inherits the heap
@@ -59,7 +61,7 @@ def _decode(model_dir: str, prompt: str, new_tokens: int, predictor: str | None,
 def starting_settings(predictor: str | Path | None) -> dict[str, Any]:
     """The built-in defaults, where tuning starts."""
     return {"transfer_workers": 1, "policy": best_policy(predictor), "next_token_min_chance": None,
-            "lookahead_layers": 0, "expert_pipeline": True}
+            "lookahead_layers": 0, "expert_pipeline": True, "map_experts": None}
 
 
 def candidate_changes(depth: int, forecasts: bool) -> list[tuple[str, dict[str, Any]]]:
@@ -68,7 +70,7 @@ def candidate_changes(depth: int, forecasts: bool) -> list[tuple[str, dict[str, 
     if forecasts:
         changes += [("policy lru", {"policy": "lru"}), ("cross-token prefetch", {"next_token_min_chance": 0.5})]
     changes += [("in-token lookahead", {"lookahead_layers": 1}), ("serial layers", {"expert_pipeline": False})]
-    return changes
+    return changes + [("mapped experts", {"map_experts": True})]  # last: mapped, the slots' settings do not matter
 
 
 def tune(model_dir: str | Path, predictor: str | Path | None = None, memories: list[int] | None = None,

@@ -8,13 +8,17 @@ import pytest
 import torch
 
 from offload_runtime.engine import loader
+from offload_runtime.engine.generate import generate_offloaded
 from offload_runtime.engine.loader import load_offloaded
+from offload_runtime.engine.mapped import mapped_share
 from offload_runtime.engine.memory_plan import MiB, plan_offloaded, plan_resident, reserve_bytes
 from offload_runtime.engine.options import OptionsError, RuntimeOptions
 from offload_runtime.engine.resident import ResidentRuntime
 from offload_runtime.engine.runtime import OffloadRuntime
 from prescient.budget import parse_memory
+from prescient.devices import DeviceError
 from prescient.errors import CapacityError
+from prescient.fingerprint import fingerprint_model_dir
 from prescient.loading import load_model
 from prescient.model_dir import ModelDirectory
 from tests.runtime.test_offloaded_generate import encode, generate
@@ -74,6 +78,43 @@ def test_a_cap_that_holds_every_expert_runs_the_plain_model_without_hooks(tiny_m
         out = generate(model, encode(path, False))
     assert torch.equal(out, reference)
     assert runtime.stats().forwards > 0 and runtime.memory_plan.resident
+    # the tiny checkpoint stores float32: mapped as it is in float32, copied into bfloat16
+    assert runtime.memory_plan.mapped == (dtype == "float32") == hasattr(model, "mmaps")
+
+
+def test_mapped_experts_are_the_checkpoint_itself_and_can_be_refused(tiny_moe_dir):
+    path, _, reference = _model(tiny_moe_dir)
+    mapped = load_offloaded(path, memory="16GiB")
+    assert mapped_share(mapped) == 1.0  # nothing copied
+    assert mapped.offload_runtime.fingerprint == fingerprint_model_dir(path)  # the same model, as predictors know it
+    copied = load_offloaded(path, memory="16GiB", map_experts=False)
+    assert not copied.offload_runtime.memory_plan.mapped and not hasattr(copied, "mmaps")
+    assert torch.equal(generate(copied, encode(path, False)), reference)
+
+
+def test_mapping_asked_for_below_the_whole_model_runs_exact_and_refuses_below_a_layers_top_k(tiny_moe_dir, monkeypatch):
+    path, directory, reference = _model(tiny_moe_dir)
+    monkeypatch.setattr(loader, "process_footprint", lambda: FOOTPRINT)
+    need = loader._whole_model_need(directory, RuntimeOptions())
+    fixed, expert_bytes = need.footprint + need.reserve, need.experts_bytes // need.total_experts
+    model = load_offloaded(path, memory=fixed + 4 * expert_bytes, map_experts=True)
+    with model.offload_runtime as runtime:
+        assert runtime.memory_plan.mapped and "page cache holds ~" in runtime.memory_plan.line()
+        assert torch.equal(generate(model, encode(path, False)), reference)
+    with pytest.raises(CapacityError, match="experts in the page cache"):
+        load_offloaded(path, memory=FOOTPRINT, map_experts=True)
+
+
+def test_memory_settings_need_a_memory_cap_and_the_request_sizes_the_reserve(tiny_moe_dir):
+    for settings in ({"map_experts": True}, {"context_tokens": 64}, {"map_experts": True, "memory": "1GiB",
+                                                                      "device": "meta"}):
+        with pytest.raises((OptionsError, DeviceError)):
+            RuntimeOptions(**settings)
+    config = ModelDirectory.open(tiny_moe_dir("mixtral")).config
+    assert reserve_bytes(config, 4, 0, context_tokens=40) < reserve_bytes(config, 4, 0)
+    record = generate_offloaded(tiny_moe_dir("mixtral"), "def f(x):", 4, memory="16GiB")
+    prompt_tokens = len(ModelDirectory.open(tiny_moe_dir("mixtral")).tokenizer()("def f(x):")["input_ids"])
+    assert record["settings"]["context_tokens"] == prompt_tokens + 4
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
