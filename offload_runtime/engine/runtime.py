@@ -228,6 +228,9 @@ class OffloadRuntime:
             # the layer runs (only this thread assigns them)
             yield table if table.device == device else table.to(device)
         finally:
+            if self.pool.device.type == "cuda":  # the layer's reads are enqueued: a later copy into a slot waits
+                row = self.pool.map.rows[layer]
+                self.engine.used([int(row[e]) for _, e in keys if row[e] >= 0])
             self.cache.unpin_many(keys)
 
     def _landed(self, key: Key) -> bool:

@@ -7,10 +7,15 @@ waits in the queue; one already copying completes. A newer request for a slot su
 one for another key, and never starts while an earlier copy into that slot is running.
 
 On CUDA each worker copies on its own `torch.cuda.Stream`: from the store's pinned host memory
-(host mode) or through a pinned staging buffer (disk mode). The copy waits for an event recorded
-on the requester's stream at `request` time (so it cannot overwrite a slot that compute enqueued
-before still reads), records an event after itself, and `wait` makes the caller's current stream
-wait on that event: the host only waits for the copy to be enqueued. On CPU the worker copies.
+(host mode) or through a pinned staging buffer (disk mode). A slot is free again for the host once
+its copy is *enqueued*, so the next copy into it may be picked by another worker, on another
+stream, while the first still runs on the device; the ordering is therefore kept per slot, on the
+device, whatever stream did what: a copy into a slot waits for an event recorded on the
+requester's stream at `request` time (compute enqueued before it, which may still read the slot),
+for the end of the last copy into the slot (its last write) and for the last read that `used`
+recorded on any other stream; it then records an event after itself, and `wait` makes the
+caller's current stream wait on that event: the host only waits for the copy to be enqueued. On
+CPU the worker copies.
 
 A worker's error is kept and raised in the caller by the next `request` or `wait`, never lost.
 `close()` cancels queued work, lets running copies finish, and joins the threads.
@@ -77,6 +82,7 @@ class Ticket:
     demand: bool
     priority: float
     after: Any = None  # CUDA event on the requester's stream; the copy waits for it
+    prior: tuple = ()  # CUDA events of the slot's last write and last read (`used`); the copy waits for them
     event: Any = None  # CUDA event recorded after the copy
     future: Future = field(default_factory=Future)
     entry: int = -1  # sequence number of its live queue entry
@@ -104,6 +110,8 @@ class TransferEngine:
         self._tickets: dict[Key, Ticket] = {}
         self._queued_in: dict[int, Ticket] = {}  # slot → its newest queued ticket
         self._busy: set[int] = set()  # slots being copied into
+        self._last_write: dict[int, Any] = {}  # CUDA: slot → event at the end of its last copy
+        self._last_read: dict[int, Any] = {}  # CUDA: slot → event after its last read (`used`)
         self._deferred: list[Ticket] = []  # popped while their slot was busy
         self._failed: list[Ticket] = []  # failures not yet raised in a caller
         self._pending = 0  # tickets requested, neither finished nor cancelled
@@ -180,6 +188,16 @@ class TransferEngine:
             with self._cond:
                 self._stats.stall_seconds += time.perf_counter() - start
         return [waiting[future] for future in done]
+
+    def used(self, slots: Iterable[int]) -> None:
+        """CUDA: the current stream has enqueued its reads of `slots` (a layer computed on them);
+        the next copy into each waits for them, whatever stream it runs on. No-op on the CPU."""
+        if not self._cuda:
+            return
+        event = torch.cuda.current_stream(self.pool.device).record_event()
+        with self._cond:
+            for slot in slots:
+                self._last_read[slot] = event
 
     def ready(self, key: Key) -> bool:
         """Whether `key`'s last requested copy has finished, without blocking."""
@@ -285,6 +303,8 @@ class TransferEngine:
                 if not ticket.future.set_running_or_notify_cancel():
                     continue
                 self._busy.add(ticket.slot)
+                ticket.prior = tuple(e for e in (self._last_write.get(ticket.slot), self._last_read.get(ticket.slot))
+                                     if e is not None)
                 if self._queued_in.get(ticket.slot) is ticket:
                     del self._queued_in[ticket.slot]
                 return ticket
@@ -293,6 +313,8 @@ class TransferEngine:
 
     def _finish(self, ticket: Ticket, error: Exception | None) -> None:
         self._busy.discard(ticket.slot)
+        if ticket.event is not None:  # CUDA: enqueued, maybe still running; the next writer waits for it
+            self._last_write[ticket.slot] = ticket.event
         self._pending -= 1
         for waiting in [t for t in self._deferred if t.slot == ticket.slot]:
             self._deferred.remove(waiting)
@@ -349,8 +371,9 @@ class TransferEngine:
                     staged.pop().synchronize()
                 source = self._source(ticket).read(ticket.key, out=staging)
             with torch.cuda.device(device), torch.cuda.stream(stream):
-                if ticket.after is not None:
-                    stream.wait_event(ticket.after)
+                for event in (ticket.after, *ticket.prior):  # see the module doc: no two writes, no read, overlap
+                    if event is not None:
+                        stream.wait_event(event)
                 self.pool.write(ticket.slot, source, non_blocking=True)
                 ticket.event = stream.record_event()
             if from_disk:
