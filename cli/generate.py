@@ -51,8 +51,12 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def summary(record: dict) -> str:
+    """The runtime's statistics and the decode speed, a line each (the speed alone where every expert
+    was loaded with the model: nothing was offloaded, so there is nothing else to say)."""
     s = record["stats"]
     speed = f"{record['tokens_per_s']:.1f} tokens/s" if record["tokens_per_s"] else "n/a (fewer than 2 new tokens)"
+    if (record["memory_plan"] or {}).get("resident"):
+        return f"decode: {speed}"
     return "\n".join([
         f"experts: {s['hits']} hits, {s['misses']} misses (hit rate {s['hit_rate']:.1%}) in {s['slots']} slots",
         f"prefetch: {s['prefetch_inserts']} inserted, accuracy {s['prefetch_accuracy']:.1%}, "

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from cache import make_serving_policy
 from offload_runtime.engine.mapped import load_mmap_model
-from offload_runtime.engine.memory_plan import (MemoryPlan, held_by, plan_mapped, plan_offloaded, plan_resident,
-                                                reserve_bytes)
+from offload_runtime.engine.memory_plan import (MAPPED_SHARE, MemoryPlan, held_by, plan_mapped, plan_offloaded,
+                                                plan_resident, reserve_bytes)
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.resident import ResidentRuntime
 from offload_runtime.engine.runtime import OffloadRuntime
@@ -105,23 +105,23 @@ def load_offloaded(model_dir: str | Path | ModelDirectory, predictor: str | Path
 
 
 def _load_whole(model_dir: ModelDirectory, options: RuntimeOptions):
-    """The whole model where `options.memory` holds it, its experts mapped from the checkpoint where
-    it stores them in the compute dtype (else copied into memory), or mapped whatever the cap where
-    `options.map_experts` asks; None: offload (see `memory_plan`)."""
+    """The whole model, its experts mapped from the checkpoint where the page cache can hold
+    `MAPPED_SHARE` of them or `options.map_experts` asks, else copied into memory where they all fit;
+    None: offload them into slots (see `memory_plan`)."""
     need = _whole_model_need(model_dir, options)
+    expert_bytes = need.experts_bytes // need.total_experts
     if options.map_experts:
-        plan = plan_mapped(options.memory, need.footprint, need.reserve, need.experts_bytes // need.total_experts,
-                           need.total_experts, need.top_k)
-        return _load_mapped(model_dir, options, plan)
-    plan = plan_resident(options.memory, need.footprint, need.reserve, need.experts_bytes, need.total_experts)
-    if plan is None:
-        return None
-    if options.map_experts is None and options.device == "cpu":
+        return _load_mapped(model_dir, options, plan_mapped(options.memory, need.footprint, need.reserve, expert_bytes,
+                                                            need.total_experts, need.top_k))
+    room = options.memory - need.footprint - need.reserve
+    if options.map_experts is None and options.device == "cpu" and room >= MAPPED_SHARE * need.experts_bytes:
         try:
-            return _load_mapped(model_dir, options, replace(plan, mapped=True))
+            return _load_mapped(model_dir, options, plan_mapped(options.memory, need.footprint, need.reserve,
+                                                                expert_bytes, need.total_experts, need.top_k))
         except ModelFilesError as exc:  # another dtype or expert layout than the mapped model computes with
-            log.info("the experts are copied into memory, not mapped: %s", exc)
-    return _load_resident(model_dir, options, plan)
+            log.info("the experts are not mapped: %s", exc)
+    plan = plan_resident(options.memory, need.footprint, need.reserve, need.experts_bytes, need.total_experts)
+    return None if plan is None else _load_resident(model_dir, options, plan)
 
 
 @dataclass(frozen=True)

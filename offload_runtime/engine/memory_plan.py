@@ -3,12 +3,12 @@
 The cap counts everything the process holds (see `prescient.memory_cap`): the imported libraries,
 the non-expert weights, the expert slots, the predictor, the KV cache and activations, and the page
 cache its reads leave. Three outcomes:
-- every expert fits beside the rest: the model loads whole and runs its own forward, no hooks (the
-  plain transformers model, so never slower than it), its weights views of the memory-mapped
-  checkpoint where it holds them in the compute dtype (`mapped`: nothing copied, the page cache is
-  the expert cache), else copied into memory;
-- where `tune` measured it faster, or it is asked for, mapped below that too: the page cache then
-  holds what the cap leaves and the kernel reads back what it drops;
+- the page cache can hold at least `MAPPED_SHARE` of the experts beside the rest: every weight is a
+  view of the memory-mapped checkpoint (`mapped`: nothing copied, the page cache is the expert
+  cache, the kernel reads back what it drops) and the model runs its own forward, no hooks; where
+  the checkpoint stores the experts in another dtype than the compute dtype and they all fit, they
+  are copied into memory instead (the plain transformers model); `tune` measures mapping at every
+  size it tunes, and it can be asked for at any cap (`map_experts`);
 - otherwise the experts are offloaded: what is left of the cap after the measured footprint of the
   process (non-expert weights and predictor loaded) and the reserve buys slots. A cap that cannot buy one
   layer's top-k is refused, naming the smallest cap that works.
@@ -26,6 +26,7 @@ from prescient.memory_cap import cgroup_limit
 MiB = 2**20
 SLACK = 16 * MiB  # the allocator's free lists, small buffers
 PREFILL_TOKENS = 512  # activations are reserved for a prefill this long; longer prompts need more room
+MAPPED_SHARE = 0.8  # mapped from here: 1.2x slots where 80% fit, a tie at 60% (results/bench-memory-tb.json)
 RESERVED_CONTEXT = 4096  # tokens of KV cache kept free (the model's context, or the request's, where shorter)
 
 
@@ -40,7 +41,7 @@ class MemoryPlan:
     total_experts: int
     slots: int  # of `total_experts`; all of them when resident
     resident: bool  # every expert loaded with the model: no offloading, no hooks
-    held_by: str  # "cgroup" (the kernel holds the cap) or "dropped pages" (the store drops its reads)
+    held_by: str  # "cgroup" (the kernel holds the cap), "dropped pages" (the store drops its reads), or nothing (mapped)
     mapped: bool = False  # resident as views of the memory-mapped checkpoint: the page cache holds the experts
 
     @property
@@ -52,8 +53,8 @@ class MemoryPlan:
         gib = 2**30
         if self.mapped:
             cached = min(self.total_experts, max(0, (self.cap - self.footprint - self.reserve) // self.expert_bytes))
-            where = (f"every expert mapped from the checkpoint, the model's own forward (the page cache holds "
-                     f"~{cached} of {self.total_experts})")
+            where = (f"every weight mapped from the checkpoint, no hooks (the page cache holds ~{cached} of "
+                     f"{self.total_experts} experts)")
         elif self.resident:
             where = "all experts resident, the model's own forward"
         else:
@@ -102,25 +103,27 @@ def reserve_bytes(config, dtype_bytes: int, copy_buffers: int, context_tokens: i
             + workspace_bytes(config, dtype_bytes, min(context, PREFILL_TOKENS)) + copy_buffers)
 
 
-def plan_resident(cap: int, footprint: int, reserve: int, experts_bytes: int, total_experts: int,
-                  mapped: bool = False) -> MemoryPlan | None:
-    """The plan that loads every expert with the model (`mapped`: as views of the checkpoint), if
-    `cap` holds the process's estimated `footprint` (non-expert weights loaded), the reserve and
-    `experts_bytes` (all experts); else None. No predictor is loaded then: with every expert
-    resident there is nothing to prefetch."""
+def plan_resident(cap: int, footprint: int, reserve: int, experts_bytes: int, total_experts: int
+                  ) -> MemoryPlan | None:
+    """The plan that copies every expert into memory with the model, if `cap` holds the process's
+    estimated `footprint` (non-expert weights loaded), the reserve and `experts_bytes` (all
+    experts); else None. No predictor is loaded then: with every expert resident there is nothing
+    to prefetch."""
     if footprint + reserve + experts_bytes > cap:
         return None
     return MemoryPlan(cap, footprint, reserve, experts_bytes // total_experts, total_experts, total_experts,
-                      True, held_by(cap), mapped)
+                      True, held_by(cap))
 
 
 def plan_mapped(cap: int, footprint: int, reserve: int, expert_bytes: int, total_experts: int,
                 min_cached: int) -> MemoryPlan:
-    """Every expert mapped from the checkpoint whatever the cap: the page cache holds what is left
+    """Every expert mapped from the checkpoint: the page cache holds what is left
     beside the process's estimated `footprint` and the reserve; a CapacityError naming the smallest
     cap that works when that is fewer than `min_cached` experts (one layer's top-k)."""
     _require(cap, footprint, reserve, expert_bytes, min_cached, "experts in the page cache")
-    return MemoryPlan(cap, footprint, reserve, expert_bytes, total_experts, total_experts, True, held_by(cap), True)
+    held = held_by(cap)  # without a cgroup no page is dropped for the cap: the machine's pressure trims the cache
+    return MemoryPlan(cap, footprint, reserve, expert_bytes, total_experts, total_experts, True,
+                      held if held == "cgroup" else "nothing (mapped, no cgroup)", True)
 
 
 def plan_offloaded(cap: int, footprint: int, reserve: int, expert_bytes: int, total_experts: int,
