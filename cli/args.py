@@ -282,6 +282,11 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
             help="with --memory: every weight a view of the memory-mapped checkpoint, the kernel's page cache the "
                  "experts' cache (no slots, no predictor), whatever the cap; --no-map-experts: never (default: tuned "
                  "with --memory, else mapped where every expert fits and the checkpoint stores them in --dtype)"),
+        "hybrid_schedule": lambda p: p.add_argument(
+            "--hybrid-schedule", action=argparse.BooleanOptionalAction, default=None,
+            help="HybriMoE's scheduler: with --device cuda --store host, each layer's misses split between copying to "
+                 "the GPU and computing on the CPU by measured costs; on a CPU-only host, a miss predicted to be reused "
+                 "later than every resident expert computes from a scratch buffer without evicting (default: off)"),
         "next_token": lambda p: p.add_argument(
             "--next-token", action=argparse.BooleanOptionalAction, default=None,
             help="cross-token prefetch: load the next token's likely experts while this token's layers compute "
@@ -336,9 +341,25 @@ def runtime_options(args: argparse.Namespace, **fields: object) -> RuntimeOption
     if "next_token" in names and args.next_token is not None:
         flags["next_token_min_chance"] = args.next_token_min_chance if args.next_token else None
     tuned = tuned_settings(args.model, flags["memory"]) if flags.get("memory") is not None else {}  # says which
+    if getattr(args, "predictor", None) is None:
+        tuned = _without_forecasts(tuned)
     settings = {**tuned, **flags, **fields}
     if "policy" in names and "policy" not in settings:
         settings["policy"] = best_policy(getattr(args, "predictor", None))
     if settings.get("lookahead_probe") and not settings.get("lookahead_layers"):
         settings["lookahead_layers"] = 1  # a probe given is a probe used: one layer ahead unless --lookahead says
     return RuntimeOptions(**settings)
+
+
+def _without_forecasts(tuned: dict[str, object]) -> dict[str, object]:
+    """The tuned settings a run without a predictor can use: a learned policy and cross-token
+    prefetch (tuned with a predictor) need its forecasts, so they fall back to the defaults."""
+    from cache import make_serving_policy
+
+    learned = "policy" in tuned and make_serving_policy(str(tuned["policy"]), top_k=1).uses_forecasts
+    dropped = {name for name, needs in (("policy", learned),
+                                        ("next_token_min_chance", tuned.get("next_token_min_chance") is not None))
+               if needs}
+    if dropped:
+        log.info("configuration: without a predictor, %s from the defaults", " and ".join(sorted(dropped)))
+    return {name: value for name, value in tuned.items() if name not in dropped}

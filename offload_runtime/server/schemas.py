@@ -36,7 +36,7 @@ class _Common(BaseModel):
     temperature: StrictFloat | StrictInt = Field(1.0, ge=0.0, le=2.0)
     top_p: StrictFloat | StrictInt = Field(1.0, gt=0.0, le=1.0)
     seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: StrictStr | list[StrictStr] | None = None  # any number, as vLLM (OpenAI: 4; lm-eval adds end-of-text to a task's own)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
@@ -62,8 +62,6 @@ class _Common(BaseModel):
             return field, f"{field} is not supported; leave it at 0"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
-        if len(self.stop_strings()) > 4:
-            return "stop", "at most 4 stop sequences"
         return None
 
 

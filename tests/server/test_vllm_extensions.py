@@ -91,3 +91,14 @@ def test_ignore_eos_and_min_tokens(tiny_moe_dir):
         assert eos not in tokens[:3] and len(tokens) >= 3
     finally:
         scheduler.close()
+
+
+def test_any_number_of_stop_strings_as_vllm(tiny_server):
+    """lm-eval adds the end-of-text string to a task's own `until` (code tasks have 5): more than
+    OpenAI's 4 stop strings are served, and the first one met ends the answer."""
+    body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 16, "temperature": 0}
+    text = httpx.post(f"{tiny_server.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    stops = ["\x00never", "\x01never", "\x02never", "\x03never", "\x04never", text[3:5]]
+    r = httpx.post(f"{tiny_server.url}/v1/completions", json={**body, "stop": stops}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == text[:text.index(text[3:5])]
