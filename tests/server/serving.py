@@ -46,20 +46,27 @@ def healthy(url: str, **httpx_args) -> bool:
 
 
 @contextmanager
-def serve_process(model_dir, port: int, *flags: str, env: dict[str, str] | None = None,
-                  **httpx_args) -> Iterator[subprocess.Popen]:
+def serve_process(model_dir, port: int, *flags: str, env: dict[str, str] | None = None, ready_s: float = 120,
+                  graceful_s: float = 0, **httpx_args) -> Iterator[subprocess.Popen]:
     """`prescient serve` as its console script runs it, at `port`, ready (its /health answers 200
-    through `httpx_args`); killed afterwards if still running. Output: `proc.stdout`."""
+    through `httpx_args`, within `ready_s`); afterwards, if still running, sent SIGTERM and given
+    `graceful_s` seconds to stop (what a Ray cluster it started needs), then killed. Output: `proc.stdout`."""
     scheme = "https" if "--ssl-certfile" in flags else "http"
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--model", str(model_dir), "--port", str(port),
                              "--served-model-name", MODEL, "--threads", "1", *flags],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
     try:
-        wait_until(lambda: healthy(f"{scheme}://127.0.0.1:{port}", **httpx_args) or proc.poll() is not None, 120)
+        wait_until(lambda: healthy(f"{scheme}://127.0.0.1:{port}", **httpx_args) or proc.poll() is not None, ready_s)
         assert proc.poll() is None, proc.stdout.read()
         yield proc
     finally:
+        if proc.poll() is None and graceful_s:
+            proc.terminate()
+            try:
+                proc.wait(graceful_s)
+            except subprocess.TimeoutExpired:
+                pass
         if proc.poll() is None:
             proc.kill()
             proc.wait()
