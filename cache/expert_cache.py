@@ -27,7 +27,7 @@ from cache import checks, kernel, state
 from cache import replay as loops
 from cache.errors import CacheError, CacheFullError, CapacityError
 from cache.policy import EvictionPolicy, Key
-from cache.rules import on_forecast, on_router_scores
+from cache.rules import MARKED, on_forecast, on_router_scores
 
 # A replay's forecasts: key ids, chances of use soon, chances of use by later tokens (None: not
 # given), offsets per token-step.
@@ -166,6 +166,22 @@ class ExpertCache:
         with self._lock:
             keys = self._keys
             return frozenset(keys[i] for i in np.flatnonzero(self.state.resident[: len(keys)]).tolist())
+
+    def least_chance(self, spare: Sequence[Key] = ()) -> float | None:
+        """Learned eviction: the lowest predicted chance of use soon among the resident keys that
+        are neither pinned nor in `spare` (the next victim's, marks aside); None for a policy
+        without forecasts or when no such key is resident."""
+        if not self.policy.uses_forecasts:
+            return None
+        with self._lock:
+            n = len(self._keys)
+            st = self.state
+            evictable = st.resident[:n] & (st.pins[:n] == 0)
+            evictable[[self._ids[key] for key in spare if key in self._ids]] = False
+            ranks = st.rank[:n][evictable]
+            if not len(ranks):
+                return None
+            return float(np.where(ranks >= MARKED, ranks - MARKED, ranks).min())
 
     def pinned(self) -> dict[Key, int]:
         """Pinned keys and their pin counts."""

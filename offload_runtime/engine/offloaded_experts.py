@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy as shallow
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -47,6 +48,7 @@ from offload_runtime.compression.kernels import SCALES_SUFFIX, PackedMatrixSpec,
 from offload_runtime.engine.expert_kernels import (KERNELS, CrossoverTable, choose, crossover_for, dispatches,
                                                    load_table, pipelines, with_kernel)
 from offload_runtime.engine.expert_layout import expert_spec
+from offload_runtime.engine.hybrid import HybridExperts, measure_times
 from offload_runtime.engine.options import OptionsError
 from offload_runtime.engine.slots import SlotPool
 from prescient.arch import MoELayer
@@ -59,6 +61,7 @@ class ExpertSlots(Protocol):
 
     pool: SlotPool
     arrival_order: bool
+    hybrid: "HybridExperts | None"  # HybriMoE's scheduler (`RuntimeOptions.hybrid_schedule`), else None
 
     def use(self, layer: int, experts: list[int], device: torch.device,
             wait: bool = True) -> AbstractContextManager[torch.Tensor]: ...
@@ -67,6 +70,8 @@ class ExpertSlots(Protocol):
               device: torch.device) -> Iterator[tuple[list[int], torch.Tensor]]: ...
 
     def landed(self, layer: int, experts: list[int]) -> bool: ...
+
+    def where_it_lives(self, layer: int, experts: list[int], loads: list[int]) -> list[int]: ...
 
 
 def most_routed_first(chosen: torch.Tensor) -> list[int]:
@@ -194,6 +199,10 @@ class OffloadedExperts(_Offloaded):
         # costs per group, empty or not, so a call on the whole pool pays for every slot (see `_windowed`)
         self._windows: dict[tuple[int, int], nn.Module] | None = None if packed or len(self._weightless) else {}
         self._spec = expert_spec(layer)[0]
+        # HybriMoE's scheduler: a twin over the weights where they live (the host store's layer, or scratch slots)
+        hybrid = getattr(runtime, "hybrid", None)
+        object.__setattr__(self, "_lives", None if hybrid is None or packed  # not a submodule: no state_dict copy
+                           else _fused_twin(layer, *hybrid.buffers(layer.index), []))
         object.__setattr__(self, "_slot_buffers", buffers)  # not nn.Module's `_buffers`: no state_dict copy
         # the twin's attributes that count its experts (`_fused_twin` made them count slots)
         self._counts = [attr for attr, value in vars(layer.experts).items() if "expert" in attr
@@ -246,8 +255,11 @@ class OffloadedExperts(_Offloaded):
         implementation = self._implementation
         sums_in_router_order = implementation in ("batched_mm", "grouped_mm")
         kernel, pipelined = self._plan(top_k_index, weighted, len(experts))
+        lives = self._where_it_lives(hidden_states, top_k_index, experts) if self._lives is not None else []
+        if lives:  # HybriMoE's scheduler (`hybrid`): these compute where they live, the rest in slots
+            experts = [e for e in experts if e not in lives]
         fits = len(experts) <= self._runtime.pool.num_slots
-        if kernel is None:
+        if kernel is None and not lives:
             # one call of the twin on slot ids sums as the model does, unless the eager loop adds more
             # than two outputs a token: it adds in expert-id order, and slot order is not expert order
             if (fits and (sums_in_router_order or self._k <= 2)
@@ -262,28 +274,65 @@ class OffloadedExperts(_Offloaded):
         # as the model's own code does (`_combine`): a sum of partial sums rounds differently in bf16
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         unweighted = flat.new_zeros(*top_k_index.shape, flat.shape[-1])
+        elsewhere = self._compute_where_they_live(flat, top_k_index, lives, top_k_weights.dtype) if lives else None
 
         def run(rows: torch.Tensor, slots: torch.Tensor, experts_module: nn.Module) -> None:
-            # each (token, choice) row as a token of its own: the choice at weight one, then (`_columns`
-            # > 1) the same id at weight zero, adding exact zeros
-            token, choice = torch.nonzero(rows, as_tuple=True)
-            ids = self._ids(slots, top_k_index[token, choice]).unsqueeze(1).expand(-1, self._columns)
-            weights = torch.zeros(len(token), self._columns, dtype=top_k_weights.dtype, device=device)
-            weights[:, 0] = 1
-            out = experts_module(flat[token], ids, weights)
+            token, choice, out = self._rows_out(experts_module, flat, top_k_index, rows, slots, top_k_weights.dtype)
             unweighted[token, choice] = out.reshape(len(token), -1).to(unweighted.dtype)
 
         computing = self._twin if kernel is None else self._kernel_twins[kernel]
-        if fits and not pipelined:  # EPS-MoE: too few tokens per expert for parts to pay; one call once all land
-            with self._runtime.use(self.layer, experts, device) as slots:
-                run(weighted, slots, computing)
+        if (fits and not pipelined) or not experts:  # EPS-MoE: too few tokens per expert for parts to pay
+            with self._runtime.use(self.layer, experts, device) as slots:  # one call once all land
+                if experts:
+                    run(weighted & torch.isin(top_k_index, torch.tensor(experts, device=device)) if lives
+                        else weighted, slots, computing)
         else:
             for part, slots in self._runtime.parts(self.layer, experts, device):
                 run(torch.isin(top_k_index, torch.tensor(part, device=device)), slots, computing)
+        if elsewhere is not None:  # the CPU side's rows, once its thread is done
+            for token, choice, out in elsewhere.result():
+                unweighted[token.to(device), choice.to(device)] = out.reshape(len(token), -1).to(device, unweighted.dtype)
         if not weighted.all():
             run(~weighted, self._runtime.pool.map.table[self.layer].to(device), self._twin)
         combined = self._combine(unweighted, top_k_index, top_k_weights, sums_in_router_order)
         return combined.reshape(hidden_states.shape)
+
+    def _rows_out(self, experts_module: nn.Module, flat: torch.Tensor, top_k_index: torch.Tensor, rows: torch.Tensor,
+                  table: torch.Tensor, weight_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The (token, choice) rows of `rows` computed by `experts_module` on the weights that
+        `table` (expert → index into its buffers) points at, each row as a token of its own: the
+        choice at weight one, then (`_columns` > 1) the same id at weight zero, adding exact zeros."""
+        token, choice = torch.nonzero(rows, as_tuple=True)
+        ids = self._ids(table, top_k_index[token, choice]).unsqueeze(1).expand(-1, self._columns)
+        weights = torch.zeros(len(token), self._columns, dtype=weight_dtype, device=flat.device)
+        weights[:, 0] = 1
+        return token, choice, experts_module(flat[token], ids, weights)
+
+    def _where_it_lives(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, experts: list[int]) -> list[int]:
+        """The runtime's choice of `experts` that compute where they live (`hybrid.HybridExperts`);
+        the first call on a GPU host measures the scheduler's costs (HybriMoE's warm-up)."""
+        hybrid = self._runtime.hybrid
+        if hybrid.split and hybrid.times is None:
+            host = {name: t[0] for name, t in hybrid.buffers(self.layer)[0].items()}
+            hybrid.times = measure_times(self._twin, self._lives, host, hidden_states.shape[-1], hidden_states.dtype,
+                                         hidden_states.device)
+        loads = torch.bincount(top_k_index[top_k_index < self.num_experts].flatten(), minlength=self.num_experts)
+        return self._runtime.where_it_lives(self.layer, experts, loads[experts].tolist())
+
+    def _compute_where_they_live(self, flat: torch.Tensor, top_k_index: torch.Tensor, lives: list[int],
+                                 weight_dtype: torch.dtype) -> Future:
+        """Start computing the rows of experts `lives` on the CPU from where they live (the host
+        store's tensors or scratch slots, `HybridExperts.lend`): a future of (token, choice, out)
+        groups, on CPU tensors."""
+        hybrid = self._runtime.hybrid
+        x, index = flat.to("cpu"), top_k_index.to("cpu")
+
+        def compute() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+            with torch.inference_mode():
+                return [self._rows_out(self._lives, x, index, torch.isin(index, torch.tensor(part)), table, weight_dtype)
+                        for part, table in hybrid.lend(self.layer, lives)]
+
+        return hybrid.submit(compute)
 
     def _plan(self, top_k_index: torch.Tensor, weighted: torch.Tensor | None, experts: int) -> tuple[str | None, bool]:
         """The kernel this call computes with (None: the twin's own, the model's implementation) and

@@ -93,7 +93,11 @@ class RuntimeOptions:
     where that load is under the measured threshold; or one of transformers' "eager",
     "batched_mm", "grouped_mm"; the outputs are summed as the model's implementation sums them
     whatever kernel computed them), `expert_kernel_table` (with "auto": a crossover table JSON,
-    `prescient bench-kernels`; None: measured on the layer's shapes at load)."""
+    `prescient bench-kernels`; None: measured on the layer's shapes at load), `hybrid_schedule`
+    (HybriMoE's scheduler, see `hybrid`: on a GPU host with the host store, each layer's routed
+    experts split between the GPU and the CPU beside it by measured costs; on a CPU-only host,
+    admission: a miss whose predicted reuse is later than every resident expert's computes from a
+    scratch buffer without evicting anything; False: every routed expert computes in a slot)."""
 
     policy: str = "lru"
     memory: int | None = None
@@ -115,6 +119,7 @@ class RuntimeOptions:
     lookahead_probe: str | None = None
     expert_kernel: str = "model"
     expert_kernel_table: str | None = None
+    hybrid_schedule: bool = False
     map_experts: bool | None = None
     context_tokens: int | None = None
 
@@ -129,7 +134,7 @@ class RuntimeOptions:
         if self.store == "host" and self.memory is not None:
             raise OptionsError("the host store keeps every expert in this process's memory; a memory cap sizes "
                                "the disk store's slots (drop --store host, or give --budget instead of --memory)")
-        for flag in ("drop_page_cache", "expert_pipeline"):
+        for flag in ("drop_page_cache", "expert_pipeline", "hybrid_schedule"):
             if not isinstance(getattr(self, flag), bool):
                 raise OptionsError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         object.__setattr__(self, "device", str(check_device(self.device)))
@@ -177,11 +182,24 @@ class RuntimeOptions:
             if self.expert_kernel != "auto":
                 raise OptionsError("a crossover table chooses the kernel of expert_kernel auto; give --expert-kernel "
                                    f"auto with it (got {self.expert_kernel})")
+        self._hybrid()
         chance = self.next_token_min_chance
         if chance is not None:
             if isinstance(chance, bool) or not isinstance(chance, (int, float)) or not 0.0 <= chance <= 1.0:
                 raise PredictorError(f"cross-token prefetch's least chance of use must be in [0, 1], got {chance}")
             object.__setattr__(self, "next_token_min_chance", float(chance))
+
+    def _hybrid(self) -> None:
+        """`hybrid_schedule` computes fused experts in the model's dtype where they live: on a GPU
+        host that is the CPU beside it, reading the host store's memory."""
+        if not self.hybrid_schedule:
+            return
+        if self.slot_format != "expanded" or self.fine_model is not None:
+            raise OptionsError("the hybrid schedule computes experts where they live in the model's dtype: use "
+                               "--slot-format expanded and no --fine-model with it")
+        if self.device != "cpu" and self.store != "host":
+            raise OptionsError(f"on {self.device}, the hybrid schedule computes misses on the CPU from host memory: "
+                               "give --store host with it")
 
     def _memory_or_budget(self) -> None:
         """`memory` in bytes, or `budget` as a `Budget` (half the experts when neither is given)."""
@@ -243,4 +261,5 @@ class RuntimeOptions:
                 "precision_rule": self.precision_rule, "expert_pipeline": self.expert_pipeline,
                 "lookahead_layers": self.lookahead_layers, "lookahead_probe": self.lookahead_probe,
                 "expert_kernel": self.expert_kernel, "expert_kernel_table": self.expert_kernel_table,
+                "hybrid_schedule": self.hybrid_schedule,
                 "map_experts": self.map_experts, "context_tokens": self.context_tokens}

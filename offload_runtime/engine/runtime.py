@@ -45,6 +45,7 @@ from torch import nn
 from cache import EvictionPolicy, ExpertCache, Key, make_serving_policy
 from cache.tiered import tiered_cache
 from offload_runtime.engine.hash_builder import HashBuilder, HashBuilderError
+from offload_runtime.engine.hybrid import HybridCounts, HybridExperts
 from offload_runtime.engine.offloaded_experts import offload_experts
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.lookahead import InTokenLookahead
@@ -88,6 +89,7 @@ class RuntimeStats:
     table_layers_on_time: int = 0
     table_layers_late: int = 0
     table_wait_seconds: float = 0.0  # inference thread blocked waiting for hash tables (`table_wait`)
+    where_it_lives: int = 0  # routed experts computed without a slot (`RuntimeOptions.hybrid_schedule`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -124,6 +126,9 @@ class OffloadRuntime:
         self.table_wait_seconds = 0.0
         self.predictor_failures = 0
         packed = list(zip(pool.tier_buffers(), [s.packed for s in stores])) if store.packed else None
+        # HybriMoE's scheduler: on a GPU host it splits each layer between the GPU and the CPU, else admission
+        self.hybrid = HybridExperts(store, pool, self.n_experts, self.top_k, split=pool.device.type == "cuda"
+                                    ) if options.hybrid_schedule else None
         for layer in layers:  # the resident expert tensors are dropped with the old module
             layer.block.experts = layer.experts = offload_experts(layer, pool.tier_buffers()[0], self, packed=packed)
         stacks = moe_stacks(model, layers)
@@ -261,6 +266,16 @@ class OffloadRuntime:
                     waiting = [key for key in waiting if key not in landed]
                     yield [e for _, e in landed], slots
 
+    def where_it_lives(self, layer: int, experts: list[int], loads: list[int]) -> list[int]:
+        """Of `experts` of `layer` (`loads`: the tokens routed to each), those that compute where
+        they live, without a slot: HybriMoE's scheduler (`hybrid.HybridExperts.decide`), from
+        whether each holds a slot, the cache and the forward's chances of use by later tokens."""
+        if self.builder is not None and self.prefetcher.wanted is None:
+            self._take_table(layer)
+        row = self.pool.map.rows[layer]
+        return self.hybrid.decide(layer, experts, loads, [bool(row[e] >= 0) for e in experts], self.cache,
+                                  self.prefetcher.later)
+
     def landed(self, layer: int, experts: list[int]) -> bool:
         """Whether every one of `experts` of `layer` is in its slot, its copy done (an evicted
         expert's last copy is done too, but it has no slot)."""
@@ -298,42 +313,51 @@ class OffloadRuntime:
         """Prefetch what the forward's hash table predicts beyond `layer`, once the table is ready
         (see `prefetch.Prefetcher`); `demand_loads`: the misses `layer` just requested."""
         plan = self.prefetcher
-        if plan.wanted is None:
-            try:
-                table = self.builder.poll(self._step)
-                if table is None and self.table_wait > 0 and layer == plan.layers.start:
-                    start = time.perf_counter()
-                    table = self.builder.wait(self._step, self.table_wait)
-                    self.table_wait_seconds += time.perf_counter() - start
-            except HashBuilderError as exc:
-                self._predictor_failed(exc)
-                return
-            if table is not None:
-                plan.take(table, layer)
-                if self.fine_store is not None and table.later_chances is not None:
-                    self.cache.on_later(table.later_chances.numpy())
+        if plan.wanted is None and not self._take_table(layer):
+            return
         keys = plan.keys_after(layer, demand_loads)
         rows = self.pool.map.rows
         if keys and any(rows[key] < 0 for key in keys):  # all resident: the call would insert nothing
             plan.issued(self.prefetch(keys, priority=plan.priority))
 
+    def _take_table(self, layer: int) -> bool:
+        """Take the forward's hash table if it is ready (SiDA's wait at its first layer); False if
+        the hash-building thread failed (and serving goes on without it)."""
+        try:
+            table = self.builder.poll(self._step)
+            if table is None and self.table_wait > 0 and layer == self.prefetcher.layers.start:
+                start = time.perf_counter()
+                table = self.builder.wait(self._step, self.table_wait)
+                self.table_wait_seconds += time.perf_counter() - start
+        except HashBuilderError as exc:
+            self._predictor_failed(exc)
+            return False
+        if table is not None:
+            self.prefetcher.take(table, layer)
+            if self.fine_store is not None and table.later_chances is not None:
+                self.cache.on_later(table.later_chances.numpy())
+        return True
+
     # -- reporting and shutdown -------------------------------------------------------------
 
     def stats(self) -> RuntimeStats:
         c, t = self.cache.stats, self.engine.stats
+        h = self.hybrid.counts if self.hybrid is not None else HybridCounts()
+        # an expert computed where it lives is an access the cache did not see: a miss unless it held a slot
+        accesses, misses = c.accesses + h.computed, c.misses + h.misses
         return RuntimeStats(
-            forwards=self._step + 1, accesses=c.accesses, hits=c.hits, misses=c.misses,
+            forwards=self._step + 1, accesses=accesses, hits=accesses - misses, misses=misses,
             prefetch_inserts=c.prefetch_inserts, prefetch_hits=c.prefetch_hits,
             wasted_prefetches=c.wasted_prefetches, evictions=c.evictions,
             prefetch_accuracy=c.prefetch_hits / c.prefetch_inserts if c.prefetch_inserts else 0.0,
-            hit_rate=c.hit_rate, bytes_moved=t.bytes_moved, loads=t.loads, demand_loads=t.demand_loads,
+            hit_rate=(accesses - misses) / accesses if accesses else 0.0, bytes_moved=t.bytes_moved, loads=t.loads, demand_loads=t.demand_loads,
             prefetch_loads=t.prefetch_loads, stall_seconds=round(t.stall_seconds, 4),
             late_tables=self.prefetcher.late_tables, tables_on_time=self.prefetcher.tables_on_time,
             slots=self.pool.num_slots, slot_bytes=self.pool.nbytes, predictor_failures=self.predictor_failures,
             fine_accesses=self.cache.fine_accesses if self.fine_store is not None else 0,
             lookahead_prefetches=self.lookahead.issued if self.lookahead is not None else 0,
             table_layers_on_time=self.prefetcher.layers_on_time, table_layers_late=self.prefetcher.layers_late,
-            table_wait_seconds=round(self.table_wait_seconds, 4),
+            table_wait_seconds=round(self.table_wait_seconds, 4), where_it_lives=h.computed,
         )
 
     def close(self) -> None:
@@ -343,6 +367,8 @@ class OffloadRuntime:
         self._handles = []
         if self.lookahead is not None:
             self.lookahead.remove()
+        if self.hybrid is not None:
+            self.hybrid.close()
         self._stop()
 
     def __enter__(self) -> "OffloadRuntime":

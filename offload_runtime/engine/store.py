@@ -272,6 +272,12 @@ class ExpertStore:
         layer, expert = self._check(key)
         return {name: buffer[expert] for name, buffer in self._host[layer].items()}
 
+    def host_layer(self, layer: int) -> dict[str, torch.Tensor] | None:
+        """Host mode: layer `layer`'s experts as [E, ...] host tensors, laid out as the slot pool's
+        [S, ...] buffers (not copies; do not modify), so an experts module can compute on them where
+        they live. Disk mode: None."""
+        return None if self._host is None else self._host[layer]
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
