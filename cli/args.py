@@ -251,6 +251,10 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
             p.add_argument("--link-profile", metavar="PROFILE.json",
                            help="with --transfer-workers auto: a `prescient profile-hw --model DIR` JSON whose random-"
                                 "read curve chose the queue depth")),
+        "read_depth": lambda p: p.add_argument(
+            "--read-depth", type=positive_int, default=None, metavar="N",
+            help="disk store: each expert read split into N reads in flight at once, the queue depth the device "
+                 "needs for its rate, with no extra buffer (default: tuned with --memory, else 1)"),
         "hide_only": lambda p: p.add_argument(
             "--hide-only", metavar="BENCH.json|PROFILE.json",
             help="prefetch an expert only if the link can move it before its layer runs, the link calibrated from a "

@@ -25,7 +25,8 @@ def _speed(entry: dict[str, Any]) -> str:
 
 def _plans(result: dict[str, Any], cap: int) -> str:
     """What the runtime's memory plan chose at `cap` (the runs agree, being the same computation)."""
-    plans = {("resident" if p["resident"] else f"{p['slots']} of {p['total_experts']} slots")
+    plans = {("mapped" if p.get("mapped") else "resident" if p["resident"]
+              else f"{p['slots']} of {p['total_experts']} slots")
              for r in result["runs"] if r["system"] == "prescient" and r["cap_bytes"] == cap
              and (p := r.get("memory_plan"))}
     return ", ".join(sorted(plans)) or "–"

@@ -75,7 +75,7 @@ def load_offloaded(model_dir: str | Path | ModelDirectory, predictor: str | Path
     try:
         drop = options.drop_page_cache or (options.memory is not None and held_by(options.memory) != "cgroup")
         stores.append(ExpertStore(model_dir, model, layers, mode=options.store, drop_page_cache=drop,
-                                  slot_format=options.slot_format))
+                                  slot_format=options.slot_format, read_depth=options.read_depth))
         plan = None if options.memory is None else _offloaded_plan(model_dir, options, stores[0], layers)
         budget = options.budget if plan is None else Budget(plan.slots, "slots")
         if options.fine_model is None:
@@ -204,7 +204,7 @@ def _fine_store(options: RuntimeOptions, fingerprint: ModelFingerprint, model, l
     fine_dir = ModelDirectory.open(fine_dir)
     fingerprint.require_same(fingerprint_model_dir(fine_dir), f"fine model {fine_dir}")
     fine = ExpertStore(fine_dir, model, layers, mode=options.store, drop_page_cache=options.drop_page_cache,
-                       slot_format=options.slot_format)
+                       slot_format=options.slot_format, read_depth=options.read_depth)
     if fine.packed.keys() != coarse.packed.keys() or set(coarse.spec.shapes) != set(fine.spec.shapes):
         fine.close()
         raise CompressionError(f"fine model {fine_dir} packs {sorted(fine.packed)}, the model {sorted(coarse.packed)}: "

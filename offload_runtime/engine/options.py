@@ -66,7 +66,9 @@ class RuntimeOptions:
     memory alone: a `Budget`, a fraction, or text such as "512MiB"; default half the experts),
     `store` ("disk": read from the checkpoint; "host": kept in host memory), `drop_page_cache`
     (disk store: drop read pages), `device` (of the slots and the resident weights),
-    `transfer_workers` (copies that run at once), `prefetch_per_layer` (experts prefetched per
+    `transfer_workers` (copies that run at once), `read_depth` (disk store: each read split into this
+    many reads in flight at once, the queue depth the device needs for its rate, with no buffer
+    beyond the slot), `prefetch_per_layer` (experts prefetched per
     layer and predicted token; None: the model's top-k), `link_timing` (hide-only prefetch: only
     copies that can end before their layer runs; None: as many as the slots allow),
     `next_token_min_chance` (cross-token prefetch of the next token's experts forecast at least
@@ -106,6 +108,7 @@ class RuntimeOptions:
     drop_page_cache: bool = False
     device: str = "cpu"
     transfer_workers: int = 1
+    read_depth: int = 1
     prefetch_per_layer: int | None = None
     link_timing: LinkTiming | None = None
     next_token_min_chance: float | None = None
@@ -139,9 +142,10 @@ class RuntimeOptions:
                 raise OptionsError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         object.__setattr__(self, "device", str(check_device(self.device)))
         self._memory_settings()
-        _whole("transfer_workers", self.transfer_workers, 1)
-        if self.transfer_workers > MAX_TRANSFER_WORKERS:
-            raise OptionsError(f"transfer_workers must be 1 to {MAX_TRANSFER_WORKERS}, got {self.transfer_workers}")
+        for name in ("transfer_workers", "read_depth"):
+            _whole(name, getattr(self, name), 1)
+            if getattr(self, name) > MAX_TRANSFER_WORKERS:
+                raise OptionsError(f"{name} must be 1 to {MAX_TRANSFER_WORKERS}, got {getattr(self, name)}")
         if self.prefetch_per_layer is not None:
             _whole("prefetch_per_layer", self.prefetch_per_layer, 1)
         _whole("lookahead_layers", self.lookahead_layers, 0)
@@ -254,7 +258,8 @@ class RuntimeOptions:
         return {"policy": self.policy, "memory": self.memory,
                 "budget": self.budget.as_json() if self.budget is not None else None, "store": self.store,
                 "drop_page_cache": self.drop_page_cache, "device": self.device,
-                "transfer_workers": self.transfer_workers, "prefetch_per_layer": self.prefetch_per_layer,
+                "transfer_workers": self.transfer_workers, "read_depth": self.read_depth,
+                "prefetch_per_layer": self.prefetch_per_layer,
                 "link_timing": self.link_timing.to_dict() if self.link_timing is not None else None,
                 "next_token_min_chance": self.next_token_min_chance, "dtype": self.dtype,
                 "slot_format": self.slot_format, "fine_model": self.fine_model, "fine_share": self.fine_share,

@@ -44,6 +44,7 @@ import math
 import mmap
 import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -64,6 +65,9 @@ from prescient.model_dir import ModelDirectory, checkpoint_names
 log = logging.getLogger(__name__)
 
 __all__ = ["ExpertStore", "ExpertSpec", "Key", "StoreError"]
+
+MIN_CHUNK = 256 << 10  # a read splits into parallel reads of at least this many bytes,
+CHUNK_ALIGN = mmap.PAGESIZE  # each starting a page after the one before
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -175,6 +179,7 @@ class ExpertStore:
         drop_page_cache: bool = False,
         pin: bool | None = None,
         slot_format: Literal["expanded", "packed"] = "expanded",
+        read_depth: int = 1,
     ) -> None:
         if mode not in ("disk", "host"):
             raise StoreError(f"unknown store mode {mode!r}; use 'disk' or 'host'")
@@ -208,6 +213,10 @@ class ExpertStore:
                  for path in _files(step)}
         self._fds = {path: os.open(path, os.O_RDONLY) for path in paths}
         self._dropped: set[int] = set()  # files whose whole page cache was dropped once
+        # one read split into `read_depth` reads in flight at once: the queue depth a storage device
+        # needs for its rate, reached by a single expert's read, with no buffer beyond the slot
+        self._readers = ThreadPoolExecutor(read_depth, "expert-read") if read_depth > 1 else None
+        self.read_depth = read_depth
         if drop_page_cache and mode == "disk":  # no read-ahead: only the bytes read enter the cache
             for fd in self._fds.values():
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
@@ -279,6 +288,8 @@ class ExpertStore:
         return None if self._host is None else self._host[layer]
 
     def close(self) -> None:
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)  # no chunk may read a descriptor closed below
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}
@@ -467,18 +478,21 @@ class ExpertStore:
         target.copy_(view.reshape(target.shape))
 
     def _pread(self, path: Path, tensor: torch.Tensor, offset: int) -> None:
-        """Fill contiguous CPU `tensor` with the file's bytes from `offset` on."""
+        """Fill contiguous CPU `tensor` with the file's bytes from `offset` on (in `read_depth`
+        chunks read at once where it is large enough)."""
         fd = self._fds.get(path)
         if fd is None:
             raise StoreError(f"the expert store of {self.model_dir} is closed")
         memory = memoryview(tensor.view(-1).view(torch.uint8).numpy())
-        done = 0
         try:
-            while done < len(memory):
-                got = os.preadv(fd, [memory[done:]], offset + done)
-                if got == 0:
-                    raise StoreError(f"weight file {path} ends before byte {offset + len(memory)}: it is truncated")
-                done += got
+            chunk = max(-(-len(memory) // self.read_depth // CHUNK_ALIGN) * CHUNK_ALIGN, MIN_CHUNK)
+            if self._readers is None or len(memory) <= chunk:
+                _read_fully(fd, path, memory, offset)
+            else:
+                parts = [self._readers.submit(_read_fully, fd, path, memory[start:start + chunk], offset + start)
+                         for start in range(0, len(memory), chunk)]
+                for part in parts:
+                    part.result()
             if self.drop_page_cache and self._host is None:
                 if fd in self._dropped:  # the pages just read
                     drop_pages(fd, offset, len(memory))
@@ -497,6 +511,16 @@ class ExpertStore:
             for fd in self._fds.values():
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         log.info("host store: %d experts, %.1f MiB%s", len(keys), self.total_nbytes / 2**20, " pinned" if pin else "")
+
+
+def _read_fully(fd: int, path: Path, memory: memoryview, offset: int) -> None:
+    """`memory` filled with the file's bytes from `offset` on (pread may return fewer)."""
+    done = 0
+    while done < len(memory):
+        got = os.preadv(fd, [memory[done:]], offset + done)
+        if got == 0:
+            raise StoreError(f"weight file {path} ends before byte {offset + len(memory)}: it is truncated")
+        done += got
 
 
 def drop_pages(fd: int, offset: int = 0, length: int = 0) -> None:

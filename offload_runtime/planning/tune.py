@@ -3,10 +3,11 @@ sizes, and keep it as the default (`tuned`).
 
 What decides speed here, measured rather than assumed:
 1. the random-read curve at the expert's size (`link_profile.measure_random_reads`): its best
-   queue depth is the candidate number of transfer workers;
+   queue depth is the candidate depth of each read (split into that many reads at once) and number
+   of transfer workers (experts read at once, each with a buffer);
 2. per memory size (default: 40%, 60% and 80% of what the whole model needs, `whole_model_memory`),
    a short greedy decode of a real prompt for the starting configuration, then for each mechanism
-   in turn — transfer workers at that depth, the other serving policy, cross-token prefetch
+   in turn — each read split at that depth, transfer workers at that depth, the other serving policy, cross-token prefetch
    (SiDA's forecasts one token ahead), in-token lookahead (HybriMoE's next-layer routers), the
    layer waiting for all its copies instead of the expert pipeline — the configuration with that
    change, and last the experts mapped from the checkpoint with the page cache as their cache instead
@@ -60,13 +61,14 @@ def _decode(model_dir: str, prompt: str, new_tokens: int, predictor: str | None,
 
 def starting_settings(predictor: str | Path | None) -> dict[str, Any]:
     """The built-in defaults, where tuning starts."""
-    return {"transfer_workers": 1, "policy": best_policy(predictor), "next_token_min_chance": None,
+    return {"transfer_workers": 1, "read_depth": 1, "policy": best_policy(predictor), "next_token_min_chance": None,
             "lookahead_layers": 0, "expert_pipeline": True, "map_experts": None}
 
 
 def candidate_changes(depth: int, forecasts: bool) -> list[tuple[str, dict[str, Any]]]:
     """Each mechanism's change to try on top of the best so far, in order."""
-    changes = [("transfer workers", {"transfer_workers": depth})] if depth != 1 else []
+    changes = [("parallel reads", {"read_depth": depth}), ("transfer workers", {"transfer_workers": depth})] \
+        if depth != 1 else []
     if forecasts:
         changes += [("policy lru", {"policy": "lru"}), ("cross-token prefetch", {"next_token_min_chance": 0.5})]
     changes += [("in-token lookahead", {"lookahead_layers": 1}), ("serial layers", {"expert_pipeline": False})]

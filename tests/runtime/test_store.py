@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from transformers.core_model_loading import Interleave, Transpose, WeightConverter
 
+from offload_runtime.engine import store as store_module
 from offload_runtime.engine.store import ExpertStore, StoreError
 from prescient.arch import MoELayer, find_moe_layers
 from prescient.errors import ModelFilesError
@@ -176,3 +177,22 @@ def test_sharded_checkpoint_and_missing_shard(mixtral, tmp_path):
     shards[1].unlink()
     with pytest.raises(ModelFilesError, match=shards[1].name):  # opening the directory finds it missing
         ExpertStore(tmp_path / "sharded", model)
+
+
+@pytest.mark.parametrize("drop_page_cache", [False, True])
+def test_reads_split_into_parallel_reads_fill_the_same_bytes(mixtral, monkeypatch, drop_page_cache):
+    """`read_depth`: each read in chunks read at once (256-byte chunks here, so that the tiny
+    experts' tensors split), the same tensors as one read."""
+    path, model = mixtral
+    monkeypatch.setattr(store_module, "MIN_CHUNK", 256)
+    monkeypatch.setattr(store_module, "CHUNK_ALIGN", 256)
+    chunks = []
+    read_fully = store_module._read_fully
+    monkeypatch.setattr(store_module, "_read_fully", lambda *args: (chunks.append(len(args[2])), read_fully(*args)))
+    layers = find_moe_layers(model)
+    with ExpertStore(path, model, read_depth=4, drop_page_cache=drop_page_cache) as store:
+        assert_store_matches(store, layers)
+    reads = sum(layer.num_experts for layer in layers) * len(store.spec.shapes)
+    assert len(chunks) >= 4 * reads and max(chunks) <= store.expert_nbytes // 4  # every read split in 4 or more
+    with pytest.raises(StoreError, match="closed"):
+        store.read((0, 0))
