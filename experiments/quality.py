@@ -3,7 +3,8 @@ measures it, teacher-forced on held-out text: perplexity of the model and of its
 uncompressed model), the mean next-token KL divergence KL(reference ‖ model), and how often the
 two agree on the most likely next token.
 
-Both models compute in `dtype` (float32, or bfloat16 as `--dtype bfloat16` serves them); a
+With `offload` (`--budget`) both models run through the offloading runtime, neither whole in
+memory. Both models compute in `dtype` (float32, or bfloat16 as `--dtype bfloat16` serves them); a
 compressed model's experts are expanded as the runtime expands them, and offloading computes
 exactly what the resident model computes, so these figures hold for the model served at any
 budget in that dtype. With `slot_format="packed"` (int4 experts computed by torch's int4 kernel
@@ -24,6 +25,7 @@ fingerprint_match}; fine_share: mixed precision's share of expert uses computed 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -72,31 +74,38 @@ def compare_logits(model, reference, windows: torch.Tensor, batch_size: int = 8,
             "top1_agreement": round(agree / tokens, 5)}
 
 
+def _loaded(model_dir: str | Path, predictor: str | None, options: RuntimeOptions, offload: bool):
+    """(model, its fingerprint): through the runtime with `options` when `offload`, else whole in
+    `options.dtype`."""
+    if offload:
+        model = load_offloaded(model_dir, predictor, options=options)
+        return model, model.offload_runtime.fingerprint
+    model, layers = load_model(model_dir, dtype=options.torch_dtype)
+    return model, loaded_fingerprint(model_dir, model, layers, options.torch_dtype)
+
+
 def measure_quality(model_dir: str | Path, reference_dir: str | Path, datasets: tuple[str, ...],
                     split: str = "validation", text_field: str = "text", seq_len: int = 256, windows: int = 64,
                     batch_size: int = 8, options: RuntimeOptions | None = None, predictor: str | None = None,
-                    decode: bool = False) -> dict:
+                    decode: bool = False, offload: bool = False) -> dict:
     """`options`: the dtype both compute in, and (packed slots, mixed precision) how the runtime
-    serves the model; `predictor`: the runtime's (an artifact path)."""
+    serves the model; `predictor`: the runtime's (an artifact path). `offload`: both models run
+    through the runtime with `options` (experts in `options.budget` worth of slots, read from
+    `options.store`), so that neither needs its whole weights in memory; the figures are those of
+    the whole models (offloading computes what they compute)."""
     options = options or RuntimeOptions(budget=1.0)
     mixed = options.fine_model is not None
     decode = decode or mixed
-    reference, ref_layers = load_model(reference_dir, dtype=options.torch_dtype)
-    through_runtime = options.slot_format == "packed"
-    if through_runtime:
-        model = load_offloaded(model_dir, predictor, options=options)
-        fingerprint = model.offload_runtime.fingerprint
-    else:
-        model, layers = load_model(model_dir, dtype=options.torch_dtype)
-        fingerprint = loaded_fingerprint(model_dir, model, layers, options.torch_dtype)
+    through_runtime = offload or options.slot_format == "packed"
+    reference, ref_fingerprint = _loaded(reference_dir, None, replace(options, slot_format="expanded", fine_model=None),
+                                         offload)
+    model, fingerprint = _loaded(model_dir, predictor, options, through_runtime)
     tokenizer = load_tokenizer(reference_dir)
     result = {"model": str(model_dir), "reference": str(reference_dir), "dtype": options.dtype,
               "slot_format": options.slot_format, "options": options.to_json() if through_runtime else None,
               "predictor": str(predictor) if predictor else None, "decode": decode,
               "split": split, "seq_len": seq_len, "windows": windows,
-              "fingerprint_match": fingerprint == loaded_fingerprint(reference_dir, reference, ref_layers,
-                                                                     options.torch_dtype),
-              "datasets": {}}
+              "fingerprint_match": fingerprint == ref_fingerprint, "datasets": {}}
     try:
         for dataset in datasets:
             held_out = corpus_windows(tokenizer, dataset, split, text_field, seq_len, windows)
@@ -108,8 +117,9 @@ def measure_quality(model_dir: str | Path, reference_dir: str | Path, datasets: 
                                               / max(after.accesses - before.accesses, 1), 4)
             result["datasets"][dataset] = figures
     finally:
-        if through_runtime:
-            model.offload_runtime.close()
+        for loaded, offloaded in ((model, through_runtime), (reference, offload)):
+            if offloaded:
+                loaded.offload_runtime.close()
     return result
 
 
