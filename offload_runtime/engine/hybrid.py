@@ -46,6 +46,22 @@ class HybridCounts:
     misses: int = 0  # of them, those without a slot (the others were resident: GPU host only)
 
 
+def split_layer(experts: list[int], loads: list[int], cached: list[bool], times: DeviceTimes) -> list[int]:
+    """GPU host: the experts HybriMoE's schedule computes on the CPU (`schedule_layer`'s "slow")."""
+    where = schedule_layer([ExpertTask(e, n, c) for e, n, c in zip(experts, loads, cached)], times).where
+    return [e for e in experts if where[e] == "slow"]
+
+
+def admitted(layer: int, experts: list[int], cached: list[bool], cache: ExpertCache,
+             later: np.ndarray | None) -> list[int]:
+    """CPU-only host: the misses of `experts` not admitted to the cache, those whose chance of use
+    by later tokens (`later`, [L, E]; None: no forecast yet) is below the lowest chance of any
+    evictable resident expert outside this call."""
+    misses = [e for e, c in zip(experts, cached) if not c]
+    floor = cache.least_chance([(layer, e) for e in experts]) if misses and later is not None else None
+    return [] if floor is None else [e for e in misses if later[layer, e] < floor]
+
+
 class HybridExperts:
     """Which routed experts compute where they live, and their weights there (module doc).
     `split`: the GPU host's schedule (else the CPU host's admission)."""
@@ -70,14 +86,8 @@ class HybridExperts:
                later: np.ndarray | None) -> list[int]:
         """Of `experts` (their `loads`, and whether each holds a slot), those this call computes
         where they live: the GPU host's schedule, or the CPU host's admission (module doc)."""
-        if self.split:
-            tasks = [ExpertTask(e, n, c) for e, n, c in zip(experts, loads, cached)]
-            where = schedule_layer(tasks, self.times).where
-            chosen = [e for e in experts if where[e] == "slow"]
-        else:
-            misses = [e for e, c in zip(experts, cached) if not c]
-            floor = cache.least_chance([(layer, e) for e in experts]) if misses and later is not None else None
-            chosen = [] if floor is None else [e for e in misses if later[layer, e] < floor]
+        chosen = (split_layer(experts, loads, cached, self.times) if self.split
+                  else admitted(layer, experts, cached, cache, later))
         self.counts.computed += len(chosen)
         self.counts.misses += sum(not c for e, c in zip(experts, cached) if e in chosen)
         return chosen

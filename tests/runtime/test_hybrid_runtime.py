@@ -18,7 +18,7 @@ import torch
 import transformers as tf
 
 from cache import ExpertCache, make_serving_policy
-from offload_runtime.engine.hybrid import HybridCounts, HybridExperts, measure_times
+from offload_runtime.engine.hybrid import HybridExperts, admitted, measure_times, split_layer
 from offload_runtime.engine.hybrid_schedule import DeviceTimes
 from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.options import OptionsError, RuntimeOptions
@@ -95,26 +95,22 @@ def test_admission_bypasses_only_misses_predicted_later_than_every_resident():
     chances = np.zeros((2, 4))
     chances[1, :3] = [0.5, 0.3, 0.9]
     cache.on_forecast(chances)
-    hybrid = HybridExperts.__new__(HybridExperts)  # the decision alone: no store
-    hybrid.split, hybrid.counts = False, HybridCounts()
     later = np.zeros((2, 4))
     later[0] = [0.1, 0.29, 0.31, 0.0]
     # layer 0's experts 0-2 all miss; resident layer 1's lowest chance is 0.3: 0.1 and 0.29 are below it
-    assert hybrid.decide(0, [0, 1, 2], [3, 1, 1], [False] * 3, cache, later) == [0, 1]
-    assert hybrid.decide(0, [0, 1], [1, 1], [False] * 2, cache, None) == []  # no table yet: no forecast
-    assert hybrid.decide(1, [1, 0], [1, 1], [True, True], cache, later) == []  # hits are never bypassed
+    assert admitted(0, [0, 1, 2], [False] * 3, cache, later) == [0, 1]
+    assert admitted(0, [0, 1], [False] * 2, cache, None) == []  # no table yet: no forecast
+    assert admitted(1, [1, 0], [True, True], cache, later) == []  # hits are never bypassed
+    cache.pin((1, 1))
+    assert admitted(0, [0, 1, 2], [False] * 3, cache, later) == [0, 1, 2]  # a pinned key is no floor: 0.5 is
     lru = ExpertCache(3, make_serving_policy("lru", top_k=2), n_layers=2, top_k=2, n_experts=4)
     lru.prefetch_many([(1, 0)])
-    assert hybrid.decide(0, [0], [1], [False], lru, later) == []  # no forecasts: no admission
-    assert (hybrid.counts.computed, hybrid.counts.misses) == (2, 2)
+    assert admitted(0, [0], [False], lru, later) == []  # no forecasts: no admission
 
 
 def test_the_split_follows_hybrimoe_cached_high_load_on_the_device_low_load_misses_on_the_cpu():
-    hybrid = HybridExperts.__new__(HybridExperts)
-    hybrid.split, hybrid.counts, hybrid.times = True, HybridCounts(), CHEAP_CPU
     # expert 5 cached; 1 (9 tokens) is worth the copy; 2 and 3 (one token each) compute on the CPU
-    assert sorted(hybrid.decide(0, [5, 1, 2, 3], [4, 9, 1, 1], [True, False, False, False], None, None)) == [2, 3]
-    assert hybrid.counts.misses == 2
+    assert sorted(split_layer([5, 1, 2, 3], [4, 9, 1, 1], [True, False, False, False], CHEAP_CPU)) == [2, 3]
 
 
 def test_measured_times_are_positive(reference):
