@@ -9,7 +9,7 @@ import datasets
 
 from training.corpora import load_corpus
 
-CONTEXT_WORDS, TARGET_WORDS = 16, 3  # a docstring paragraph's words: scored given, scored
+CONTEXT_WORDS, TARGET_WORDS = 16, 1  # a docstring paragraph's words: given, then scored (the next word, as LAMBADA)
 ROWS = 64  # per task; `lm_eval --limit N` takes the first N
 
 
