@@ -11,6 +11,7 @@ from experiments.report_tables import Headline, Page, Rows, Table, load, num, sp
 
 CURVE = "bench-memory-tb.json"
 TUNE = "tune-tb.json"
+TRACE = "trace-offloaded-tb.json"
 GB = 1e9
 
 
@@ -90,7 +91,27 @@ fewer bytes per expert (int4 packed slots).
               "and ranges)", (CURVE,), curve_cmd, curve_rows),
         Table("What `prescient tune` kept at two sizes (2 interleaved runs per configuration, 48 new tokens, no "
               "cgroup: the runtime drops the pages it reads)", (TUNE,), tune_cmd, tune_rows),
+        Table("`prescient trace` through the runtime: 4 096 tokens of stdlib-code, whole and under a cap, 2 "
+              "interleaved runs each (no cgroup: the runtime drops the pages it reads)", (TRACE,),
+              load(TRACE)["command"], trace_rows),
     ))
+
+
+def trace_rows() -> Rows:
+    """Per way of loading: wall time of each run, its ratio to the whole model's, traced tokens/s,
+    and whether the routing equals the whole model's."""
+    result = load(TRACE)
+    whole = sum(r["wall_s"] for r in result["runs"]["resident"])
+    rows = []
+    for name, flag in (("resident", "none (whole)"), ("memory", "--memory 0.65GB"), ("budget", "--budget 25%")):
+        runs = result["runs"][name]
+        equal = [v for k, v in result["routing_equal_to_the_whole_models"].items() if k.startswith(name)]
+        rows.append([flag, " / ".join(num(r["wall_s"], 1) for r in runs),
+                     f"{num(sum(r['wall_s'] for r in runs) / whole)}×",
+                     " / ".join(num(r["trace_tokens_per_s"], 0) for r in runs),
+                     "reference" if name == "resident" and len(equal) == 1 else f"{sum(equal)} of {len(equal)}"])
+    return ["cap", "wall s (the whole command)", "× whole", "traced tokens/s", "every column equal to the whole "
+            "model's"], rows
 
 
 def _plain_need() -> float:

@@ -32,7 +32,23 @@ step covers nearly every expert for many tokens. SiDA's prefetching adds a few p
               cmd.format(p="none,sida=runs/base-predictor/sida", b="0.5", W1T=W1T), lambda: serve_rows("bench-serve-base.json")),
         Table("Every expert resident (nothing loaded after the warm-up)", ("bench-serve-resident-base.json",),
               cmd.format(p="none", b="1.0", W1T=W1T), lambda: serve_rows("bench-serve-resident-base.json")),
+        Table("guidellm 0.8.1 (the vLLM project's load generator), concurrent profile, against `prescient serve "
+              "--model runs/tb --memory 0.65GB` (no predictor)", GUIDELLM, load(GUIDELLM[0])["command"], guidellm_rows),
     ))
+
+
+GUIDELLM = ("guidellm-tb-0.65GB.json", "guidellm-tb-0.65GB-streams2.json", "guidellm-tb-0.65GB-streams8.json")
+
+
+def guidellm_rows() -> Rows:
+    """Per stream count: guidellm's request outcomes, and its token sums beside the server's /metrics."""
+    rows = []
+    for streams, r in load(GUIDELLM[0])["runs"].items():
+        rows.append([streams.split("=")[1], r["successful"], r["errored"], r["incomplete"],
+                     f"{r['guidellm_prompt_tokens']} / {int(r['server_prompt_tokens'])}",
+                     f"{r['guidellm_output_tokens']} / {int(r['server_completion_tokens'])}", num(r["output_tokens_per_s"])])
+    return ["streams", "successful", "errored", "incomplete", "prompt tokens: guidellm / server",
+            "output tokens: guidellm / server", "output tokens/s"], rows
 
 
 HEADLINES: tuple[Headline, ...] = (
