@@ -74,3 +74,13 @@ def test_trace_command_with_a_budget(resident, tmp_path):
           "--top-t", "4", "--seq-len", "16", "--batch-size", "4", "--budget", "25%", "--out", str(tmp_path)])
     trace = load_trace(tmp_path)  # one shard of 256 windows, the same batches: the same rows
     assert all(torch.equal(trace[column], traces["float32"][column]) for column in trace.columns)
+
+
+def test_a_run_without_a_predictor_drops_the_tuned_settings_that_need_one():
+    """`prescient tune` measured with a predictor; `trace --memory` (no predictor) takes the rest."""
+    from cli.args import _without_forecasts
+
+    tuned = {"policy": "learned-belady", "next_token_min_chance": 0.5, "transfer_workers": 2, "expert_pipeline": True}
+    assert _without_forecasts(tuned) == {"transfer_workers": 2, "expert_pipeline": True}
+    assert _without_forecasts({"policy": "lru", "next_token_min_chance": None}) == {"policy": "lru",
+                                                                                   "next_token_min_chance": None}
