@@ -46,6 +46,7 @@ COMMANDS = {
     "bench-kernels": "bench_kernels",
     "serve": "serve",
     "bench-serve": "bench_serve",
+    "bench-replicas": "bench_replicas",
     "tune": "tune",
     "plan": "plan",
     "profile-hw": "profile_hw",
