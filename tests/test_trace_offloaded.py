@@ -47,6 +47,16 @@ def test_trace_through_the_runtime_under_a_budget_is_bit_equal_to_the_whole_mode
     assert traces[dtype].manifest.settings.get("dtype") == (None if dtype == "float32" else dtype)
 
 
+def test_trace_of_the_memory_mapped_model_is_bit_equal_too(resident, tmp_path):
+    """`--memory` where the page cache can hold the experts maps them from the checkpoint (in the
+    checkpoint's dtype, float32 here)."""
+    model_dir, dataset, traces = resident
+    model = load_offloaded(model_dir, None, memory="8GiB", map_experts=True)
+    with model.offload_runtime:
+        trace_model(model_dir, dataset, tmp_path / "trace", model=model, **ARGS)
+    same_trace(load_trace(tmp_path / "trace"), traces["float32"])
+
+
 def test_a_whole_models_trace_cut_short_resumes_through_the_runtime(resident, tmp_path, monkeypatch):
     model_dir, dataset, traces = resident
     out = tmp_path / "trace"
