@@ -19,6 +19,7 @@ in bfloat16 (`prescient.traces`' `hidden` column), for the hidden-state probe (`
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterable, Iterator
 from itertools import chain, islice
@@ -75,6 +76,9 @@ def decoder_start_id(config) -> int:
 def model_inputs(model, ids: torch.Tensor, mask: torch.Tensor) -> dict:
     """Forward kwargs; an encoder-decoder's decoder reads the start token, then the same text."""
     inputs = {"input_ids": ids, "attention_mask": mask}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        inputs["logits_to_keep"] = 1  # a trace reads the routers only: not every position's logits (0.4 GB in
+        # float32 for a batch of 2 048 tokens over a 50k vocabulary, beyond what a --memory plan reserves)
     if is_encoder_decoder(model):
         start = torch.full_like(ids[:, :1], decoder_start_id(model.config))
         inputs["decoder_input_ids"] = torch.cat([start, ids], dim=1)
