@@ -22,8 +22,6 @@ def settings(text: str) -> tuple[str, ...]:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from experiments.bench_replicas import SETTINGS
-
     p = subparsers.add_parser("bench-replicas", help="expert hit rate of serving replicas by routing, "
                                                      "multi-turn chats (Ray Serve or in process)")
     p.add_argument("--model", required=True, help="Hugging Face model directory (decoder-only)")
@@ -32,7 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--backend", choices=("ray", "inprocess"), default="ray",
                    help="ray: replicas on a local Ray cluster; inprocess: the replicas' apps in this process")
     p.add_argument("--replicas", type=positive_int, default=2)
-    p.add_argument("--settings", default=SETTINGS, type=settings, help=f"comma list of {','.join(SETTINGS)}")
+    p.add_argument("--settings", default=None, type=settings,
+                   help="comma list of single,random,least-loaded,cache (default: all four)")
     p.add_argument("--conversations", type=positive_int, default=8)
     p.add_argument("--turns", type=positive_int, default=4)
     p.add_argument("--max-tokens", type=positive_int, default=24, help="tokens per answer")
@@ -49,7 +48,7 @@ def run(args: argparse.Namespace) -> None:
                     max_batch=args.max_batch)
     result = bench_replicas(app_args, args.json, backend=args.backend, replicas=args.replicas,
                             conversations=args.conversations, turns=args.turns, max_tokens=args.max_tokens,
-                            settings=args.settings, port=args.port)
+                            port=args.port, **({"settings": args.settings} if args.settings else {}))
     for name, rate in result["summary"]["hit_rate"].items():
         print(f"{name:>12}: expert hit rate {rate:.4f} ({result['runs'][name]['wall_s']} s)")
     print(json_line(result["summary"]))

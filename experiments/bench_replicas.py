@@ -198,9 +198,11 @@ def bench_replicas(app_args: dict, json_path: str, backend: str = "inprocess", r
     try:
         for setting in settings:
             log.info("%s: %s", setting, "loading")
+            started = time.perf_counter()
             server = _backend(backend, setting, app_args, replicas, busy_at, port)
+            ready_s = round(time.perf_counter() - started, 1)
             try:
-                runs[setting] = asyncio.run(run_conversations(server, chats, max_tokens))
+                runs[setting] = {**asyncio.run(run_conversations(server, chats, max_tokens)), "ready_s": ready_s}
                 if backend == "ray":
                     runs[setting]["memory"] = server.memory()
             finally:
