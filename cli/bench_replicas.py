@@ -29,15 +29,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_runtime_args(p, "policy", "budget", "dtype")
     p.add_argument("--backend", choices=("ray", "inprocess"), default="ray",
                    help="ray: replicas on a local Ray cluster; inprocess: the replicas' apps in this process")
-    p.add_argument("--replicas", type=positive_int, default=2)
+    p.add_argument("--replicas", type=positive_int, default=2, help="replicas of the routed settings")
     p.add_argument("--settings", default=None, type=settings,
                    help="comma list of single,random,least-loaded,cache (default: all four)")
-    p.add_argument("--conversations", type=positive_int, default=8)
-    p.add_argument("--turns", type=positive_int, default=4)
+    p.add_argument("--conversations", type=positive_int, default=8, help="chats running at once")
+    p.add_argument("--turns", type=positive_int, default=4, help="user turns per chat")
     p.add_argument("--max-tokens", type=positive_int, default=24, help="tokens per answer")
     p.add_argument("--max-batch", type=positive_int, default=16, help="each replica's --max-batch")
     p.add_argument("--port", type=port, default=8000, help="Ray's HTTP proxy (--backend ray)")
-    p.add_argument("--json", type=output_file, required=True, metavar="OUT")
+    p.add_argument("--json", type=output_file, required=True, metavar="OUT", help="the results JSON")
     return p
 
 
