@@ -1,8 +1,8 @@
 """Run one command under a memory cap: a memory cgroup made for that run alone (cgroup v1 or v2),
 its peak, and whether the kernel killed it for want of memory. With no writable cgroup the run
-goes uncapped and its record says so.
+goes uncapped and its record says so. `bench --memory` runs each system so, and `tune` each decode.
 
-    outcome = run_capped([sys.executable, "-m", "experiments.bench_memory.child", spec, out], 2**30)
+    outcome = run_capped([sys.executable, "-m", "some.child", spec, out], 2**30)
     outcome.killed, outcome.peak_bytes
 """
 
@@ -147,7 +147,7 @@ def make_group(name: str) -> _Group | None:
 
 def cgroup_kind() -> str:
     """"v1", "v2" or "none": what `run_capped` can cap with on this machine."""
-    group = make_group(f"bench-memory-probe-{os.getpid()}")
+    group = make_group(f"prescient-capped-probe-{os.getpid()}")
     if group is None:
         return "none"
     group.remove()
@@ -167,7 +167,7 @@ def drop_page_cache() -> bool:
 def run_capped(argv: list[str], cap_bytes: int | None, timeout_s: float = 1800.0) -> CappedRun:
     """Run `argv` in a cgroup of its own capped at `cap_bytes` (None: uncapped, still measured);
     a run past `timeout_s` is killed and marked timed out."""
-    group = make_group(f"bench-memory-{os.getpid()}-{time.monotonic_ns()}")
+    group = make_group(f"prescient-capped-{os.getpid()}-{time.monotonic_ns()}")
     if group is not None:
         group.limit(cap_bytes)
     start = time.perf_counter()

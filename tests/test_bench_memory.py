@@ -13,7 +13,7 @@ import torch
 
 from cli.main import main
 from experiments.bench_memory import orchestrate
-from experiments.bench_memory.cgroup import CappedRun, cgroup_kind, run_capped
+from prescient.capped_run import CappedRun, cgroup_kind, run_capped
 from experiments.bench_memory.child import run as run_child
 from offload_runtime.engine.mapped import load_mmap_model, mapped_share
 from prescient.model_dir import ModelDirectory, model_class

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from experiments.bench_memory.cgroup import HOW_COUNTED, CappedRun, cgroup_kind, drop_page_cache, run_capped
+from prescient.capped_run import HOW_COUNTED, CappedRun, cgroup_kind, drop_page_cache, run_capped
 from experiments.bench_memory.plot import floor_bytes, plot_memory_curve
 from experiments.bench_memory.systems import SYSTEMS
 from prescient.errors import PrescientError

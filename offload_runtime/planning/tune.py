@@ -15,15 +15,25 @@ What decides speed here, measured rather than assumed:
    A change is kept when its median tokens/s beats every run of the best so far (a gain within the
    spread is not a gain).
 Every run decodes through `generate_offloaded` with `RuntimeOptions(memory=size, ...)` in a fresh
-process (forked from one that imported torch and transformers once), so the memory plan, the
-page-cache handling and the predictor are those `generate` will use, and no run inherits the heap
-an earlier one left behind.
+process, so the memory plan, the page-cache handling and the predictor are those `generate` will
+use, and no run inherits the heap an earlier one left behind. Where this machine has a writable
+memory cgroup, each run is a new process in a cgroup capped at the size, the page cache dropped
+before it (as `bench --memory` runs): the kernel then holds the size as it holds it for a user,
+page cache included, and a configuration that outgrows it is killed and scores 0. Elsewhere the
+runs fork from one process that imported torch once, uncapped, and mapped experts are not tried
+(with no cgroup nothing holds their page cache to the size: they would be measured with every
+expert cached); `--memory`'s own rule then decides mapping.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import multiprocessing
+import pickle
 import statistics
+import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,28 +45,52 @@ from offload_runtime.engine.loader import whole_model_memory
 from offload_runtime.engine.options import RuntimeOptions, best_policy
 from offload_runtime.planning.link_profile import measure_random_reads, model_read_file
 from offload_runtime.planning.tuned import TUNED_SETTINGS, machine_key
-from prescient.errors import CapacityError
+from offload_runtime.planning.tune_child import decode as decode_here
+from prescient.capped_run import cgroup_kind, drop_page_cache, run_capped
+from prescient.errors import CapacityError, PrescientError
 from prescient.model_dir import ModelDirectory
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SHARES = (0.4, 0.6, 0.8)  # of the whole model's memory: where offloading decides speed
 PRELOAD = ["torch", "transformers", "offload_runtime.engine.generate"]  # imported once, in the fork server
+RUN_TIMEOUT_S = 600  # one calibration decode; past it the run is killed and tuning stops
 
 Decode = Callable[[str, str, int, "str | None", RuntimeOptions], dict[str, Any]]
 
 
+class TuneError(PrescientError):
+    """A calibration decode that failed (not for want of memory: that scores 0)."""
+
+
 def decode_in_child(model_dir: str, prompt: str, new_tokens: int, predictor: str | None,
                     options: RuntimeOptions) -> dict[str, Any]:
-    """`generate_offloaded` in a process of its own: tokens/s, statistics and memory plan."""
+    """One decode (`tune_child.decode`) in a process of its own, forked from one that imported torch once; uncapped."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     with context.Pool(1, maxtasksperchild=1) as pool:
-        return pool.apply(_decode, (model_dir, prompt, new_tokens, predictor, options))
+        return pool.apply(decode_here, (model_dir, prompt, new_tokens, predictor, options))
 
 
-def _decode(model_dir: str, prompt: str, new_tokens: int, predictor: str | None,
-            options: RuntimeOptions) -> dict[str, Any]:
-    result = generate_offloaded(model_dir, prompt, new_tokens, predictor=predictor, options=options)
-    return {key: result[key] for key in ("tokens_per_s", "stats", "memory_plan")}
+def decode_capped(model_dir: str, prompt: str, new_tokens: int, predictor: str | None,
+                  options: RuntimeOptions) -> dict[str, Any]:
+    """One decode in a new process in a memory cgroup capped at `options.memory`, the page cache
+    dropped first (pages an earlier run left would serve this one uncharged); a run the kernel
+    kills scores 0 tokens/s."""
+    with tempfile.TemporaryDirectory(prefix="prescient-tune-") as tmp:
+        spec, out = Path(tmp, "spec.pickle"), Path(tmp, "out.json")
+        spec.write_bytes(pickle.dumps((model_dir, prompt, new_tokens, predictor, options)))
+        drop_page_cache()
+        run = run_capped([sys.executable, "-m", "offload_runtime.planning.tune_child", str(spec), str(out)],
+                         options.memory, RUN_TIMEOUT_S)
+        if run.killed:
+            return {"tokens_per_s": 0.0, "stats": {}, "memory_plan": None, "killed": True}
+        if not out.is_file():
+            raise TuneError(f"a calibration decode failed (exit {run.returncode}): {run.stderr_tail.strip()[-500:]}")
+        result = json.loads(out.read_text())
+    if "refused" in result:
+        raise CapacityError(result["refused"])
+    return result
 
 
 def starting_settings(predictor: str | Path | None) -> dict[str, Any]:
@@ -65,30 +99,37 @@ def starting_settings(predictor: str | Path | None) -> dict[str, Any]:
             "lookahead_layers": 0, "expert_pipeline": True, "map_experts": None}
 
 
-def candidate_changes(depth: int, forecasts: bool) -> list[tuple[str, dict[str, Any]]]:
-    """Each mechanism's change to try on top of the best so far, in order."""
+def candidate_changes(depth: int, forecasts: bool, mapped: bool = True) -> list[tuple[str, dict[str, Any]]]:
+    """Each mechanism's change to try on top of the best so far, in order (`mapped`: mapped experts
+    too, last, where the runs are capped)."""
     changes = [("parallel reads", {"read_depth": depth}), ("transfer workers", {"transfer_workers": depth})] \
         if depth != 1 else []
     if forecasts:
         changes += [("policy lru", {"policy": "lru"}), ("cross-token prefetch", {"next_token_min_chance": 0.5})]
     changes += [("in-token lookahead", {"lookahead_layers": 1}), ("serial layers", {"expert_pipeline": False})]
-    return changes + [("mapped experts", {"map_experts": True})]  # last: mapped, the slots' settings do not matter
+    return changes + ([("mapped experts", {"map_experts": True})] if mapped else [])  # last: then slots do not matter
 
 
 def tune(model_dir: str | Path, predictor: str | Path | None = None, memories: list[int] | None = None,
          new_tokens: int = 48, repeats: int = 2, prompt: str | None = None,
-         on_size: Callable[[dict[str, Any]], None] | None = None, decode: Decode = decode_in_child) -> dict[str, Any]:
+         on_size: Callable[[dict[str, Any]], None] | None = None, decode: Decode | None = None) -> dict[str, Any]:
     """The tuning record: the read curve, every run, and per size the best settings (see the module
     doc); `on_size(record)` after each size, so that a stopped tuning keeps the sizes it finished;
-    `decode` runs one configuration (a fresh process by default)."""
+    `decode` runs one configuration, capped (None: a fresh process, in a cgroup where there is one)."""
+    capped = decode is not None or cgroup_kind() != "none"
+    if decode is None:
+        decode = decode_capped if capped else decode_in_child
+    if not capped:
+        log.info("no writable memory cgroup here: tune runs uncapped and leaves mapped experts to --memory's rule")
     directory = ModelDirectory.of(model_dir)
     curve = measure_random_reads(*model_read_file(directory), repeats=2)
     forecasts = predictor is not None and best_policy(predictor) == "learned-belady"
     sizes = memories or [int(share * whole_model_memory(directory)) for share in DEFAULT_SHARES]
     prompt = prompt or default_prompt()
-    changes = candidate_changes(curve.depth, forecasts)
+    changes = candidate_changes(curve.depth, forecasts, mapped=capped)
     record: dict[str, Any] = {
         "model": str(directory), "predictor": predictor and str(predictor), "machine": machine_key(),
+        "capped": capped,
         "new_tokens": new_tokens, "repeats": repeats, "prompt": prompt,
         "read_curve": {"expert_bytes": curve.expert_bytes, "depths": list(curve.depths),
                        "bytes_per_s": list(curve.bytes_per_s), "depth": curve.depth},
@@ -99,13 +140,18 @@ def tune(model_dir: str | Path, predictor: str | Path | None = None, memories: l
         result = decode(str(directory), prompt, new_tokens, predictor and str(predictor),
                         RuntimeOptions(memory=memory, **settings))
         record["runs"].append({"memory": memory, "settings": settings, "tokens_per_s": result["tokens_per_s"],
-                               "stats": result["stats"], "memory_plan": result["memory_plan"]})
+                               "stats": result["stats"], "memory_plan": result["memory_plan"],
+                               "killed": result.get("killed", False)})
         bar.update()
         return result["tokens_per_s"]
 
     for memory in sizes:
         try:
-            best = _best_at(memory, starting_settings(predictor), changes, repeats, run)
+            # uncapped, nothing may be mapped (its page cache would hold every expert), and the rule stays the default
+            start = {**starting_settings(predictor), **({} if capped else {"map_experts": False})}
+            best = _best_at(memory, start, changes, repeats, run)
+            if not capped:
+                best["settings"]["map_experts"] = None
         except CapacityError as exc:
             record["refused"].append({"memory": memory, "why": str(exc)})
             continue

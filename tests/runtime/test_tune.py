@@ -12,9 +12,12 @@ from cli import args as cli_args
 from cli.main import main
 from offload_runtime.engine import loader
 from offload_runtime.engine.memory_plan import MiB, reserve_bytes
+from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.planning import tune as tune_module
 from offload_runtime.planning import tuned as tuned_module
 from offload_runtime.planning.tuned import load_tuned, save_tuned
+from prescient.capped_run import cgroup_kind
+from prescient.errors import CapacityError
 from prescient.model_dir import ModelDirectory
 
 FOOTPRINT = 400 * MiB
@@ -59,10 +62,27 @@ def test_tune_keeps_the_fastest_measured_settings_per_size(tiny_moe_dir, tuned_h
         record["best"][1]["settings"]
 
 
+def test_one_calibration_decode_runs_in_a_process_of_its_own_under_the_cap(tiny_moe_dir):
+    """As `tune` runs each configuration: a fresh process, in a cgroup capped at the size where
+    this machine has one (the tiny model is mapped whole at 2 GiB); a cap too small for the process
+    kills it there (it scores 0), and is refused uncapped."""
+    path = str(tiny_moe_dir("mixtral"))
+    capped = cgroup_kind() != "none"
+    decode = tune_module.decode_capped if capped else tune_module.decode_in_child
+    result = decode(path, "def f(x):", 4, None, RuntimeOptions(memory=2 * 2**30))
+    assert result["tokens_per_s"] > 0 and result["memory_plan"]["mapped"]
+    if capped:
+        assert decode(path, "def f(x):", 4, None, RuntimeOptions(memory=64 * MiB))["killed"]
+    else:
+        with pytest.raises(CapacityError, match="smallest memory that works"):
+            decode(path, "def f(x):", 4, None, RuntimeOptions(memory=64 * MiB))
+
+
+@pytest.mark.slow
 def test_tune_runs_real_decodes_and_memory_then_uses_them_unless_a_flag_says(tiny_moe_dir, tuned_home, caplog,
                                                                               capsys):
     """Each decode in a process of its own, as `prescient tune` runs them (2 GiB holds the tiny
-    model whole: the mechanisms then change nothing, but the flow is the real one)."""
+    model whole: the mechanisms then change nothing, but the flow is the real one; ~2.5 minutes)."""
     path = tiny_moe_dir("mixtral")
     sizes = [2 * 2**30]
     assert main(["tune", "--model", str(path), "--memory", "2GiB", "--new-tokens", "4", "--repeats", "1"]) in (0, None)
