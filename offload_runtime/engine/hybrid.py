@@ -18,7 +18,8 @@ Two hosts, one decision point:
   miss whose predicted reuse is later than every resident expert's (its chance of use by later
   tokens below the lowest chance of any evictable resident expert, `ExpertCache.least_chance`)
   is computed from a scratch buffer (the host store's own tensors, or `top_k` scratch slots the
-  disk store reads into: memory beyond the budget) without evicting anything. It needs a policy
+  disk store reads into: memory beyond the budget) without evicting anything, on the CPU side's
+  thread while the inference thread computes the resident experts and waits for the copies. It needs a policy
   with forecasts (learned, learned-belady) and the forward's hash table; without them no miss is
   bypassed.
 """
@@ -72,7 +73,9 @@ class HybridExperts:
         self.counts = HybridCounts()
         host = store.host_layer(0) is not None
         self._scratch = None if host else pool.spec.empty(top_k)  # disk store: read into these, on the CPU
-        self._cpu = ThreadPoolExecutor(1, thread_name_prefix="hybrid-cpu") if split else None
+        # the CPU side's thread: beside the GPU (split), or, on a CPU-only host, reading and computing
+        # the bypassed misses while the inference thread computes the resident experts and waits for copies
+        self._cpu = ThreadPoolExecutor(1, thread_name_prefix="hybrid-cpu")
 
     def buffers(self, layer: int) -> tuple[dict[str, torch.Tensor], int]:
         """The [n, ...] CPU tensors that `lend`'s tables index for `layer`, and n: the host store's
@@ -109,16 +112,11 @@ class HybridExperts:
             yield part, table
 
     def submit(self, compute: Callable[[], object]) -> Future:
-        """Run `compute` on the CPU side: on a thread of its own beside the GPU (split), else now."""
-        if self._cpu is not None:
-            return self._cpu.submit(compute)
-        done: Future = Future()
-        done.set_result(compute())
-        return done
+        """Run `compute` on the CPU side's thread, beside what the inference thread does meanwhile."""
+        return self._cpu.submit(compute)
 
     def close(self) -> None:
-        if self._cpu is not None:
-            self._cpu.shutdown(wait=True)
+        self._cpu.shutdown(wait=True)
 
 
 def _best_of(run: Callable[[], object], sync: Callable[[], None], repeats: int = 3) -> float:
