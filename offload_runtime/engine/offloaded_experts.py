@@ -276,8 +276,8 @@ class OffloadedExperts(_Offloaded):
         unweighted = flat.new_zeros(*top_k_index.shape, flat.shape[-1])
         elsewhere = self._compute_where_they_live(flat, top_k_index, lives, top_k_weights.dtype) if lives else None
 
-        def run(rows: torch.Tensor, slots: torch.Tensor, experts_module: nn.Module) -> None:
-            token, choice, out = self._rows_out(experts_module, flat, top_k_index, rows, slots, top_k_weights.dtype)
+        def run(rows: torch.Tensor, slots: torch.Tensor, experts_module: nn.Module, part: list[int] | None = None) -> None:
+            token, choice, out = self._rows_out(experts_module, flat, top_k_index, rows, slots, top_k_weights.dtype, part)
             unweighted[token, choice] = out.reshape(len(token), -1).to(unweighted.dtype)
 
         computing = self._twin if kernel is None else self._kernel_twins[kernel]
@@ -285,10 +285,10 @@ class OffloadedExperts(_Offloaded):
             with self._runtime.use(self.layer, experts, device) as slots:  # one call once all land
                 if experts:
                     run(weighted & torch.isin(top_k_index, torch.tensor(experts, device=device)) if lives
-                        else weighted, slots, computing)
+                        else weighted, slots, computing, experts)
         else:
             for part, slots in self._runtime.parts(self.layer, experts, device):
-                run(torch.isin(top_k_index, torch.tensor(part, device=device)), slots, computing)
+                run(torch.isin(top_k_index, torch.tensor(part, device=device)), slots, computing, part)
         if elsewhere is not None:  # the CPU side's rows, once its thread is done
             for token, choice, out in elsewhere.result():
                 unweighted[token.to(device), choice.to(device)] = out.reshape(len(token), -1).to(device, unweighted.dtype)
@@ -298,12 +298,16 @@ class OffloadedExperts(_Offloaded):
         return combined.reshape(hidden_states.shape)
 
     def _rows_out(self, experts_module: nn.Module, flat: torch.Tensor, top_k_index: torch.Tensor, rows: torch.Tensor,
-                  table: torch.Tensor, weight_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  table: torch.Tensor, weight_dtype: torch.dtype, part: list[int] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The (token, choice) rows of `rows` computed by `experts_module` on the weights that
         `table` (expert → index into its buffers) points at, each row as a token of its own: the
-        choice at weight one, then (`_columns` > 1) the same id at weight zero, adding exact zeros."""
+        choice at weight one, then (`_columns` > 1) the same id at weight zero, adding exact zeros.
+        `part`: the slot experts the rows route to, so the twin over the slots is windowed to theirs."""
         token, choice = torch.nonzero(rows, as_tuple=True)
         ids = self._ids(table, top_k_index[token, choice]).unsqueeze(1).expand(-1, self._columns)
+        if part and experts_module is self._twin:  # as one call's: grouped_mm on the CPU pays per slot
+            experts_module, ids = self._windowed(part, ids, self._implementation)
         weights = torch.zeros(len(token), self._columns, dtype=weight_dtype, device=flat.device)
         weights[:, 0] = 1
         return token, choice, experts_module(flat[token], ids, weights)
