@@ -7,16 +7,16 @@ counts are the tokens the server's /metrics counted. Skipped where guidellm is n
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
+import sys
 
 import httpx
 import pytest
 
 from tests.server.serving import MODEL, free_port, serve_process
 
-pytestmark = [pytest.mark.slow,  # a server process and guidellm's, ~40 s
-              pytest.mark.skipif(shutil.which("guidellm") is None, reason="guidellm is not installed")]
+pytest.importorskip("guidellm")
+pytestmark = pytest.mark.slow  # a server process and guidellm's, ~40 s
 REQUESTS, STREAMS = 8, 2
 
 
@@ -33,7 +33,7 @@ def counters(url: str) -> dict[str, float]:
 
 def guidellm(url: str, tokenizer, out, streams: int, requests: int) -> dict:
     """`guidellm run`'s concurrent profile against `url`; its JSON report's one benchmark."""
-    subprocess.run(["guidellm", "run", "--backend", f"kind=openai_http,target={url},model={MODEL}",
+    subprocess.run([sys.executable, "-m", "guidellm", "run", "--backend", f"kind=openai_http,target={url},model={MODEL}",
                     "--profile", f"kind=concurrent,streams={streams}",
                     "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=16",
                     "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
