@@ -142,7 +142,7 @@ class OnRay:
 
     async def close(self) -> None:
         await self.client.aclose()
-        self.serve.delete(self.name)
+        await asyncio.to_thread(self.serve.delete, self.name)
 
 
 async def run_conversations(backend, chats: list[list[str]], max_tokens: int) -> dict[str, Any]:
@@ -169,6 +169,18 @@ async def run_conversations(backend, chats: list[list[str]], max_tokens: int) ->
     hits, misses = (after - first for after, first in zip(hits_and_misses(await backend.metrics()), before))
     return {"hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
             "wall_s": round(wall, 2), "replica_of_turn": placed, "answers": answers}
+
+
+async def _measure(server, chats: list[list[str]], max_tokens: int) -> dict[str, Any]:
+    """The workload on one setting's servers, then their memory (on Ray), then closed (in the loop
+    whose connections they hold)."""
+    try:
+        run = await run_conversations(server, chats, max_tokens)
+        if isinstance(server, OnRay):
+            run["memory"] = server.memory()
+        return run
+    finally:
+        await server.close()
 
 
 def _backend(kind: str, setting: str, app_args: dict, replicas: int, busy_at: int, port: int | None):
@@ -201,12 +213,7 @@ def bench_replicas(app_args: dict, json_path: str, backend: str = "inprocess", r
             started = time.perf_counter()
             server = _backend(backend, setting, app_args, replicas, busy_at, port)
             ready_s = round(time.perf_counter() - started, 1)
-            try:
-                runs[setting] = {**asyncio.run(run_conversations(server, chats, max_tokens)), "ready_s": ready_s}
-                if backend == "ray":
-                    runs[setting]["memory"] = server.memory()
-            finally:
-                asyncio.run(server.close())
+            runs[setting] = {**asyncio.run(_measure(server, chats, max_tokens)), "ready_s": ready_s}
             log.info("%s: hit rate %.4f", setting, runs[setting]["hit_rate"])
     finally:
         if backend == "ray":
