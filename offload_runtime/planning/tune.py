@@ -12,8 +12,8 @@ What decides speed here, measured rather than assumed:
    layer waiting for all its copies instead of the expert pipeline — the configuration with that
    change, and last the experts mapped from the checkpoint with the page cache as their cache instead
    of slots (`mapped`; what llama.cpp's mmap runs do), each interleaved with the best so far (A B A B).
-   A change is kept when its median tokens/s beats every run of the best so far (a gain within the
-   spread is not a gain).
+   A change is kept when its median tokens/s beats every run of the best so far interleaved with it
+   (a gain within the spread is not a gain).
 Every run decodes through `generate_offloaded` with `RuntimeOptions(memory=size, ...)` in a fresh
 process, so the memory plan, the page-cache handling and the predictor are those `generate` will
 use, and no run inherits the heap an earlier one left behind. Where this machine has a writable
@@ -170,11 +170,14 @@ def _best_at(memory: int, start: dict[str, Any], changes: list[tuple[str, dict[s
         trial = {**best, **change}
         if trial == best:
             continue
-        trial_runs = []
+        trial_runs, beside = [], []
         for _ in range(repeats):  # A B A B: the best so far and the trial, in turn
-            best_runs.append(decode(memory, best))
+            beside.append(decode(memory, best))
             trial_runs.append(decode(memory, trial))
-        if statistics.median(trial_runs) > max(best_runs):  # a gain within the best's spread is no gain
+        best_runs += beside
+        # a gain within the spread of the best's runs beside it is no gain (not against every run of
+        # the best so far: their maximum only grows with their number, and noise would keep the start)
+        if statistics.median(trial_runs) > max(beside):
             best, best_runs = trial, trial_runs
             kept.append(name)
     if not best_runs:  # nothing to try: measure the start once for the record
