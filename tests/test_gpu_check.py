@@ -9,11 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import random_sida
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu-check"
 
 
+@pytest.mark.slow  # ~30 s on two cores: the default suite stays under 10 minutes
 def test_the_dry_run_writes_every_part_of_the_record(tiny_moe_dir, tmp_path):
     model = tiny_moe_dir("mixtral")
     predictor = random_sida(model, tmp_path, horizon=2)

@@ -96,7 +96,7 @@ def test_a_trained_probe_can_guess_for_the_lookahead(tiny_moe_dir, tmp_path):
     probe_path = random_probe(path, tmp_path / "probe", ahead=1)
     ids = load_tokenizer(path)(PROMPT, return_tensors="pt").input_ids
     plain = load_offloaded(path, budget=1.0)
-    model = load_offloaded(path, budget=0.5, lookahead_layers=1, lookahead_probe=str(probe_path))
+    model = load_offloaded(path, budget=0.25, lookahead_layers=1, lookahead_probe=str(probe_path))
     with plain.offload_runtime, model.offload_runtime as runtime, torch.inference_mode():
         hidden = torch.randn(1, 2, model.config.hidden_size)
         probe = load_predictor(probe_path)
