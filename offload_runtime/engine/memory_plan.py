@@ -26,7 +26,9 @@ from prescient.memory_cap import cgroup_limit
 MiB = 2**20
 SLACK = 16 * MiB  # the allocator's free lists, small buffers
 PREFILL_TOKENS = 512  # activations are reserved for a prefill this long; longer prompts need more room
-MAPPED_SHARE = 0.8  # mapped from here: 1.2x slots where 80% fit, a tie at 60% (results/bench-memory-tb.json)
+# mapped from here: the memory-mapped model 1.2x the slots where 80% fit and a tie at 60% in
+# results/bench-memory-tb.json as of e0dfb74 (1.12x at 60% in the curve after it: not yet moved)
+MAPPED_SHARE = 0.8
 RESERVED_CONTEXT = 4096  # tokens of KV cache kept free (the model's context, or the request's, where shorter)
 
 
