@@ -138,8 +138,6 @@ def cuda_engine(recorder: Recorder, store, workers: int) -> TransferEngine:
     return TransferEngine(store, pool, workers=workers)
 
 
-@pytest.mark.skip(reason="flaky (about 4 runs in 6 on two cores): both of slot 0's writes are sometimes logged on one "
-                         "stream, so the case never arises; the scenario's worker hand-off needs a deterministic gate")
 def test_a_copy_into_a_slot_waits_for_the_last_copy_on_another_stream(recorder):
     """A's copy into slot 0 is enqueued on one worker's stream; B, into the same slot, is then
     picked by the other worker: its stream must wait for A's end on the device."""
@@ -154,6 +152,7 @@ def test_a_copy_into_a_slot_waits_for_the_last_copy_on_another_stream(recorder):
         store.gate((0, 0)).set()  # A's worker finishes A and takes D (a demand) ...
         assert store.started((0, 3)).wait(5)
         store.gate((0, 1)).set()  # ... so C's worker takes B, into slot 0, on its own stream
+        assert store.started((0, 2)).wait(5)  # before D's worker is free to take it
         store.gate((0, 2)).set()
         store.gate((0, 3)).set()
         for ticket in (a, b, c, d):
