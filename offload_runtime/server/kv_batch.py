@@ -9,6 +9,10 @@ A row's real keys and values are those its sequence would have alone (the positi
 are its own token counts, and padded columns are masked out of attention), so a sequence's tokens
 do not depend on the other rows, up to floating-point rounding in the batched kernels.
 
+`prefill_inputs` lays out a prefill whose rows may resume a cached prefix (`prefix_cache`): each
+row's past KV right-aligned in the first columns, its new tokens right-aligned after them; the
+padding between is masked like any other. `row` takes one row's real KV out, for the prefix cache.
+
 Only transformers' `DynamicCache` made of full-attention `DynamicLayer`s is handled (every
 decoder-only architecture the runtime supports uses it); anything else is refused.
 """
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from offload_runtime.server.prefix_cache import Prefix
 from prescient.errors import PrescientError
 
 
@@ -61,6 +66,13 @@ class KVBatch:
             layer.keys = layer.keys.index_select(0, index)[:, :, start:]
             layer.values = layer.values.index_select(0, index)[:, :, start:]
 
+    def row(self, row: int, tokens: list[int]) -> Prefix:
+        """Row `row`'s real keys and values (copies), as the prefix of `tokens` they hold."""
+        columns = self.valid[row].nonzero().flatten()
+        return Prefix(tuple(tokens[:len(columns)]),
+                      tuple(layer.keys[row].index_select(1, columns) for layer in self.cache.layers),
+                      tuple(layer.values[row].index_select(1, columns) for layer in self.cache.layers))
+
     def merge(self, other: "KVBatch") -> None:
         """Append `other`'s rows after this batch's, both left-padded to the longer length."""
         length = max(self.valid.shape[1], other.valid.shape[1])
@@ -68,6 +80,32 @@ class KVBatch:
         for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
             mine.keys = torch.cat([_pad_left(mine.keys, length, 2), _pad_left(theirs.keys, length, 2)], 0)
             mine.values = torch.cat([_pad_left(mine.values, length, 2), _pad_left(theirs.values, length, 2)], 0)
+
+
+def prefill_inputs(new: list[list[int]], pasts: list[Prefix | None], pad_token_id: int,
+                   config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache]:
+    """A prefill of rows with new tokens `new` after cached `pasts` (None: from the start): the
+    new ids ([B, N], left-padded), which columns are real ([B, P + N]: the pasts' P, then the
+    new N), each new token's position (its own count of tokens before it), and the cache holding the pasts."""
+    n = max(len(tokens) for tokens in new)
+    p = max((len(past.tokens) for past in pasts if past is not None), default=0)
+    ids = torch.full((len(new), n), pad_token_id, dtype=torch.long)
+    valid = torch.zeros(len(new), p + n, dtype=torch.bool)
+    for row, (tokens, past) in enumerate(zip(new, pasts, strict=True)):
+        ids[row, n - len(tokens):] = torch.tensor(tokens)
+        valid[row, p + n - len(tokens):] = True
+        if past is not None:
+            valid[row, p - len(past.tokens):p] = True
+    positions = (valid.long().cumsum(1) - 1).clamp(min=0)[:, p:]
+    cache = DynamicCache(config=config)
+    if p:
+        some = next(past for past in pasts if past is not None)
+        for layer in range(len(some.keys)):
+            empty = some.keys[layer][:, :0]
+            keys = [_pad_left(past.keys[layer] if past else empty, p, 1) for past in pasts]
+            values = [_pad_left(past.values[layer] if past else empty, p, 1) for past in pasts]
+            cache.update(torch.stack(keys), torch.stack(values), layer)
+    return ids, valid, positions, cache
 
 
 def _pad_left(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:

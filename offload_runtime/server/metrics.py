@@ -80,6 +80,11 @@ class ServerMetrics:
         yield requests
         yield family(CounterMetricFamily, "requests_rejected", "requests refused with 429 (queue full)", c.rejected)
         yield family(CounterMetricFamily, "prompt_tokens", "prompt tokens prefilled", c.prompt_tokens)
+        yield family(CounterMetricFamily, "prompt_tokens_cached",
+                     "prompt tokens whose KV came from the prefix cache (not prefilled)", c.prompt_tokens_cached)
+        if s.prefix_cache is not None:
+            yield family(GaugeMetricFamily, "prefix_cache_bytes", "bytes of KV in the prefix cache", s.prefix_cache.bytes)
+            yield family(GaugeMetricFamily, "prefix_cache_entries", "sequences in the prefix cache", len(s.prefix_cache))
         yield family(CounterMetricFamily, "completion_tokens", "tokens generated", c.completion_tokens)
         yield family(CounterMetricFamily, "decode_steps", "batched decode forwards", c.decode_steps)
         yield family(GaugeMetricFamily, "tokens_per_second",

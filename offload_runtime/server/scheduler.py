@@ -12,8 +12,11 @@ answers 429). Each turn of the inference thread
      logprobs when the request asks), and retires the rows that finished (end of text,
      `max_tokens`, a stop string).
 
+With a prefix cache (`prefix_cache`), a finished request leaves its KV there and a request whose
+prompt starts with a cached sequence's tokens prefills only the rest of it.
+
 A request with `prompt_logprobs` gets its prompt's own logprobs from its prefill (that forward
-then keeps every position's logits); one with `max_tokens` 0 ends after its prefill, unsampled.
+then keeps every position's logits, so it never resumes a cached prefix); one with `max_tokens` 0 ends after its prefill, unsampled.
 
 The offloaded model's expert cache then serves all running requests at once: an expert loaded
 for one row's token is used by every row that routes to it in that step. The runtime is told
@@ -36,8 +39,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicCache
 
-from offload_runtime.server.kv_batch import KVBatch
+from offload_runtime.server.kv_batch import KVBatch, prefill_inputs
 from offload_runtime.server.logprobs import TokenLogprob, prompt_logprobs, token_logprob
+from offload_runtime.server.prefix_cache import Prefix, PrefixCache
 from offload_runtime.server.text import TextStream
 from prescient.errors import PrescientError
 
@@ -111,6 +115,7 @@ class SchedulerCounters:
     finished: dict[str, int] = field(default_factory=dict)  # per finish reason
     rejected: int = 0
     prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0  # of prompt_tokens, those whose KV came from the prefix cache
     completion_tokens: int = 0
     prefill_forwards: int = 0
     decode_steps: int = 0
@@ -119,8 +124,10 @@ class SchedulerCounters:
 
 class Scheduler:
     def __init__(self, model, eos_token_ids: set[int], max_batch: int = 16, max_queue: int = 64,
-                 on_finish: Callable[[Request], None] | None = None) -> None:
+                 on_finish: Callable[[Request], None] | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.model, self.eos_token_ids = model, eos_token_ids
+        self.prefix_cache = prefix_cache
         self.runtime = getattr(model, "offload_runtime", None)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.on_finish = on_finish
@@ -228,14 +235,10 @@ class Scheduler:
         return out.logits
 
     def _prefill(self, requests: list[Request]) -> None:
-        length = max(len(r.prompt_ids) for r in requests)
-        ids = torch.full((len(requests), length), self.pad_token_id, dtype=torch.long)
-        valid = torch.zeros(len(requests), length, dtype=torch.bool)
-        for row, request in enumerate(requests):
-            ids[row, length - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
-            valid[row, length - len(request.prompt_ids):] = True
-        positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
+        pasts = [self._cached_prefix(r) for r in requests]
+        new = [r.prompt_ids[len(past.tokens) if past else 0:] for r, past in zip(requests, pasts)]
+        ids, valid, positions, cache = prefill_inputs(new, pasts, self.pad_token_id, self.model.config)
+        length = ids.shape[1]
         scored = [row for row, r in enumerate(requests) if r.params.prompt_logprobs]
         logits = self._forward(ids, valid.long(), positions, cache, requests, every_position=bool(scored))
         for row in scored:  # the prompt's own logprobs: its positions but the last predict its tokens after the first
@@ -244,6 +247,7 @@ class Scheduler:
                                                       request.prompt_ids, request.params.logprobs or 0)
         self.counters.prefill_forwards += 1
         self.counters.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
+        self.counters.prompt_tokens_cached += sum(len(past.tokens) for past in pasts if past is not None)
         batch = KVBatch(cache, valid)
         if self._batch is None:
             self._batch = batch
@@ -252,6 +256,11 @@ class Scheduler:
         self._running += requests
         self._next += [0] * len(requests)
         self._emit(logits[:, -1].float().cpu(), first_row=len(self._running) - len(requests))
+
+    def _cached_prefix(self, request: Request) -> Prefix | None:
+        if self.prefix_cache is None or request.params.prompt_logprobs:  # those need every prompt position
+            return None
+        return self.prefix_cache.lookup(request.prompt_ids)
 
     def _decode(self) -> None:
         mask, positions = self._batch.decode_inputs()
@@ -320,6 +329,10 @@ class Scheduler:
             for request in requests:
                 self._finish(request, "cancelled")
         gone = set(map(id, requests))
+        if finished and self.prefix_cache is not None:
+            for row, request in enumerate(self._running):
+                if id(request) in gone:
+                    self.prefix_cache.store(self._batch.row(row, request.prompt_ids + request.output_ids))
         keep = [row for row, r in enumerate(self._running) if id(r) not in gone]
         self._running = [self._running[row] for row in keep]
         self._next = [self._next[row] for row in keep]

@@ -14,6 +14,7 @@ from pathlib import Path
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.server import schemas
 from offload_runtime.server.metrics import ServerMetrics
+from offload_runtime.server.prefix_cache import PrefixCache
 from offload_runtime.server.scheduler import (Event, QueueFullError, Request as Sequence, SamplingParams, Scheduler,
                                               SchedulerClosedError)
 from offload_runtime.server.text import TextStream, chat_prompt
@@ -37,6 +38,7 @@ class ServeConfig:
     api_keys: tuple[str, ...] = ()  # with any, /v1 routes answer 401 unless one is sent as a bearer token
     metrics_need_key: bool = False  # /metrics behind the keys too (else open, as /health)
     replica: str | None = None  # one of several replicas: its name, a label of every /metrics series
+    prefix_cache_bytes: int = 0  # finished sequences' KV kept for prompts that resume them (0: none)
 
     @property
     def name(self) -> str:
@@ -104,7 +106,8 @@ class Service:
             self.model, self.tokenizer = model, tokenizer
             self.context_length = model.config.max_position_embeddings
             self.scheduler = Scheduler(model, eos, max_batch=c.max_batch, max_queue=c.max_queue,
-                                       on_finish=self.metrics.observe_finished)
+                                       on_finish=self.metrics.observe_finished,
+                                       prefix_cache=PrefixCache(c.prefix_cache_bytes) if c.prefix_cache_bytes else None)
             self.metrics.scheduler = self.scheduler
             plan = model.offload_runtime.memory_plan
             log.info("serving %s as %r: policy %s, %s, predictor %s, up to %d requests per batch",
