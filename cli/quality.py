@@ -18,9 +18,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--text-field", default="text")
     p.add_argument("--seq-len", type=positive_int, default=256)
     p.add_argument("--windows", type=positive_int, default=64, help="held-out windows per dataset")
-    # both models compute in --dtype; with --budget both run through the runtime (experts read from --store),
-    # packed slots and mixed precision always do
-    add_runtime_args(p, "dtype", "slot_format", "policy", "budget", "store", "fine_model", "fine_share", "precision_rule")
+    # both models compute in --dtype; with --memory or --budget both run through the runtime (experts read from
+    # --store), as trace does; packed slots and mixed precision always do
+    add_runtime_args(p, "memory", "dtype", "slot_format", "policy", "budget", "store", "fine_model", "fine_share",
+                     "precision_rule")
     p.add_argument("--predictor", help="the runtime's predictor artifact (mixed precision's forecast rule needs one)")
     p.add_argument("--decode", action="store_true",
                    help="teacher-forced one token per forward, as a sequence decodes (implied by --fine-model, "
@@ -35,7 +36,7 @@ def run(args: argparse.Namespace) -> None:
     result = run_quality(args.json, model_dir=args.model, reference_dir=args.reference, datasets=args.dataset,
                          split=args.split, text_field=args.text_field, seq_len=args.seq_len, windows=args.windows,
                          options=runtime_options(args), predictor=args.predictor, decode=args.decode,
-                         offload=args.budget is not None)
+                         offload=args.memory is not None or args.budget is not None)
     for name, figures in result["datasets"].items():
         print(f"{name}: perplexity {figures['perplexity']:.3f} (reference {figures['reference_perplexity']:.3f}, "
               f"{100 * figures['perplexity_increase']:+.2f}%), KL {figures['kl_nats']:.5f} nats, "

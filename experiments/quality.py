@@ -3,13 +3,15 @@ measures it, teacher-forced on held-out text: perplexity of the model and of its
 uncompressed model), the mean next-token KL divergence KL(reference ‖ model), and how often the
 two agree on the most likely next token.
 
-With `offload` (`--budget`) both models run through the offloading runtime, neither whole in
-memory. Both models compute in `dtype` (float32, or bfloat16 as `--dtype bfloat16` serves them); a
-compressed model's experts are expanded as the runtime expands them, and offloading computes
-exactly what the resident model computes, so these figures hold for the model served at any
-budget in that dtype. With `slot_format="packed"` (int4 experts computed by torch's int4 kernel
-from packed slots, in bfloat16) the model runs through the runtime, since that kernel is not what
-transformers computes with.
+With `offload` (`--memory` or `--budget`) both models run through the offloading runtime, neither
+whole in memory. Under `--memory` the cap is the whole process's, both models in it: the reference,
+loaded first, is planned for half of what the process has left, and the model for the rest. Both
+models compute in `dtype` (float32, or bfloat16 as `--dtype bfloat16` serves them); a compressed
+model's experts are expanded as the runtime expands them, and offloading computes exactly what the
+resident model computes, so these figures hold for the model served at any budget in that dtype.
+With `slot_format="packed"` (int4 experts computed by torch's int4 kernel from packed slots, in
+bfloat16) the model runs through the runtime, since that kernel is not what transformers computes
+with.
 
 Mixed precision (`options.fine_model`) computes each expert with the copy the runtime chose for
 it, so its quality depends on the budget, policy, predictor and rule: it runs through the runtime
@@ -19,7 +21,8 @@ alike. Decode mode is open to any model, so that uniform precisions compare on t
 
 JSON: {model, reference, dtype, slot_format, options, predictor, decode, split, seq_len, windows, datasets: {SPEC:
 {tokens, perplexity, reference_perplexity, perplexity_increase, kl_nats, top1_agreement, fine_share?}},
-fingerprint_match}; fine_share: mixed precision's share of expert uses computed with a fine copy.
+fingerprint_match, memory_plans?: {reference, model}}; memory_plans: with `--memory`, what each model's share
+bought (`MemoryPlan.line`); fine_share: mixed precision's share of expert uses computed with a fine copy.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from offload_runtime.engine.options import RuntimeOptions
 from prescient.atomic import write_json_atomic
 from prescient.fingerprint import loaded_fingerprint
 from prescient.loading import load_model, load_tokenizer
+from prescient.memory_cap import process_footprint
 from training.reference_lm import corpus_windows
 
 
@@ -84,6 +88,14 @@ def _loaded(model_dir: str | Path, predictor: str | None, options: RuntimeOption
     return model, loaded_fingerprint(model_dir, model, layers, options.torch_dtype)
 
 
+def reference_share(cap: int) -> int:
+    """The cap the reference is planned for when both models share `cap` in this process: half of
+    what the process leaves now (the model, loaded after it, measures the process with the
+    reference in it and takes the rest)."""
+    now = process_footprint()
+    return now + max(cap - now, 0) // 2
+
+
 def measure_quality(model_dir: str | Path, reference_dir: str | Path, datasets: tuple[str, ...],
                     split: str = "validation", text_field: str = "text", seq_len: int = 256, windows: int = 64,
                     batch_size: int = 8, options: RuntimeOptions | None = None, predictor: str | None = None,
@@ -91,14 +103,17 @@ def measure_quality(model_dir: str | Path, reference_dir: str | Path, datasets: 
     """`options`: the dtype both compute in, and (packed slots, mixed precision) how the runtime
     serves the model; `predictor`: the runtime's (an artifact path). `offload`: both models run
     through the runtime with `options` (experts in `options.budget` worth of slots, read from
-    `options.store`), so that neither needs its whole weights in memory; the figures are those of
-    the whole models (offloading computes what they compute)."""
+    `options.store`; or with `options.memory`, the two of them under that cap), so that neither needs its
+    whole weights in memory; the figures are those of the whole models (offloading computes what they
+    compute)."""
     options = options or RuntimeOptions(budget=1.0)
     mixed = options.fine_model is not None
     decode = decode or mixed
     through_runtime = offload or options.slot_format == "packed"
-    reference, ref_fingerprint = _loaded(reference_dir, None, replace(options, slot_format="expanded", fine_model=None),
-                                         offload)
+    ref_options = replace(options, slot_format="expanded", fine_model=None)
+    if offload and options.memory is not None:
+        ref_options = replace(ref_options, memory=reference_share(options.memory))
+    reference, ref_fingerprint = _loaded(reference_dir, None, ref_options, offload)
     model, fingerprint = _loaded(model_dir, predictor, options, through_runtime)
     tokenizer = load_tokenizer(reference_dir)
     result = {"model": str(model_dir), "reference": str(reference_dir), "dtype": options.dtype,
@@ -106,6 +121,9 @@ def measure_quality(model_dir: str | Path, reference_dir: str | Path, datasets: 
               "predictor": str(predictor) if predictor else None, "decode": decode,
               "split": split, "seq_len": seq_len, "windows": windows,
               "fingerprint_match": fingerprint == ref_fingerprint, "datasets": {}}
+    if offload and options.memory is not None:
+        result["memory_plans"] = {name: loaded.offload_runtime.memory_plan.line()
+                                  for name, loaded in (("reference", reference), ("model", model))}
     try:
         for dataset in datasets:
             held_out = corpus_windows(tokenizer, dataset, split, text_field, seq_len, windows)
