@@ -13,26 +13,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
-from offload_runtime.engine.generate import TokenClock, generate_offloaded
+from offload_runtime.engine.generate import generate_offloaded, timed_generate
 
 SYSTEMS = ("plain", "mmap", "prescient")
 
 
-def timed_generate(model: nn.Module, tokenizer, prompt: str, new_tokens: int) -> dict[str, Any]:
-    """Greedy ids after `prompt` (up to `new_tokens`, as `generate_offloaded` asks), prefill
-    seconds and decode tokens/s."""
-    inputs = tokenizer(prompt, return_tensors="pt")
-    clock = TokenClock()
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, streamer=clock,
-                             pad_token_id=tokenizer.pad_token_id)
-    ids = out[0, inputs["input_ids"].shape[1]:].tolist()
-    decode_s = clock.times[len(ids)] - clock.times[1] if len(ids) > 1 else None
-    return {"token_ids": ids, "prefill_seconds": clock.times[1] - clock.times[0] if ids else None,
-            "tokens_per_s": (len(ids) - 1) / decode_s if decode_s else None}
+def greedy(model: nn.Module, tokenizer, spec: dict[str, Any]) -> dict[str, Any]:
+    """Greedy ids after the spec's prompt (up to its `new_tokens`, as `generate_offloaded` asks),
+    prefill seconds, decode tokens/s and major page faults per token."""
+    return timed_generate(model, tokenizer, tokenizer(spec["prompt"], return_tensors="pt"), spec["new_tokens"])
 
 
 def run_plain(spec: dict[str, Any]) -> dict[str, Any]:
@@ -40,7 +31,7 @@ def run_plain(spec: dict[str, Any]) -> dict[str, Any]:
 
     directory = ModelDirectory.open(spec["model"])
     model = model_class(directory.config).from_pretrained(directory.path).eval()
-    return timed_generate(model, directory.tokenizer(), spec["prompt"], spec["new_tokens"])
+    return greedy(model, directory.tokenizer(), spec)
 
 
 def run_mmap(spec: dict[str, Any]) -> dict[str, Any]:
@@ -49,7 +40,7 @@ def run_mmap(spec: dict[str, Any]) -> dict[str, Any]:
 
     directory = ModelDirectory.open(spec["model"])
     model, _ = load_mmap_model(directory)
-    record = timed_generate(model, directory.tokenizer(), spec["prompt"], spec["new_tokens"])
+    record = greedy(model, directory.tokenizer(), spec)
     return {**record, "mapped_share": mapped_share(model)}
 
 
@@ -65,7 +56,8 @@ def run_prescient(spec: dict[str, Any]) -> dict[str, Any]:
                              options=options)
     stats, tokens = out["stats"], max(len(out["token_ids"]), 1)
     return {"token_ids": out["token_ids"], "prefill_seconds": out["prefill_seconds"],
-            "tokens_per_s": out["tokens_per_s"], "settings": out["settings"], "memory_plan": out["memory_plan"],
+            "tokens_per_s": out["tokens_per_s"], "decode_major_faults_per_token": out["decode_major_faults_per_token"],
+            "settings": out["settings"], "memory_plan": out["memory_plan"],
             "runtime": {"hit_rate": stats["hit_rate"], "bytes_moved_per_token": stats["bytes_moved"] / tokens,
                         "stall_ms_per_token": 1000 * stats["stall_seconds"] / tokens, "slots": stats["slots"],
                         "slot_bytes": stats["slot_bytes"], "stats": stats}}

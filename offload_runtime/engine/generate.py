@@ -15,16 +15,34 @@ from prescient.model_dir import ModelDirectory
 
 
 class TokenClock:
-    """A generate() streamer that only notes when each put arrives: the prompt, then each token."""
+    """A generate() streamer that only notes when each put arrives (the prompt, then each token) and
+    how many major page faults the process had taken by then: under a memory cap, pages the kernel
+    took back (the libraries' code, a mapped checkpoint) fault back in from disk, a cost that no
+    runtime statistic shows."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.faults: list[int] = []
 
     def put(self, _value: Any) -> None:
         self.times.append(time.perf_counter())
+        self.faults.append(major_faults())
 
     def end(self) -> None:
-        self.times.append(time.perf_counter())
+        self.put(None)
+
+    def decode_faults_per_token(self, new_tokens: int) -> float | None:
+        """Major page faults per token from the first new token to the last (None for one token)."""
+        return (self.faults[new_tokens] - self.faults[1]) / (new_tokens - 1) if new_tokens > 1 else None
+
+
+def major_faults() -> int:
+    """This process's major page faults so far (0 where the system does not count them)."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
 
 
 class GenerationError(PrescientError):
@@ -69,8 +87,6 @@ def generate_offloaded(model_dir: str | Path | ModelDirectory, prompt: str, max_
     """Generate with the experts offloaded (`load_offloaded`'s options, whole or as keywords),
     greedily or with `sampling`; the record holds the settings (every option, the decoding), the
     new token ids and text, the runtime's statistics, prefill seconds and decode tokens/s."""
-    import torch
-
     from offload_runtime.engine.loader import load_offloaded
 
     options = RuntimeOptions.of(options, **settings)
@@ -82,32 +98,41 @@ def generate_offloaded(model_dir: str | Path | ModelDirectory, prompt: str, max_
         options = replace(options, context_tokens=inputs["input_ids"].shape[1] + max_new_tokens)
     model = load_offloaded(directory, predictor, options)
     with model.offload_runtime as runtime:
-        inputs = inputs.to(options.device)
-        clock = TokenClock()
-        decoding: dict[str, Any] = {"do_sample": False}
-        if sampling is not None:
-            torch.manual_seed(sampling.seed)
-            decoding = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p}
-        with torch.inference_mode():
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, streamer=clock,
-                                 pad_token_id=tokenizer.pad_token_id, **decoding)
+        timed = timed_generate(model, tokenizer, inputs.to(options.device), max_new_tokens, sampling)
         stats = runtime.stats()
         plan = runtime.memory_plan
-    # a decoder's output repeats the prompt; an encoder-decoder's starts with the decoder start token
-    first = 1 if model.config.is_encoder_decoder else inputs["input_ids"].shape[1]
-    token_ids = out[0, first:].tolist()
-    # clock: prompt put (before prefill), one put per new token, end
-    prefill_s = clock.times[1] - clock.times[0] if len(token_ids) else None
-    decode_s = clock.times[len(token_ids)] - clock.times[1] if len(token_ids) > 1 else None
     return {
         "settings": {"model": str(model_dir), "predictor": predictor and str(predictor),
                      "max_new_tokens": max_new_tokens, **options.to_json(),
                      "decoding": "greedy" if sampling is None else {"sampled": asdict(sampling)}},
         "prompt": prompt,
-        "token_ids": token_ids,
-        "text": tokenizer.decode(token_ids, skip_special_tokens=True),
+        **timed,
+        "text": tokenizer.decode(timed["token_ids"], skip_special_tokens=True),
         "stats": stats.to_dict(),
         "memory_plan": plan.to_json() if plan is not None else None,
-        "prefill_seconds": prefill_s,
-        "tokens_per_s": (len(token_ids) - 1) / decode_s if decode_s else None,  # decode only
     }
+
+
+def timed_generate(model, tokenizer, inputs, max_new_tokens: int, sampling: Sampling | None = None) -> dict[str, Any]:
+    """`model.generate` on tokenized `inputs` (batch 1), greedy or with `sampling`, timed by a
+    streamer: the new token ids, prefill seconds (to the first new token), decode tokens/s (from
+    the first new token to the last) and major page faults per decoded token."""
+    import torch
+
+    clock = TokenClock()
+    decoding: dict[str, Any] = {"do_sample": False}
+    if sampling is not None:
+        torch.manual_seed(sampling.seed)
+        decoding = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p}
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, streamer=clock,
+                             pad_token_id=tokenizer.pad_token_id, **decoding)
+    # a decoder's output repeats the prompt; an encoder-decoder's starts with the decoder start token
+    first = 1 if model.config.is_encoder_decoder else inputs["input_ids"].shape[1]
+    token_ids = out[0, first:].tolist()
+    # clock: prompt put (before prefill), one put per new token, end
+    decode_s = clock.times[len(token_ids)] - clock.times[1] if len(token_ids) > 1 else None
+    return {"token_ids": token_ids,
+            "prefill_seconds": clock.times[1] - clock.times[0] if token_ids else None,
+            "tokens_per_s": (len(token_ids) - 1) / decode_s if decode_s else None,
+            "decode_major_faults_per_token": clock.decode_faults_per_token(len(token_ids))}

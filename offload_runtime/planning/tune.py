@@ -6,14 +6,16 @@ What decides speed here, measured rather than assumed:
    queue depth is the candidate depth of each read (split into that many reads at once) and number
    of transfer workers (experts read at once, each with a buffer);
 2. per memory size (default: 40%, 60% and 80% of what the whole model needs, `whole_model_memory`),
-   a short greedy decode of a real prompt for the starting configuration, then for each mechanism
-   in turn — each read split at that depth, transfer workers at that depth, the other serving policy, cross-token prefetch
+   short greedy decodes of a few held-out prompts (one load, the prompts in turn, as a server meets
+   requests) for the starting configuration, then for each mechanism in turn — each read split at that depth, transfer workers at that depth, the other serving policy, cross-token prefetch
    (SiDA's forecasts one token ahead), in-token lookahead (HybriMoE's next-layer routers), the
    layer waiting for all its copies instead of the expert pipeline — the configuration with that
    change, and last the experts mapped from the checkpoint with the page cache as their cache instead
    of slots (`mapped`; what llama.cpp's mmap runs do), each interleaved with the best so far (A B A B).
-   A change is kept when its median tokens/s beats every run of the best so far interleaved with it
-   (a gain within the spread is not a gain).
+   A change is kept when, on every prompt, its median tokens/s beats every run of the best so far
+   interleaved with it (a gain within the spread is not a gain, and one prompt is not a workload:
+   LRU kept on one prompt at 0.65 GB decoded another at half the speed, `results/tune-tb.json` and
+   `results/bench-memory-tb.json` as of 27b8128).
 Every run decodes through `generate_offloaded` with `RuntimeOptions(memory=size, ...)` in a fresh
 process, so the memory plan, the page-cache handling and the predictor are those `generate` will
 use, and no run inherits the heap an earlier one left behind. Where this machine has a writable
@@ -54,37 +56,41 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SHARES = (0.4, 0.6, 0.8)  # of the whole model's memory: where offloading decides speed
 PRELOAD = ["torch", "transformers", "offload_runtime.engine.generate"]  # imported once, in the fork server
-RUN_TIMEOUT_S = 600  # one calibration decode; past it the run is killed and tuning stops
+RUN_TIMEOUT_S = 600  # one calibration run; past it the run is killed and tuning stops
+# the transfer workers tried: each holds an expert-sized buffer, and one read split at the curve's
+# depth already reaches its rate (16 workers at 0.65 GB took 15 of 19 slots, results/tune-tb.json at 27b8128)
+TRIED_WORKERS = 2
 
-Decode = Callable[[str, str, int, "str | None", RuntimeOptions], dict[str, Any]]
+Decode = Callable[[str, list[str], int, "str | None", RuntimeOptions], dict[str, Any]]
 
 
 class TuneError(PrescientError):
     """A calibration decode that failed (not for want of memory: that scores 0)."""
 
 
-def decode_in_child(model_dir: str, prompt: str, new_tokens: int, predictor: str | None,
+def decode_in_child(model_dir: str, prompts: list[str], new_tokens: int, predictor: str | None,
                     options: RuntimeOptions) -> dict[str, Any]:
-    """One decode (`tune_child.decode`) in a process of its own, forked from one that imported torch once; uncapped."""
+    """One calibration run (`tune_child.decode`) in a process of its own, forked from one that
+    imported torch once; uncapped."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     with context.Pool(1, maxtasksperchild=1) as pool:
-        return pool.apply(decode_here, (model_dir, prompt, new_tokens, predictor, options))
+        return pool.apply(decode_here, (model_dir, prompts, new_tokens, predictor, options))
 
 
-def decode_capped(model_dir: str, prompt: str, new_tokens: int, predictor: str | None,
+def decode_capped(model_dir: str, prompts: list[str], new_tokens: int, predictor: str | None,
                   options: RuntimeOptions) -> dict[str, Any]:
-    """One decode in a new process in a memory cgroup capped at `options.memory`, the page cache
-    dropped first (pages an earlier run left would serve this one uncharged); a run the kernel
-    kills scores 0 tokens/s."""
+    """One calibration run in a new process in a memory cgroup capped at `options.memory`, the page
+    cache dropped first (pages an earlier run left would serve this one uncharged); a run the kernel
+    kills scores 0 tokens/s on every prompt."""
     with tempfile.TemporaryDirectory(prefix="prescient-tune-") as tmp:
         spec, out = Path(tmp, "spec.pickle"), Path(tmp, "out.json")
-        spec.write_bytes(pickle.dumps((model_dir, prompt, new_tokens, predictor, options)))
+        spec.write_bytes(pickle.dumps((model_dir, prompts, new_tokens, predictor, options)))
         drop_page_cache()
         run = run_capped([sys.executable, "-m", "offload_runtime.planning.tune_child", str(spec), str(out)],
                          options.memory, RUN_TIMEOUT_S)
         if run.killed:
-            return {"tokens_per_s": 0.0, "stats": {}, "memory_plan": None, "killed": True}
+            return {"tokens_per_s": [0.0] * len(prompts), "stats": {}, "memory_plan": None, "killed": True}
         if not out.is_file():
             raise TuneError(f"a calibration decode failed (exit {run.returncode}): {run.stderr_tail.strip()[-500:]}")
         result = json.loads(out.read_text())
@@ -102,7 +108,7 @@ def starting_settings(predictor: str | Path | None) -> dict[str, Any]:
 def candidate_changes(depth: int, forecasts: bool, mapped: bool = True) -> list[tuple[str, dict[str, Any]]]:
     """Each mechanism's change to try on top of the best so far, in order (`mapped`: mapped experts
     too, last, where the runs are capped)."""
-    changes = [("parallel reads", {"read_depth": depth}), ("transfer workers", {"transfer_workers": depth})] \
+    changes = [("parallel reads", {"read_depth": depth}), ("transfer workers", {"transfer_workers": TRIED_WORKERS})] \
         if depth != 1 else []
     if forecasts:
         changes += [("policy lru", {"policy": "lru"}), ("cross-token prefetch", {"next_token_min_chance": 0.5})]
@@ -111,7 +117,7 @@ def candidate_changes(depth: int, forecasts: bool, mapped: bool = True) -> list[
 
 
 def tune(model_dir: str | Path, predictor: str | Path | None = None, memories: list[int] | None = None,
-         new_tokens: int = 48, repeats: int = 2, prompt: str | None = None,
+         new_tokens: int = 48, repeats: int = 2, prompts: list[str] | None = None,
          on_size: Callable[[dict[str, Any]], None] | None = None, decode: Decode | None = None) -> dict[str, Any]:
     """The tuning record: the read curve, every run, and per size the best settings (see the module
     doc); `on_size(record)` after each size, so that a stopped tuning keeps the sizes it finished;
@@ -125,21 +131,22 @@ def tune(model_dir: str | Path, predictor: str | Path | None = None, memories: l
     curve = measure_random_reads(*model_read_file(directory), repeats=2)
     forecasts = predictor is not None and best_policy(predictor) == "learned-belady"
     sizes = memories or [int(share * whole_model_memory(directory)) for share in DEFAULT_SHARES]
-    prompt = prompt or default_prompt()
+    prompts = prompts or calibration_prompts()
     changes = candidate_changes(curve.depth, forecasts, mapped=capped)
     record: dict[str, Any] = {
         "model": str(directory), "predictor": predictor and str(predictor), "machine": machine_key(),
         "capped": capped,
-        "new_tokens": new_tokens, "repeats": repeats, "prompt": prompt,
+        "new_tokens": new_tokens, "repeats": repeats, "prompts": prompts,
         "read_curve": {"expert_bytes": curve.expert_bytes, "depths": list(curve.depths),
                        "bytes_per_s": list(curve.bytes_per_s), "depth": curve.depth},
         "best": [], "runs": [], "refused": []}
     bar = tqdm(total=len(sizes) * (1 + len(changes)) * repeats * 2, desc="tune", unit="run", disable=None)
 
-    def run(memory: int, settings: dict[str, Any]) -> float:
-        result = decode(str(directory), prompt, new_tokens, predictor and str(predictor),
+    def run(memory: int, settings: dict[str, Any]) -> list[float]:
+        result = decode(str(directory), prompts, new_tokens, predictor and str(predictor),
                         RuntimeOptions(memory=memory, **settings))
         record["runs"].append({"memory": memory, "settings": settings, "tokens_per_s": result["tokens_per_s"],
+                               "decode_major_faults_per_token": result.get("decode_major_faults_per_token"),
                                "stats": result["stats"], "memory_plan": result["memory_plan"],
                                "killed": result.get("killed", False)})
         bar.update()
@@ -163,8 +170,9 @@ def tune(model_dir: str | Path, predictor: str | Path | None = None, memories: l
 
 
 def _best_at(memory: int, start: dict[str, Any], changes: list[tuple[str, dict[str, Any]]], repeats: int,
-             decode: Callable[[int, dict[str, Any]], float]) -> dict[str, Any]:
-    """Coordinate search at one size: each change against the best so far, interleaved."""
+             decode: Callable[[int, dict[str, Any]], list[float]]) -> dict[str, Any]:
+    """Coordinate search at one size: each change against the best so far, interleaved; a run's
+    score is its tokens/s per prompt, its summary their mean."""
     best, best_runs, kept = start, [], []
     for name, change in changes:
         trial = {**best, **change}
@@ -175,20 +183,30 @@ def _best_at(memory: int, start: dict[str, Any], changes: list[tuple[str, dict[s
             beside.append(decode(memory, best))
             trial_runs.append(decode(memory, trial))
         best_runs += beside
-        # a gain within the spread of the best's runs beside it is no gain (not against every run of
-        # the best so far: their maximum only grows with their number, and noise would keep the start)
-        if statistics.median(trial_runs) > max(beside):
+        if _wins_on_every_prompt(trial_runs, beside):
             best, best_runs = trial, trial_runs
             kept.append(name)
     if not best_runs:  # nothing to try: measure the start once for the record
         best_runs = [decode(memory, best) for _ in range(repeats)]
+    means = [statistics.fmean(run) for run in best_runs]
     return {"settings": {k: best[k] for k in TUNED_SETTINGS}, "kept": kept,
-            "tokens_per_s": statistics.median(best_runs), "spread": [min(best_runs), max(best_runs)]}
+            "tokens_per_s": statistics.median(means), "spread": [min(means), max(means)]}
 
 
-def default_prompt(tokens: int = 48) -> str:
-    """A real prompt: the start of a held-out row of the built-in stdlib-code corpus."""
+def _wins_on_every_prompt(trial_runs: list[list[float]], beside: list[list[float]]) -> bool:
+    """On each prompt the trial's median beats every run of the best beside it (not every run of
+    the best so far: their maximum only grows with their number, and noise would keep the start)."""
+    return all(statistics.median(run[p] for run in trial_runs) > max(run[p] for run in beside)
+               for p in range(len(beside[0])))
+
+
+def calibration_prompts(tokens: int = 48) -> list[str]:
+    """Real prompts, held out from the predictor's training: the starts of the first two long rows
+    of the built-in code corpus's validation split and of the first of its docs corpus."""
     from training.corpora import load_corpus
 
-    text = next(row for row in load_corpus("stdlib-code", "validation")["text"] if len(row) > 8 * tokens)
-    return text[: 4 * tokens]
+    def starts(corpus: str, count: int) -> list[str]:
+        rows = (row for row in load_corpus(corpus, "validation")["text"] if len(row) > 8 * tokens)
+        return [next(rows)[: 4 * tokens] for _ in range(count)]
+
+    return starts("stdlib-code", 2) + starts("stdlib-docs", 1)

@@ -48,10 +48,12 @@ def test_tune_keeps_the_fastest_measured_settings_per_size(tiny_moe_dir, tuned_h
     sizes = _sizes(path, monkeypatch)
     speeds = iter(range(1000))  # every later run faster: each change is kept, in order
 
-    def fake_decode(directory, prompt, new_tokens, predictor, options):
-        return {"tokens_per_s": float(next(speeds)), "stats": {}, "memory_plan": None}
+    def fake_decode(directory, prompts, new_tokens, predictor, options):
+        speed = float(next(speeds))
+        return {"tokens_per_s": [speed] * len(prompts), "stats": {}, "memory_plan": None}
 
-    record = tune_module.tune(path, memories=sizes, new_tokens=4, repeats=1, prompt="def f(x):", decode=fake_decode)
+    record = tune_module.tune(path, memories=sizes, new_tokens=4, repeats=1, prompts=["def f(x):", "import os"],
+                              decode=fake_decode)
     assert [best["memory"] for best in record["best"]] == sizes
     for best in record["best"]:
         assert best["kept"] == [name for name, _ in tune_module.candidate_changes(record["read_curve"]["depth"],
@@ -69,13 +71,14 @@ def test_one_calibration_decode_runs_in_a_process_of_its_own_under_the_cap(tiny_
     path = str(tiny_moe_dir("mixtral"))
     capped = cgroup_kind() != "none"
     decode = tune_module.decode_capped if capped else tune_module.decode_in_child
-    result = decode(path, "def f(x):", 4, None, RuntimeOptions(memory=2 * 2**30))
-    assert result["tokens_per_s"] > 0 and result["memory_plan"]["mapped"]
+    prompts = ["def f(x):", "import os"]
+    result = decode(path, prompts, 4, None, RuntimeOptions(memory=2 * 2**30))
+    assert len(result["tokens_per_s"]) == 2 and min(result["tokens_per_s"]) > 0 and result["memory_plan"]["mapped"]
     if capped:
-        assert decode(path, "def f(x):", 4, None, RuntimeOptions(memory=64 * MiB))["killed"]
+        assert decode(path, prompts, 4, None, RuntimeOptions(memory=64 * MiB))["killed"]
     else:
         with pytest.raises(CapacityError, match="smallest memory that works"):
-            decode(path, "def f(x):", 4, None, RuntimeOptions(memory=64 * MiB))
+            decode(path, prompts, 4, None, RuntimeOptions(memory=64 * MiB))
 
 
 @pytest.mark.slow
@@ -112,3 +115,21 @@ def test_without_tuning_memory_says_how_to_tune_in_one_line(tiny_moe_dir, tuned_
         options = cli_args.runtime_options(parser.parse_args(["--model", str(path), "--memory", "1GiB"]))
     assert f"prescient tune --model {path}" in caplog.text
     assert (options.transfer_workers, options.lookahead_layers, options.expert_pipeline) == (1, 0, True)
+
+
+def test_a_change_is_kept_only_where_it_wins_on_every_prompt(tiny_moe_dir, tuned_home, monkeypatch):
+    """A change twice as fast on one prompt and slower on the other is not kept: one prompt is not a
+    workload (LRU's win on one prompt halved another's speed on runs/tb)."""
+    path = tiny_moe_dir("mixtral")
+    sizes = _sizes(path, monkeypatch)[:1]
+
+    def fake_decode(directory, prompts, new_tokens, predictor, options):
+        speeds = [20.0, 5.0] if options.policy == "lru" else [10.0, 10.0]
+        return {"tokens_per_s": speeds, "stats": {}, "memory_plan": None}
+
+    monkeypatch.setattr(tune_module, "best_policy", lambda predictor: "learned-belady")
+    record = tune_module.tune(path, "predictor", memories=sizes, new_tokens=4, repeats=2,
+                              prompts=["def f(x):", "import os"], decode=fake_decode)
+    (best,) = record["best"]
+    assert "policy lru" not in best["kept"] and best["settings"]["policy"] == "learned-belady"
+    assert best["tokens_per_s"] == 10.0
