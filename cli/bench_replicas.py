@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import add_runtime_args, output_file, port, positive_int, runtime_options
+from cli.args import add_runtime_args, memory, output_file, port, positive_int, runtime_options
 
 
 def settings(text: str) -> tuple[str, ...]:
@@ -35,7 +35,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--conversations", type=positive_int, default=8, help="chats running at once")
     p.add_argument("--turns", type=positive_int, default=4, help="user turns per chat")
     p.add_argument("--max-tokens", type=positive_int, default=24, help="tokens per answer")
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="runs of every setting, interleaved (the summary gives medians and ranges)")
     p.add_argument("--max-batch", type=positive_int, default=16, help="each replica's --max-batch")
+    p.add_argument("--prefix-cache", type=memory, default=None, metavar="SIZE",
+                   help="keep finished sequences' KV (up to SIZE, e.g. 64MiB; per replica and the single server) so that a prompt "
+                        "resuming one (a chat's next turn) prefills only its new tokens; default: off")
     p.add_argument("--port", type=port, default=8000, help="Ray's HTTP proxy (--backend ray)")
     p.add_argument("--json", type=output_file, required=True, metavar="OUT", help="the results JSON")
     return p
@@ -45,16 +50,19 @@ def run(args: argparse.Namespace) -> None:
     from experiments.bench_replicas import bench_replicas
 
     app_args = dict(model_dir=args.model, predictor=args.predictor, options=runtime_options(args),
-                    max_batch=args.max_batch)
+                    max_batch=args.max_batch, prefix_cache_bytes=args.prefix_cache or 0)
     result = bench_replicas(app_args, args.json, backend=args.backend, replicas=args.replicas,
                             conversations=args.conversations, turns=args.turns, max_tokens=args.max_tokens,
-                            port=args.port, **({"settings": args.settings} if args.settings else {}))
+                            port=args.port, repeats=args.repeats,
+                            **({"settings": args.settings} if args.settings else {}))
     for name, rate in result["summary"]["hit_rate"].items():
-        print(f"{name:>12}: expert hit rate {rate:.4f} ({result['runs'][name]['wall_s']} s)")
+        median = result["summary"]["median"]
+        print(f"{name:>12}: expert hit rate {rate:.4f}, {median['prefill_tokens'][name]:.0f} prompt tokens prefilled, "
+              f"{median['tokens_per_s'][name]:.2f} tokens/s (medians)")
     print(json_line(result["summary"]))
 
 
 def json_line(summary: dict) -> str:
     import json
 
-    return json.dumps({k: v for k, v in summary.items() if k != "hit_rate"})
+    return json.dumps({k: v for k, v in summary.items() if k not in ("hit_rate", "median", "range")})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from cli.args import add_runtime_args, port, positive_int, runtime_options, seconds
+from cli.args import add_runtime_args, memory, port, positive_int, runtime_options, seconds
 
 API_KEY_ENV = "PRESCIENT_API_KEY"
 
@@ -57,6 +57,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--routing", choices=("cache", "random", "least-loaded"), default="cache",
                    help="with --replicas: keep a conversation (X-Session-ID or its prompt's start) on one replica "
                         "unless it is busy (cache), or route at random or to the least loaded")
+    p.add_argument("--prefix-cache", type=memory, default=None, metavar="SIZE",
+                   help="keep finished sequences' KV (up to SIZE, e.g. 64MiB; per replica) so that a prompt "
+                        "resuming one (a chat's next turn) prefills only its new tokens; default: off")
     add_runtime_args(p)
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -71,7 +74,7 @@ def run(args: argparse.Namespace) -> None:
     app_args = dict(model_dir=args.model, predictor=args.predictor, options=runtime_options(args),
                     served_model_name=args.served_model_name, max_batch=args.max_batch, max_queue=args.max_queue,
                     shutdown_timeout=args.shutdown_timeout, api_keys=args.api_key or (),
-                    metrics_need_key=args.metrics_need_key)
+                    metrics_need_key=args.metrics_need_key, prefix_cache_bytes=args.prefix_cache or 0)
     if args.replicas is not None:
         from offload_runtime.server.ray_replicas import run_replicas
 

@@ -7,8 +7,11 @@ greedily. All conversations run at once, each sending its next turn when the las
 (closed loop). Settings, each from cold caches: one server; `replicas` replicas routed at random;
 routed by the least loaded; routed cache-aware (`offload_runtime.server.routing`: a conversation
 stays on the replica whose cache holds its experts unless that replica is busy). Per setting: the
-expert-cache hits and misses summed over the replicas (from /metrics), the hit rate, wall time,
-and every answer, which must equal the single server's.
+expert-cache hits and misses summed over the replicas (from /metrics), the hit rate, the prefills'
+share of them, the prompt tokens prefilled (with a prefix cache, those it did not hold), tokens/s,
+wall time, and every answer, which must equal the single server's. `repeats` runs every setting
+that many times, interleaved (single, random, ..., single, random, ...); the summary gives medians
+and ranges.
 
 Two backends run the same workload and routing code: `ray` deploys `ray_replicas` on a local Ray
 cluster (Ray's HTTP proxy, the gateway, the custom request router); `inprocess` serves each replica's
@@ -22,6 +25,7 @@ import asyncio
 import json
 import logging
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -54,21 +58,25 @@ def workload(conversations: int, turns: int, first_chars: int = 400, turn_chars:
     return out
 
 
-def hits_and_misses(texts: list[str]) -> tuple[float, float]:
-    """The expert-cache hits and misses in /metrics expositions, summed over every replica."""
-    totals = {"prescient_expert_cache_hits_total": 0.0, "prescient_expert_cache_misses_total": 0.0}
+COUNTED = ("expert_cache_hits", "expert_cache_misses", "prefill_expert_cache_hits", "prefill_expert_cache_misses",
+           "prompt_tokens", "prompt_tokens_cached", "completion_tokens")
+
+
+def counts(texts: list[str]) -> dict[str, float]:
+    """The `COUNTED` counters in /metrics expositions, each summed over every replica."""
+    totals = dict.fromkeys(COUNTED, 0.0)
     for text in texts:
         for line in text.splitlines():
-            name = line.split("{")[0].split(" ")[0]
-            if name in totals:
+            name = line.split("{")[0].split(" ")[0].removeprefix("prescient_").removesuffix("_total")
+            if name in totals and not line.startswith("#"):
                 totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals["prescient_expert_cache_hits_total"], totals["prescient_expert_cache_misses_total"]
+    return totals
 
 
 class InProcess:
     """`replicas` apps in this process, routed as the Ray router would route them."""
 
-    def __init__(self, app_args: dict, replicas: int, mode: str, busy_at: int, seed: int = 0) -> None:
+    def __init__(self, app_args: dict, replicas: int, mode: str, busy_at: int, seed: int) -> None:
         from offload_runtime.server.app import create_app
 
         self.apps = [create_app(**app_args, served_model_name=MODEL, replica=f"r{n}") for n in range(replicas)]
@@ -147,8 +155,8 @@ class OnRay:
 
 async def run_conversations(backend, chats: list[list[str]], max_tokens: int) -> dict[str, Any]:
     """Every conversation at once, each turn after the last is answered; the answers, the replica
-    of each turn, and the hits and misses the workload added."""
-    before = hits_and_misses(await backend.metrics())
+    of each turn, and what the workload added to the counters."""
+    before = counts(await backend.metrics())
     answers: list[list[str]] = [[] for _ in chats]
     placed: list[list[str]] = [[] for _ in chats]
 
@@ -166,9 +174,20 @@ async def run_conversations(backend, chats: list[list[str]], max_tokens: int) ->
     start = time.perf_counter()
     await asyncio.gather(*(converse(n) for n in range(len(chats))))
     wall = time.perf_counter() - start
-    hits, misses = (after - first for after, first in zip(hits_and_misses(await backend.metrics()), before))
-    return {"hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+    c = {name: value - before[name] for name, value in counts(await backend.metrics()).items()}
+    hits, misses = c["expert_cache_hits"], c["expert_cache_misses"]
+    prefill = c["prefill_expert_cache_hits"] + c["prefill_expert_cache_misses"]
+    decode_hits = hits - c["prefill_expert_cache_hits"]
+    return {"hits": hits, "misses": misses, "hit_rate": _ratio(hits, hits + misses),
+            "prefill_accesses": prefill, "prefill_hits": c["prefill_expert_cache_hits"],
+            "decode_hit_rate": _ratio(decode_hits, hits + misses - prefill),
+            "prompt_tokens": c["prompt_tokens"], "prefill_tokens": c["prompt_tokens"] - c["prompt_tokens_cached"],
+            "completion_tokens": c["completion_tokens"], "tokens_per_s": round(c["completion_tokens"] / wall, 2),
             "wall_s": round(wall, 2), "replica_of_turn": placed, "answers": answers}
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
 
 
 async def _measure(server, chats: list[list[str]], max_tokens: int) -> dict[str, Any]:
@@ -183,16 +202,17 @@ async def _measure(server, chats: list[list[str]], max_tokens: int) -> dict[str,
         await server.close()
 
 
-def _backend(kind: str, setting: str, app_args: dict, replicas: int, busy_at: int, port: int | None):
+def _backend(kind: str, setting: str, app_args: dict, replicas: int, busy_at: int, port: int | None, seed: int):
     count, mode = (1, "least-loaded") if setting == "single" else (replicas, setting)
     if kind == "ray":
         return OnRay(app_args, count, mode, busy_at, port)
-    return InProcess(app_args, count, mode, busy_at)
+    return InProcess(app_args, count, mode, busy_at, seed)
 
 
 def bench_replicas(app_args: dict, json_path: str, backend: str = "inprocess", replicas: int = 2,
                    conversations: int = 8, turns: int = 4, max_tokens: int = 24, busy_at: int | None = None,
-                   settings: tuple[str, ...] = SETTINGS, port: int = 8000, threads: int = 1) -> dict[str, Any]:
+                   settings: tuple[str, ...] = SETTINGS, port: int = 8000, threads: int = 1,
+                   repeats: int = 1) -> dict[str, Any]:
     """Run the workload under each setting (see the module's docstring); write and return the JSON."""
     import torch
 
@@ -206,35 +226,56 @@ def bench_replicas(app_args: dict, json_path: str, backend: str = "inprocess", r
 
         ray.init(include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-    runs: dict[str, Any] = {}
+    runs: dict[str, list[dict[str, Any]]] = {setting: [] for setting in settings}
     try:
-        for setting in settings:
-            log.info("%s: %s", setting, "loading")
+        for repeat, setting in ((r, s) for r in range(repeats) for s in settings):
+            log.info("%s, repeat %d: loading", setting, repeat)
             started = time.perf_counter()
-            server = _backend(backend, setting, app_args, replicas, busy_at, port)
+            server = _backend(backend, setting, app_args, replicas, busy_at, port, seed=repeat)
             ready_s = round(time.perf_counter() - started, 1)
-            runs[setting] = {**asyncio.run(_measure(server, chats, max_tokens)), "ready_s": ready_s}
-            log.info("%s: hit rate %.4f", setting, runs[setting]["hit_rate"])
+            runs[setting].append({**asyncio.run(_measure(server, chats, max_tokens)), "ready_s": ready_s})
+            log.info("%s: hit rate %.4f", setting, runs[setting][-1]["hit_rate"])
     finally:
         if backend == "ray":
             serve.shutdown()
             ray.shutdown()
     result = {"settings": {"backend": backend, "replicas": replicas, "conversations": conversations, "turns": turns,
-                           "max_tokens": max_tokens, "busy_at": busy_at, "model_dir": str(app_args["model_dir"]),
+                           "max_tokens": max_tokens, "busy_at": busy_at, "repeats": repeats,
+                           "prefix_cache_bytes": app_args.get("prefix_cache_bytes", 0),
+                           "model_dir": str(app_args["model_dir"]),
                            "predictor": str(app_args.get("predictor")), "options": app_args["options"].to_json()},
               "machine": machine_info(threads), "runs": runs, "summary": summary(runs)}
     write_json_atomic(json_path, result)
     return result
 
 
-def summary(runs: dict[str, Any]) -> dict[str, Any]:
-    """Hit rates, cache-aware routing's against the others, and whether every answer equals the single server's."""
-    rates = {name: round(run["hit_rate"], 4) for name, run in runs.items()}
-    out: dict[str, Any] = {"hit_rate": rates}
+SUMMED = ("hit_rate", "decode_hit_rate", "prefill_share", "prefill_tokens", "tokens_per_s")
+
+
+def summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per setting, the median and range over repeats of `SUMMED`; cache-aware routing's median
+    hit rate against the others' (and the range of the ratio within each repeat); and whether
+    every answer equals the single server's."""
+    def values(run: dict[str, Any]) -> dict[str, float]:
+        return {**{k: run[k] for k in SUMMED if k in run},
+                "prefill_share": _ratio(run["prefill_accesses"], run["hits"] + run["misses"])}
+
+    table = {name: [values(run) for run in repeats] for name, repeats in runs.items()}
+    out: dict[str, Any] = {
+        "median": {k: {name: round(statistics.median(v[k] for v in rows), 4) for name, rows in table.items()}
+                   for k in SUMMED},
+        "range": {k: {name: [round(min(v[k] for v in rows), 4), round(max(v[k] for v in rows), 4)]
+                      for name, rows in table.items()} for k in SUMMED}}
+    rates = out["hit_rate"] = out["median"]["hit_rate"]
     if "cache" in rates:
         out["cache_over"] = {name: round(rates["cache"] / rate, 3) if rate else None
                              for name, rate in rates.items() if name != "cache"}
+        out["cache_over_range"] = {
+            name: [round(min(ratios), 3), round(max(ratios), 3)]
+            for name in rates if name != "cache"
+            if (ratios := [c["hit_rate"] / o["hit_rate"] for c, o in zip(runs["cache"], runs[name]) if o["hit_rate"]])}
     if "single" in runs:
-        out["answers_equal_single"] = {name: run["answers"] == runs["single"]["answers"]
-                                       for name, run in runs.items() if name != "single"}
+        first = runs["single"][0]["answers"]
+        out["answers_equal_single"] = {name: all(run["answers"] == first for run in repeats)
+                                       for name, repeats in runs.items()}
     return out

@@ -99,6 +99,10 @@ class ServerMetrics:
             return
         for name, doc, field in _RUNTIME_COUNTERS:
             yield family(CounterMetricFamily, name, doc, getattr(stats, field))
+        yield family(CounterMetricFamily, "prefill_expert_cache_hits", "of expert_cache_hits, those in prefills",
+                     c.prefill_expert_hits)
+        yield family(CounterMetricFamily, "prefill_expert_cache_misses", "of expert_cache_misses, those in prefills",
+                     c.prefill_expert_misses)
         yield family(GaugeMetricFamily, "expert_cache_hit_rate", "hits / accesses since start", stats.hit_rate)
         yield family(GaugeMetricFamily, "expert_slots", "expert slots in fast memory", stats.slots)
         yield family(GaugeMetricFamily, "expert_slot_bytes", "bytes of the expert slots", stats.slot_bytes)

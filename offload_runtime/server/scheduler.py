@@ -118,6 +118,8 @@ class SchedulerCounters:
     prompt_tokens_cached: int = 0  # of prompt_tokens, those whose KV came from the prefix cache
     completion_tokens: int = 0
     prefill_forwards: int = 0
+    prefill_expert_hits: int = 0  # of the runtime's expert-cache hits and misses, those of prefills
+    prefill_expert_misses: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # summed batch size over decode steps
 
@@ -240,7 +242,11 @@ class Scheduler:
         ids, valid, positions, cache = prefill_inputs(new, pasts, self.pad_token_id, self.model.config)
         length = ids.shape[1]
         scored = [row for row, r in enumerate(requests) if r.params.prompt_logprobs]
+        before = self.stats
         logits = self._forward(ids, valid.long(), positions, cache, requests, every_position=bool(scored))
+        if before is not None:
+            self.counters.prefill_expert_hits += self.stats.hits - before.hits
+            self.counters.prefill_expert_misses += self.stats.misses - before.misses
         for row in scored:  # the prompt's own logprobs: its positions but the last predict its tokens after the first
             request = requests[row]
             request.prompt_logprobs = prompt_logprobs(logits[row, length - len(request.prompt_ids):-1],

@@ -104,6 +104,8 @@ def test_a_server_with_the_prefix_cache_answers_as_one_without(tiny_moe_dir):
                                    ["choices"][0]["logprobs"]["token_logprobs"])
             prompt = server.metric("prescient_prompt_tokens_total")
             reused = server.metric("prescient_prompt_tokens_cached_total")
+            prefill_misses = server.metric("prescient_prefill_expert_cache_misses_total")
+            assert 0 < prefill_misses < server.metric("prescient_expert_cache_misses_total")
             if cached:
                 assert 0 < server.metric("prescient_prefix_cache_bytes") <= cached
                 assert server.metric("prescient_prefix_cache_entries") >= len(chats)
