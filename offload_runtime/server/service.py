@@ -4,6 +4,7 @@ background and checks each request against it (`ClientError`: the 4xx answer a c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import threading
@@ -93,7 +94,7 @@ class Service:
         try:
             model_dir = ModelDirectory.of(c.model_dir)
             tokenizer = model_dir.tokenizer()
-            model = load_offloaded(model_dir, c.predictor, c.options)
+            model = load_offloaded(model_dir, c.predictor, _less_prefix_cache(c.options, c.prefix_cache_bytes))
             if model.config.is_encoder_decoder:
                 model.offload_runtime.close()
                 raise UnsupportedModelError(f"{c.model_dir} is an encoder-decoder model; serving decodes "
@@ -219,6 +220,14 @@ def _scoring_only(body: schemas.CompletionRequest | schemas.ChatRequest) -> bool
     """A completion that asks for its prompt back and nothing generated (`echo`, `max_tokens` 0):
     what lm-evaluation-harness's loglikelihood requests amount to."""
     return isinstance(body, schemas.CompletionRequest) and body.echo and body.max_tokens == 0
+
+
+def _less_prefix_cache(options: RuntimeOptions, prefix_cache_bytes: int) -> RuntimeOptions:
+    """The runtime's options with the prefix cache's bytes taken out of a `memory` cap, so that
+    the memory plan leaves room for it (a `budget` counts experts only and stays)."""
+    if options.memory is None or not prefix_cache_bytes:
+        return options
+    return dataclasses.replace(options, memory=options.memory - prefix_cache_bytes)
 
 
 def memory_or_budget(options: RuntimeOptions) -> str:
