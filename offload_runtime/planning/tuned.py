@@ -75,11 +75,22 @@ class Tuned:
 
 def save_tuned(model_dir: str | Path | ModelDirectory, record: dict) -> Path:
     """Keep `record` (`tune`'s result, with "best": [{"memory": bytes, "settings": {...}}, ...])
-    as this model's tuned file on this machine; returns its path."""
+    as this model's tuned file on this machine, beside the sizes an earlier tune kept that this one
+    did not measure (a tune at 6 GiB keeps the one at 4 GiB); returns its path."""
     path = tuned_path(model_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_results(record, path)
+    measured = {entry["memory"] for entry in record["best"]}
+    kept = [entry for entry in _entries(path) if entry["memory"] not in measured]
+    write_results({**record, "best": sorted(kept + record["best"], key=lambda entry: entry["memory"])}, path)
     return path
+
+
+def _entries(path: Path) -> list[dict]:
+    """The sizes a tuned file keeps (none where it is missing or cannot be read)."""
+    try:
+        return list(json.loads(path.read_text())["best"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def load_tuned(model_dir: str | Path | ModelDirectory) -> Tuned | None:

@@ -133,3 +133,14 @@ def test_a_change_is_kept_only_where_it_wins_on_every_prompt(tiny_moe_dir, tuned
     (best,) = record["best"]
     assert "policy lru" not in best["kept"] and best["settings"]["policy"] == "learned-belady"
     assert best["tokens_per_s"] == 10.0
+
+
+def test_a_tune_at_another_size_keeps_the_sizes_tuned_before(tiny_moe_dir, tuned_home):
+    path = tiny_moe_dir("mixtral")
+    settings = tune_module.starting_settings(None)
+    save_tuned(path, {"best": [{"memory": 4 * 2**30, "settings": {**settings, "read_depth": 4}}]})
+    save_tuned(path, {"best": [{"memory": 6 * 2**30, "settings": {**settings, "read_depth": 8}}]})
+    save_tuned(path, {"best": [{"memory": 6 * 2**30, "settings": {**settings, "read_depth": 16}}]})
+    tuned = load_tuned(path)
+    assert sorted(tuned.best) == [4 * 2**30, 6 * 2**30]
+    assert tuned.settings_for(4 * 2**30)["read_depth"] == 4 and tuned.settings_for(6 * 2**30)["read_depth"] == 16
