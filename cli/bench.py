@@ -27,10 +27,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="default: per budget none+lru, each predictor with mrs and lru, sida with every policy; "
                         "full: budgets x predictors x policies")
     p.add_argument("--runs", help="these runs instead of a grid: PREDICTOR:POLICY@BUDGET[+hide][+next][+look]"
-                                  "[+serial],... (+hide: hide-only prefetch, needs --link-timing; +next: cross-token "
-                                  "prefetch, needs a predictor with forecast heads; +look: in-token lookahead one "
-                                  "layer ahead, by the routers or --lookahead-probe; +serial: without the expert pipeline, a layer waits for all its "
-                                  "copies)")
+                                  "[+serial][+hybrid],... (+hide: hide-only prefetch, needs --link-timing; +next: "
+                                  "cross-token prefetch, needs a predictor with forecast heads; +look: in-token "
+                                  "lookahead one layer ahead, by the routers or --lookahead-probe; +serial: without "
+                                  "the expert pipeline, a layer waits for all its copies; +hybrid: HybriMoE's "
+                                  "scheduler, generate's --hybrid-schedule; a run named twice runs twice)")
     p.add_argument("--train-trace", help="trace that freq / token / corr are fit on")
     p.add_argument("--memory", type=list_of(memory), metavar="SIZES",
                    help="comma list of memory caps (8GiB, 1.5GB or 25%%): the memory curve instead of the budget grid, "

@@ -196,3 +196,21 @@ def test_a_run_that_is_not_exact_fails_the_bench_naming_it(tiny_moe_dir, text_co
                             isolate=False, json_path=out)
     written = json.loads(out.read_text())
     assert not written["complete"] and [r["exact"] for r in written["runs"]] == [False]
+
+
+def test_hybrid_run_mode_admits_and_stays_exact(tiny_moe_dir, text_corpus, tmp_path):
+    """`+hybrid`: the run with HybriMoE's scheduler (on this CPU host, admission) computes misses
+    where they live and counts them in its decode stats; the same spec without it computes none;
+    both give the all-resident model's tokens, and a spec named twice runs twice."""
+    model = tiny_moe_dir("mixtral")
+    runs = parse_runs("sida:learned-belady@0.25,sida:learned-belady@0.25+hybrid,sida:learned-belady@0.25+hybrid")
+    assert runs[1] == RunSpec("sida", "learned-belady", 0.25, ("hybrid",)) == runs[2]
+    result = bench.bench_runtime(model, corpus_texts(text_corpus), runs=runs, new_tokens=8,
+                                 predictors={"sida": str(random_sida(model, tmp_path, horizon=2))},
+                                 baselines=("all_resident",), isolate=False)
+    plain, *hybrid = result["runs"]
+    assert [r["label"] for r in hybrid] == ["sida+learned-belady@0.25+hybrid"] * 2
+    assert plain["options"]["hybrid_schedule"] is False and plain["stats"]["where_it_lives"] == 0
+    for record in hybrid:
+        assert record["options"]["hybrid_schedule"] is True and record["stats"]["where_it_lives"] > 0
+    assert all(r["exact"] for r in result["runs"]) and result["complete"]

@@ -269,7 +269,8 @@ def _run_job(base: Job, spec: RunSpec, paths: dict[str, str], link: LinkTiming |
                       link_timing=link if "hide" in spec.modes else None,
                       next_token_min_chance=next_token_min_chance if "next" in spec.modes else None,
                       expert_pipeline="serial" not in spec.modes, lookahead_layers=1 if "look" in spec.modes else 0,
-                      lookahead_probe=base.options.lookahead_probe if "look" in spec.modes else None)
+                      lookahead_probe=base.options.lookahead_probe if "look" in spec.modes else None,
+                      hybrid_schedule="hybrid" in spec.modes)
     return replace(base, options=options, predictor_path=paths.get(spec.predictor),
                    predictor=None if spec.predictor == "none" else spec.predictor)
 

@@ -20,8 +20,9 @@ class BenchError(PrescientError):
 
 PREFETCH_MODES = ("hide", "next")  # hide-only prefetch (needs a link timing), cross-token prefetch
 # the runtime's schedulers, switched per run: in-token lookahead on (`look`, HybriMoE), the expert
-# pipeline off (`serial`: a layer waits for all its copies, the runtime before the compute-while-loading order)
-SCHEDULER_MODES = ("look", "serial")
+# pipeline off (`serial`: a layer waits for all its copies, the runtime before the compute-while-loading order),
+# HybriMoE's scheduler on (`hybrid`: `RuntimeOptions.hybrid_schedule`; admission on a CPU-only host)
+SCHEDULER_MODES = ("look", "serial", "hybrid")
 RUN_MODES = PREFETCH_MODES + SCHEDULER_MODES
 
 
@@ -55,7 +56,7 @@ def full_grid(budgets: list[float], predictors: list[str], policies: list[str]) 
 def parse_runs(text: str) -> list[RunSpec]:
     """`none:lru@0.5,sida:mrs@0.25+hide+next` -> run specs (budgets are fractions of all experts;
     `+hide`, `+next`: the prefetch modes of `PREFETCH_MODES`, which need a predictor; `+look`,
-    `+serial`: the scheduler modes of `SCHEDULER_MODES`)."""
+    `+serial`, `+hybrid`: the scheduler modes of `SCHEDULER_MODES`)."""
     runs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         head, _, tail = item.partition("@")
@@ -72,8 +73,8 @@ def parse_runs(text: str) -> list[RunSpec]:
             runs.append(RunSpec(canonical_name(predictor), policy, fraction(Budget.parse(budget)),
                                 tuple(m for m in RUN_MODES if m in modes)))
         except (ValueError, BenchError) as exc:  # CapacityError is a ValueError
-            raise BenchError(f"--runs entry {item!r} is not PREDICTOR:POLICY@BUDGET[+hide][+next][+look][+serial] "
-                             f"(e.g. sida:mrs@0.5): {exc}") from None
+            raise BenchError(f"--runs entry {item!r} is not PREDICTOR:POLICY@BUDGET"
+                             f"[+hide][+next][+look][+serial][+hybrid] (e.g. sida:mrs@0.5): {exc}") from None
     return runs
 
 
