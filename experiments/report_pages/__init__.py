@@ -5,12 +5,12 @@ share are in `rows.py`. Rendered by `prescient report` (the engine, `experiments
 
 from __future__ import annotations
 
-from experiments.report_pages import (architectures, batch, caches, compressed, demo, memory, predictors, reference,
-                                      replicas, runtime, serving)
+from experiments.report_pages import (architectures, batch, caches, compressed, demo, hybrid, memory, predictors,
+                                      reference, replicas, runtime, serving)
 from experiments.report_tables import Headline, Page
 
 PAGES: tuple[Page, ...] = (reference.page(), demo.page(), predictors.page(), caches.page(), runtime.page(),
-                           memory.page(), compressed.page(), serving.page(), replicas.page(), batch.page(),
-                           architectures.page())
+                           hybrid.page(), memory.page(), compressed.page(), serving.page(), replicas.page(),
+                           batch.page(), architectures.page())
 HEADLINES: tuple[Headline, ...] = (memory.HEADLINES + predictors.HEADLINES + runtime.HEADLINES + compressed.HEADLINES
                                    + serving.HEADLINES + batch.HEADLINES + architectures.HEADLINES)
