@@ -36,6 +36,7 @@ import pickle
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,12 +57,14 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SHARES = (0.4, 0.6, 0.8)  # of the whole model's memory: where offloading decides speed
 PRELOAD = ["torch", "transformers", "offload_runtime.engine.generate"]  # imported once, in the fork server
-RUN_TIMEOUT_S = 600  # one calibration run; past it the run is killed and tuning stops
+RUN_TIMEOUT_S = 600  # the first calibration run at a size; past it the run is stopped and scores 0
+SLOWER_LIMIT = 3  # later runs are stopped (and score 0) past this many times the fastest run at the size,
+MIN_LIMIT_S = 60  # or this, whichever is longer: serial layers ran past 600 s at 1.1 GB on runs/tw
 # the transfer workers tried: each holds an expert-sized buffer, and one read split at the curve's
 # depth already reaches its rate (16 workers at 0.65 GB took 15 of 19 slots, results/tune-tb.json at 27b8128)
 TRIED_WORKERS = 2
 
-Decode = Callable[[str, list[str], int, "str | None", RuntimeOptions], dict[str, Any]]
+Decode = Callable[..., dict[str, Any]]  # (model_dir, prompts, new_tokens, predictor, options, timeout_s)
 
 
 class TuneError(PrescientError):
@@ -69,34 +72,44 @@ class TuneError(PrescientError):
 
 
 def decode_in_child(model_dir: str, prompts: list[str], new_tokens: int, predictor: str | None,
-                    options: RuntimeOptions) -> dict[str, Any]:
+                    options: RuntimeOptions, timeout_s: float = RUN_TIMEOUT_S) -> dict[str, Any]:
     """One calibration run (`tune_child.decode`) in a process of its own, forked from one that
-    imported torch once; uncapped."""
+    imported torch once; uncapped; stopped past `timeout_s` (it scores 0 tokens/s on every prompt)."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
-    with context.Pool(1, maxtasksperchild=1) as pool:
-        return pool.apply(decode_here, (model_dir, prompts, new_tokens, predictor, options))
+    start = time.perf_counter()
+    with context.Pool(1, maxtasksperchild=1) as pool:  # leaving the block terminates a run still going
+        try:
+            result = pool.apply_async(decode_here, (model_dir, prompts, new_tokens, predictor, options)).get(timeout_s)
+        except multiprocessing.TimeoutError:
+            return _scores_zero(prompts, timed_out=True)
+    return {**result, "seconds": time.perf_counter() - start}
 
 
 def decode_capped(model_dir: str, prompts: list[str], new_tokens: int, predictor: str | None,
-                  options: RuntimeOptions) -> dict[str, Any]:
+                  options: RuntimeOptions, timeout_s: float = RUN_TIMEOUT_S) -> dict[str, Any]:
     """One calibration run in a new process in a memory cgroup capped at `options.memory`, the page
     cache dropped first (pages an earlier run left would serve this one uncharged); a run the kernel
-    kills scores 0 tokens/s on every prompt."""
+    kills, or one still going after `timeout_s`, scores 0 tokens/s on every prompt."""
     with tempfile.TemporaryDirectory(prefix="prescient-tune-") as tmp:
         spec, out = Path(tmp, "spec.pickle"), Path(tmp, "out.json")
         spec.write_bytes(pickle.dumps((model_dir, prompts, new_tokens, predictor, options)))
         drop_page_cache()
         run = run_capped([sys.executable, "-m", "offload_runtime.planning.tune_child", str(spec), str(out)],
-                         options.memory, RUN_TIMEOUT_S)
-        if run.killed:
-            return {"tokens_per_s": [0.0] * len(prompts), "stats": {}, "memory_plan": None, "killed": True}
+                         options.memory, timeout_s)
+        if run.killed or run.timed_out:
+            return _scores_zero(prompts, killed=run.killed, timed_out=run.timed_out)
         if not out.is_file():
             raise TuneError(f"a calibration decode failed (exit {run.returncode}): {run.stderr_tail.strip()[-500:]}")
         result = json.loads(out.read_text())
     if "refused" in result:
         raise CapacityError(result["refused"])
-    return result
+    return {**result, "seconds": run.seconds}
+
+
+def _scores_zero(prompts: list[str], killed: bool = False, timed_out: bool = False) -> dict[str, Any]:
+    return {"tokens_per_s": [0.0] * len(prompts), "stats": {}, "memory_plan": None, "killed": killed,
+            "timed_out": timed_out}
 
 
 def starting_settings(predictor: str | Path | None) -> dict[str, Any]:
@@ -143,12 +156,15 @@ def tune(model_dir: str | Path, predictor: str | Path | None = None, memories: l
     bar = tqdm(total=len(sizes) * (1 + len(changes)) * repeats * 2, desc="tune", unit="run", disable=None)
 
     def run(memory: int, settings: dict[str, Any]) -> list[float]:
+        finished = [r["seconds"] for r in record["runs"] if r["memory"] == memory and r.get("seconds")]
+        limit = min(RUN_TIMEOUT_S, max(MIN_LIMIT_S, SLOWER_LIMIT * min(finished))) if finished else RUN_TIMEOUT_S
         result = decode(str(directory), prompts, new_tokens, predictor and str(predictor),
-                        RuntimeOptions(memory=memory, **settings))
+                        RuntimeOptions(memory=memory, **settings), timeout_s=limit)
         record["runs"].append({"memory": memory, "settings": settings, "tokens_per_s": result["tokens_per_s"],
                                "decode_major_faults_per_token": result.get("decode_major_faults_per_token"),
                                "stats": result["stats"], "memory_plan": result["memory_plan"],
-                               "killed": result.get("killed", False)})
+                               "killed": result.get("killed", False), "timed_out": result.get("timed_out", False),
+                               "seconds": result.get("seconds")})
         bar.update()
         return result["tokens_per_s"]
 

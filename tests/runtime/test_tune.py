@@ -48,7 +48,7 @@ def test_tune_keeps_the_fastest_measured_settings_per_size(tiny_moe_dir, tuned_h
     sizes = _sizes(path, monkeypatch)
     speeds = iter(range(1000))  # every later run faster: each change is kept, in order
 
-    def fake_decode(directory, prompts, new_tokens, predictor, options):
+    def fake_decode(directory, prompts, new_tokens, predictor, options, timeout_s):
         speed = float(next(speeds))
         return {"tokens_per_s": [speed] * len(prompts), "stats": {}, "memory_plan": None}
 
@@ -74,6 +74,7 @@ def test_one_calibration_decode_runs_in_a_process_of_its_own_under_the_cap(tiny_
     prompts = ["def f(x):", "import os"]
     result = decode(path, prompts, 4, None, RuntimeOptions(memory=2 * 2**30))
     assert len(result["tokens_per_s"]) == 2 and min(result["tokens_per_s"]) > 0 and result["memory_plan"]["mapped"]
+    assert decode(path, prompts, 4, None, RuntimeOptions(memory=2 * 2**30), timeout_s=0.01)["tokens_per_s"] == [0.0, 0.0]
     if capped:
         assert decode(path, prompts, 4, None, RuntimeOptions(memory=64 * MiB))["killed"]
     else:
@@ -123,7 +124,7 @@ def test_a_change_is_kept_only_where_it_wins_on_every_prompt(tiny_moe_dir, tuned
     path = tiny_moe_dir("mixtral")
     sizes = _sizes(path, monkeypatch)[:1]
 
-    def fake_decode(directory, prompts, new_tokens, predictor, options):
+    def fake_decode(directory, prompts, new_tokens, predictor, options, timeout_s):
         speeds = [20.0, 5.0] if options.policy == "lru" else [10.0, 10.0]
         return {"tokens_per_s": speeds, "stats": {}, "memory_plan": None}
 
@@ -144,3 +145,24 @@ def test_a_tune_at_another_size_keeps_the_sizes_tuned_before(tiny_moe_dir, tuned
     tuned = load_tuned(path)
     assert sorted(tuned.best) == [4 * 2**30, 6 * 2**30]
     assert tuned.settings_for(4 * 2**30)["read_depth"] == 4 and tuned.settings_for(6 * 2**30)["read_depth"] == 16
+
+
+def test_a_run_far_slower_than_the_fastest_at_its_size_is_stopped_and_scores_zero(tiny_moe_dir, tuned_home,
+                                                                                   monkeypatch):
+    """The first run at a size may take RUN_TIMEOUT_S; later ones SLOWER_LIMIT times the fastest
+    (at least MIN_LIMIT_S): a candidate that would run for minutes is stopped and not kept."""
+    path = tiny_moe_dir("mixtral")
+    limits = []
+
+    def fake_decode(directory, prompts, new_tokens, predictor, options, timeout_s):
+        limits.append(timeout_s)
+        if not options.expert_pipeline:  # serial layers: past its limit
+            return {"tokens_per_s": [0.0] * len(prompts), "stats": {}, "memory_plan": None, "timed_out": True}
+        return {"tokens_per_s": [10.0] * len(prompts), "stats": {}, "memory_plan": None, "seconds": 30.0}
+
+    record = tune_module.tune(path, memories=_sizes(path, monkeypatch)[:1], new_tokens=4, repeats=1,
+                              prompts=["def f(x):"], decode=fake_decode)
+    assert limits[0] == tune_module.RUN_TIMEOUT_S
+    assert set(limits[1:]) == {max(tune_module.MIN_LIMIT_S, tune_module.SLOWER_LIMIT * 30.0)}
+    assert "serial layers" not in record["best"][0]["kept"]
+    assert any(run["timed_out"] for run in record["runs"])
