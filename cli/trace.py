@@ -4,9 +4,12 @@ or (with `--memory` / `--budget`) through the offloading runtime, whose routing 
 from __future__ import annotations
 
 import argparse
+import logging
 from contextlib import nullcontext
 
 from cli.args import add_runtime_args, output_dir, positive_int, runtime_options
+
+log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -33,9 +36,25 @@ def run(args: argparse.Namespace) -> None:
 
     options = runtime_options(args)
     model = load_offloaded(args.model, None, options) if args.memory or args.budget else None
+    batch_size = args.batch_size if args.memory is None else within_reserve(args.batch_size, args.seq_len)
     with model.offload_runtime if model is not None else nullcontext():
         out = trace_model(args.model, args.dataset, args.out, split=args.split, max_tokens=args.max_tokens,
                           top_t=args.top_t, text_field=args.text_field, seq_len=args.seq_len,
-                          batch_size=args.batch_size, hidden_states=args.hidden_states, dtype=options.torch_dtype,
+                          batch_size=batch_size, hidden_states=args.hidden_states, dtype=options.torch_dtype,
                           model=model)
     print(f"trace written to {out}")
+
+
+def within_reserve(batch_size: int, seq_len: int) -> int:
+    """The windows per forward under `--memory`: at most the tokens of the prefill its plan reserves
+    activations for; a bigger batch's activations are not in the plan (16 windows of 128 tokens were
+    killed by the kernel in a cgroup at 0.58 and 0.65 GB on runs/tb: results/trace-capped-tb-batch16.json).
+    The batch is no part of a trace (its manifest does not record it): the rows were bit-equal at 16 and 4
+    windows per forward on runs/tb, and at 32 and 4 on the tiny test model."""
+    from offload_runtime.engine.memory_plan import PREFILL_TOKENS
+
+    fits = max(1, PREFILL_TOKENS // seq_len)
+    if batch_size > fits:
+        log.info("--memory: %d windows of %d tokens per forward (not --batch-size %d), the %d-token prefill "
+                 "the memory plan reserves activations for", fits, seq_len, batch_size, PREFILL_TOKENS)
+    return min(batch_size, fits)

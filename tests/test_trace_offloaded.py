@@ -94,3 +94,17 @@ def test_a_run_without_a_predictor_drops_the_tuned_settings_that_need_one():
     assert _without_forecasts(tuned) == {"transfer_workers": 2, "expert_pipeline": True}
     assert _without_forecasts({"policy": "lru", "next_token_min_chance": None}) == {"policy": "lru",
                                                                                    "next_token_min_chance": None}
+
+
+def test_trace_command_under_a_memory_cap_cuts_the_batch_to_the_reserve_and_traces_the_same_rows(
+        resident, tmp_path, caplog):
+    """`--memory`'s plan reserves activations for a 512-token prefill: 64 windows of 16 tokens (1 024)
+    go through in forwards of 32, and the trace is still the whole model's."""
+    model_dir, dataset, traces = resident
+    with caplog.at_level("INFO", logger="cli.trace"):
+        main(["trace", "--model", str(model_dir), "--dataset", dataset, "--split", "train", "--max-tokens", "400",
+              "--top-t", "4", "--seq-len", "16", "--batch-size", "64", "--memory", "8GiB", "--out", str(tmp_path)])
+    assert "32 windows of 16 tokens per forward (not --batch-size 64)" in caplog.text
+    trace = load_trace(tmp_path)  # the command's shards are 256 windows: the same rows, other shards
+    assert trace.columns.keys() == traces["float32"].columns.keys()
+    assert all(torch.equal(trace[column], traces["float32"][column]) for column in trace.columns)

@@ -5,6 +5,7 @@ and what `prescient tune` measured at two of those sizes."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from experiments.report_tables import Headline, Page, Rows, Table, load, num, spread
@@ -12,6 +13,10 @@ from experiments.report_tables import Headline, Page, Rows, Table, load, num, sp
 CURVE = "bench-memory-tb.json"
 TUNE = "tune-tb.json"
 TRACE = "trace-offloaded-tb.json"
+# the same trace in a cgroup capped at the size (experiments.trace_capped): runs/tb; before trace cut its
+# batch to the plan's reserve; runs/tb widened to twice the experts' bytes
+TRACE_CAPPED, TRACE_CAPPED_UNCUT, TRACE_CAPPED_2X = ("trace-capped-tb.json", "trace-capped-tb-batch16.json",
+                                                     "trace-capped-tb2x.json")
 GB = 1e9
 
 
@@ -94,6 +99,17 @@ runs: importing torch and transformers alone holds about 0.3 GiB here.
         Table("`prescient trace` through the runtime: 4 096 tokens of stdlib-code, whole and under a cap, 2 "
               "interleaved runs each (no cgroup: the runtime drops the pages it reads)", (TRACE,),
               load(TRACE)["command"], trace_rows),
+        *(Table(f"`prescient trace` of {model} under a real cap: the same 4 096 tokens, each run a fresh process "
+                f"in a memory cgroup capped at the size (the resident trace uncapped), the page cache dropped before "
+                f"each, {load(name)['settings']['repeats']} interleaved repeats (medians and ranges){when}",
+                (name,), load(name)["command"], partial(trace_capped_rows, name))
+          for name, model, when in (
+              (TRACE_CAPPED, "runs/tb (0.73 GB of experts)", "; under `--memory` 4 windows per forward, the "
+               "512-token prefill the plan reserves"),
+              (TRACE_CAPPED_UNCUT, "runs/tb", ", before `trace --memory` cut its batch: 16 windows of 128 tokens "
+               "per forward, beyond the plan's reserve"),
+              (TRACE_CAPPED_2X, "runs/tb2x (runs/tb widened by zeros to 1.46 GB of experts, the same routing)",
+               "; under `--memory` 4 windows per forward"))),
     ))
 
 
@@ -112,6 +128,28 @@ def trace_rows() -> Rows:
                      "reference" if name == "resident" and len(equal) == 1 else f"{sum(equal)} of {len(equal)}"])
     return ["cap", "wall s (the whole command)", "× whole", "traced tokens/s", "every column equal to the whole "
             "model's"], rows
+
+
+def trace_capped_rows(name: str) -> Rows:
+    """Per way of loading in `name`: the cap and how far the experts exceed it, wall time, its ratio to
+    the resident trace's, the cgroup's peak, what the plan bought, and the routing against the resident's."""
+    result = load(name)
+    rows = []
+    for kind, entry in result["summary"].items():
+        wall, peak = entry["wall_s"], entry["peak_bytes"]
+        plans = {r["plan"].split(": ", 1)[1].split(";")[0] for r in result["runs"]
+                 if r["kind"] == kind and r.get("plan")}
+        cap = next(r["cap_bytes"] for r in result["runs"] if r["kind"] == kind)
+        rows.append([kind if cap is None else f"--memory {num(cap / GB)}GB", num(entry["experts_over_cap"]),
+                     spread(wall["median"], [wall["min"], wall["max"]], 1) if wall else "–",
+                     f"{num(entry['wall_ratio_to_resident'])}×" if entry["wall_ratio_to_resident"] else "–",
+                     num(peak["max"] / GB) if peak else "–",
+                     ", ".join(sorted(plans)) or ("whole model" if cap is None else "–"),
+                     f"{entry['ok']} of {entry['runs']} ran, {entry['killed']} killed, "
+                     f"{entry['runs'] - entry['ok'] - entry['killed']} refused by the plan",
+                     "reference" if cap is None else {True: "yes", False: "NO", None: "–"}[entry["routing_equal"]]])
+    return ["cap", "experts / cap", "wall s (the whole command)", "× resident", "cgroup peak (GB)", "plan", "runs",
+            "every column equal to the resident trace's"], rows
 
 
 def _plain_need() -> float:
