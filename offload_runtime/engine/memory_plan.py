@@ -86,12 +86,14 @@ def kv_bytes_per_token(config, dtype_bytes: int) -> int:
 
 def workspace_bytes(config, dtype_bytes: int, prefill_tokens: int = PREFILL_TOKENS) -> int:
     """Activations of a `prefill_tokens` prefill through the widest FFN (an expert's gate, up and
-    product) and the residual stream, plus `SLACK`."""
+    product) for each of the top-k rows a token sends to the experts (the experts' kernels take a
+    layer's rows at once), and the residual stream, plus `SLACK`."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = getattr(text, "hidden_size", 0) or 0
     widest = max(getattr(text, name, 0) or 0 for name in ("intermediate_size", "moe_intermediate_size",
                                                            "expert_intermediate_size", "ffn_dim"))
-    return prefill_tokens * (3 * widest + 4 * hidden) * dtype_bytes + SLACK
+    top_k = max((getattr(text, name, 0) or 0 for name in ("num_experts_per_tok", "moe_topk", "top_k")), default=1)
+    return prefill_tokens * (3 * widest * max(top_k, 1) + 4 * hidden) * dtype_bytes + SLACK
 
 
 def reserve_bytes(config, dtype_bytes: int, copy_buffers: int, context_tokens: int | None = None) -> int:
