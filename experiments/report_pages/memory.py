@@ -82,19 +82,24 @@ def page() -> Page:
 Each system decodes the same prompt greedily in a fresh process inside a memory cgroup capped at the
 size, which counts the page cache as a real machine does; the page cache is dropped before every run,
 and every run that finished computed the plain model's tokens. The plain transformers model copies
-every weight into anonymous memory and is killed below 1.1 GB. The project's runtime (`--memory`,
-with what `prescient tune` kept on this machine, table below) keeps a share of the experts in slots
-where memory is scarce, and from where the page cache can hold 80% of the experts it maps every weight
-from the checkpoint and runs with no hooks (the plan column says which): at 1.0 GB, where the plain
-model cannot load, it decodes at the memory-mapped model's speed, and where the plain model fits it
-is the memory-mapped model. At 0.65 GB the tuned policy (LRU, chosen on tune's own 48-token prompt,
-where its hit rate was 0.81 against learned-belady's 0.70) fell to a 0.68 hit rate on this prompt and
-decoded slower than the untuned default did in the previous session's curve (learned-belady, hit
-rate 0.80): one calibration prompt does not represent every workload. The bound where memory is
-scarcest: each token misses about 1.6-2.6 of its 8 expert accesses, 18-30 MB of reads at this disk's
-0.6-0.9 GB/s random-read rate, 20-50 ms beside 26 ms of compute; halving the time needs the reads
-hidden behind compute or fewer bytes per expert (int4 packed slots, opt-in). Below 0.55 GB nothing
-runs: importing torch and transformers alone holds about 0.3 GiB here.
+every weight into anonymous memory: on runs/tb it is killed below 1.3 GB, on runs/tw it runs from
+2.8 GB and below that thrashes past the run limit. The project's runtime (`--memory`, with what
+`prescient tune` kept on this machine where it was tuned, else the built-in defaults) keeps a share
+of the experts in slots where memory is scarce, and from where the page cache can hold 80% of the
+experts it maps every weight from the checkpoint and runs with no hooks (the plan column says which).
+
+Two models, one trained router: on runs/tb (733 MB of experts) importing torch and transformers
+holds about 0.46 GB, most of any cap that would be "0.4x the plain model's need", so nothing runs
+below 0.55 GB; on runs/tw the same experts are three times wider (2.2 GB) and dwarf that floor. There
+the runtime decodes at 1.1 GB (0.4x of plain's 2.8 GB) at about a third of plain's uncapped speed and
+at 1.7 GB (0.6x) at about three quarters of it (second table), but the memory-mapped model, whose
+page cache the kernel manages, decodes as fast from 1.1 GB up: the slots' hit rate (0.79 at 1.1 GB,
+0.94 at 1.7 GB) is no better than the kernel's cache of the same memory, and a miss costs the same
+read. The bound at 1.1 GB: 106 MiB read per token at this disk's 0.5-0.95 GB/s random-read rate
+(results/tune-tb.json's read curve, queue depth 1 to 16) is 115-210 ms beside 60 ms of compute; reads hidden behind compute, or
+fewer bytes per expert (int4 packed slots, opt-in), move it. At 0.65 GB on runs/tb the policy tune
+kept from one calibration prompt (LRU) fell to a 0.68 hit rate on this prompt: tune now calibrates on
+three prompts and keeps a change only where it wins on each (the tune table predates that).
 """, (
         Table(f"Decode tokens/s against the memory cap ({setup}; 96 new tokens, 3 interleaved repeats, medians "
               "and ranges)", (CURVE,), curve_cmd, partial(curve_rows, CURVE)),
