@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from experiments.report import ROOT
 from offload_runtime.server import schemas
 from offload_runtime.server.metrics import ServerMetrics
+from offload_runtime.server.prefix_cache import PrefixCache
 from offload_runtime.server.scheduler import SchedulerCounters
 
 PAGE = ROOT / "docs" / "openai-api.md"
@@ -28,7 +29,7 @@ def exported() -> set[str]:
 
     metrics = ServerMetrics({"policy": "lru", "budget": "0.5", "predictor": "none"})
     metrics.scheduler = SimpleNamespace(counters=SchedulerCounters(), tokens_per_second=lambda _window: 0.0,
-                                        running=0, waiting=0, stats=_Zero())
+                                        running=0, waiting=0, stats=_Zero(), prefix_cache=PrefixCache(2**20))
     return {f.name + ("_total" if f.type == "counter" else "")
             for f in text_string_to_metric_families(metrics.render().decode())}
 
