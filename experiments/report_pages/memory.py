@@ -18,6 +18,7 @@ TRACE = "trace-offloaded-tb.json"
 # batch to the plan's reserve; runs/tb widened to twice the experts' bytes
 TRACE_CAPPED, TRACE_CAPPED_UNCUT, TRACE_CAPPED_2X = ("trace-capped-tb.json", "trace-capped-tb-batch16.json",
                                                      "trace-capped-tb2x.json")
+TRACE_CAPPED_WIDE = "trace-capped-tw.json"  # runs/tw at 1.09 GB: its experts 2.01x the cap
 GB = 1e9
 
 
@@ -122,7 +123,10 @@ three prompts and keeps a change only where it wins on each (the tune table pred
               (TRACE_CAPPED_UNCUT, "runs/tb", ", before `trace --memory` cut its batch: 16 windows of 128 tokens "
                "per forward, beyond the plan's reserve"),
               (TRACE_CAPPED_2X, "runs/tb2x (runs/tb widened by zeros to 1.46 GB of experts, the same routing)",
-               "; under `--memory` 4 windows per forward"))),
+               "; under `--memory` 4 windows per forward"),
+              (TRACE_CAPPED_WIDE, "runs/tw (configs/reference/tiny-bench-wide.yaml: 2.2 GB of experts, the same "
+               "routing)", "; under `--memory` 4 windows per forward, the prefill workspace reserved for the top-k "
+               "rows"))),
     ))
 
 
