@@ -440,6 +440,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, expected, world, text_corpus, tm
     assert snapshot(world) == before
 
 
+@pytest.mark.slow  # 16 s: a process per damaged file; the default suite ran 639 s on a fresh clone
 def test_a_damaged_trace_never_crashes_the_process(world, tmp_path):
     """The case that once segfaulted the compiled cache (exit 139), run as its own process."""
     out = tmp_path / "out.json"

@@ -114,6 +114,7 @@ def test_sampled_decoding_draws_alike_in_every_run(tiny_moe_dir, text_corpus, tm
     assert greedy["runs"][0]["exact"] and greedy["baselines"]["all_resident"]["token_ids"] != sampled_ids
 
 
+@pytest.mark.slow  # 15 s: a fresh process per configuration; the default suite ran 639 s on a fresh clone
 def test_command_line_runs_each_configuration_in_a_fresh_process(tiny_moe_dir, text_corpus, tmp_path):
     """Three processes besides this one; corr is fit on a train trace; a run that fails (its
     artifact lost its tensors) is recorded with the error, the others go on, and the bench then

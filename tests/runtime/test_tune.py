@@ -64,6 +64,7 @@ def test_tune_keeps_the_fastest_measured_settings_per_size(tiny_moe_dir, tuned_h
         record["best"][1]["settings"]
 
 
+@pytest.mark.slow  # 14 s: three fresh capped processes; the default suite ran 639 s on a fresh clone
 def test_one_calibration_decode_runs_in_a_process_of_its_own_under_the_cap(tiny_moe_dir):
     """As `tune` runs each configuration: a fresh process, in a cgroup capped at the size where
     this machine has one (the tiny model is mapped whole at 2 GiB); a cap too small for the process
