@@ -9,6 +9,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+try:
+    import resource
+except ImportError:  # not a Unix: no fault counts
+    resource = None
+
 from offload_runtime.engine.options import RuntimeOptions
 from prescient.errors import PrescientError
 from prescient.model_dir import ModelDirectory
@@ -38,11 +43,7 @@ class TokenClock:
 
 def major_faults() -> int:
     """This process's major page faults so far (0 where the system does not count them)."""
-    try:
-        import resource
-    except ImportError:  # not a Unix
-        return 0
-    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt if resource is not None else 0
 
 
 class GenerationError(PrescientError):

@@ -11,7 +11,7 @@ from offload_runtime.engine import loader
 from offload_runtime.engine.generate import generate_offloaded
 from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.mapped import mapped_share
-from offload_runtime.engine.memory_plan import MiB, plan_offloaded, plan_resident, reserve_bytes
+from offload_runtime.engine.memory_plan import MiB, plan_offloaded, plan_resident, reserve_bytes, workspace_bytes
 from offload_runtime.engine.options import OptionsError, RuntimeOptions
 from offload_runtime.engine.resident import ResidentRuntime
 from offload_runtime.engine.runtime import OffloadRuntime
@@ -115,6 +115,16 @@ def test_memory_settings_need_a_memory_cap_and_the_request_sizes_the_reserve(tin
     record = generate_offloaded(tiny_moe_dir("mixtral"), "def f(x):", 4, memory="16GiB")
     prompt_tokens = len(ModelDirectory.open(tiny_moe_dir("mixtral")).tokenizer()("def f(x):")["input_ids"])
     assert record["settings"]["context_tokens"] == prompt_tokens + 4
+    assert record["decode_major_faults_per_token"] >= 0  # counted over the 3 tokens after the first
+
+
+def test_the_prefill_workspace_counts_each_tokens_top_k_rows(tiny_moe_dir):
+    """The experts' kernels take a layer's top-k rows at once: twice the experts per token, twice
+    the FFN activations."""
+    config = ModelDirectory.open(tiny_moe_dir("mixtral")).config
+    wider = type(config).from_dict({**config.to_dict(), "num_experts_per_tok": 2 * config.num_experts_per_tok})
+    ffn = 512 * 3 * config.intermediate_size * 4
+    assert workspace_bytes(wider, 4) - workspace_bytes(config, 4) == ffn * config.num_experts_per_tok
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
