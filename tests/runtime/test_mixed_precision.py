@@ -129,6 +129,7 @@ def test_tiered_cache_places_misses_by_rule_and_spills_to_the_other_tier():
     assert cache.prefetch_many([(0, 2)]) == [(0, 2)] and cache.tier_of((0, 2)) == 0  # only the fine tier had room
 
 
+@pytest.mark.slow  # 15 s: tests/runtime/test_packed_experts.py runs bench_compressed in the default suite
 def test_bench_compressed_runs_each_rule_with_the_predictors_prefetching(int4_model, tmp_path):
     int4, int8 = int4_model("mixtral"), int4_model("mixtral", 8)
     sida = random_sida(int4.parent / "source", tmp_path, horizon=2)

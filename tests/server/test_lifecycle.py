@@ -18,7 +18,8 @@ from prescient.loading import load_model
 from tests.server.serving import MODEL, free_port, serve, serve_process, wait_until
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],  # one handler
+                         ids=["SIGTERM", "SIGINT"])
 def test_signal_lets_the_running_request_finish_then_exits_0(tiny_moe_dir, sig):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
