@@ -61,7 +61,9 @@ def _fake_runner(speeds: dict[tuple[str, int | None], float | None]):
             Path(argv[-1]).write_text(json.dumps({"refused": "--memory 50 MiB cannot hold this model"}))
         elif speed is not None:
             ids = [1, 2, 3] if spec["system"] != "mmap" else [1, 2, 4]  # mmap inexact, to see it marked
-            Path(argv[-1]).write_text(json.dumps({"token_ids": ids, "tokens_per_s": speed, "prefill_seconds": 0.1}))
+            reads = {"decode_read_bytes_per_token": 2**20 * speed} if spec["system"] == "mmap" else {}  # counted
+            Path(argv[-1]).write_text(json.dumps({"token_ids": ids, "tokens_per_s": speed, "prefill_seconds": 0.1,
+                                                  **reads}))
         return CappedRun(0 if speed is not None else -9, speed is None, False, cap or 400, cap, True, "v1",
                          int(speed is None), 0, 0.1, "")
 
@@ -84,6 +86,8 @@ def test_orchestrator_writes_killed_runs_and_summary(tmp_path):
     by = {(s["system"], s["cap_bytes"]): s for s in result["summary"]}
     assert by["plain", small]["killed"] == 2 and by["plain", small]["tokens_per_s"] is None
     assert by["prescient", big]["exact"] and by["mmap", big]["exact"] is False
+    assert by["mmap", small]["read_bytes_per_token"]["median"] == 4 * 2**20  # of the runs that counted
+    assert by["prescient", small]["read_bytes_per_token"] is None and by["mmap", tiny]["read_bytes_per_token"] is None
     ratio = {r["cap_bytes"]: r for r in result["ratios"]}
     assert ratio[big]["prescient/plain"] == pytest.approx(0.95) and ratio[small]["prescient/plain"] is None
     assert ratio[small]["prescient/mmap"] == pytest.approx(1.5)

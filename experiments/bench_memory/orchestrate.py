@@ -81,7 +81,8 @@ def _spread(values: list[float]) -> dict[str, float] | None:
 
 
 def summarize(runs: list[dict[str, Any]], caps: list[int], systems: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Per cap and system: runs, killed, exact, tokens/s median and spread, prefill, peak, runtime."""
+    """Per cap and system: runs, killed, exact, tokens/s median and spread, prefill, peak, bytes read
+    from storage per decoded token, runtime."""
     out = []
     for cap in caps:
         for system in systems:
@@ -92,7 +93,9 @@ def summarize(runs: list[dict[str, Any]], caps: list[int], systems: tuple[str, .
                      "exact": all(r.get("exact") for r in done) if done else None,
                      "tokens_per_s": _spread([r["tokens_per_s"] for r in done if r.get("tokens_per_s")]),
                      "prefill_seconds": _spread([r["prefill_seconds"] for r in done if r.get("prefill_seconds")]),
-                     "peak_bytes": _spread([r["peak_bytes"] for r in mine if r.get("peak_bytes") is not None])}
+                     "peak_bytes": _spread([r["peak_bytes"] for r in mine if r.get("peak_bytes") is not None]),
+                     "read_bytes_per_token": _spread([r["decode_read_bytes_per_token"] for r in done
+                                                      if r.get("decode_read_bytes_per_token") is not None])}
             stats = [r["runtime"] for r in done if r.get("runtime")]
             if stats:
                 entry["runtime"] = {k: statistics.median(s[k] for s in stats)

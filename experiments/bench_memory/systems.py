@@ -22,7 +22,7 @@ SYSTEMS = ("plain", "mmap", "prescient")
 
 def greedy(model: nn.Module, tokenizer, spec: dict[str, Any]) -> dict[str, Any]:
     """Greedy ids after the spec's prompt (up to its `new_tokens`, as `generate_offloaded` asks),
-    prefill seconds, decode tokens/s and major page faults per token."""
+    prefill seconds, decode tokens/s, and major page faults and bytes read from storage per token."""
     return timed_generate(model, tokenizer, tokenizer(spec["prompt"], return_tensors="pt"), spec["new_tokens"])
 
 
@@ -57,6 +57,7 @@ def run_prescient(spec: dict[str, Any]) -> dict[str, Any]:
     stats, tokens = out["stats"], max(len(out["token_ids"]), 1)
     return {"token_ids": out["token_ids"], "prefill_seconds": out["prefill_seconds"],
             "tokens_per_s": out["tokens_per_s"], "decode_major_faults_per_token": out["decode_major_faults_per_token"],
+            "decode_read_bytes_per_token": out["decode_read_bytes_per_token"],
             "settings": out["settings"], "memory_plan": out["memory_plan"],
             "runtime": {"hit_rate": stats["hit_rate"], "bytes_moved_per_token": stats["bytes_moved"] / tokens,
                         "stall_ms_per_token": 1000 * stats["stall_seconds"] / tokens, "slots": stats["slots"],

@@ -40,6 +40,12 @@ def _plans(result: dict[str, Any], cap: int) -> str:
     return ", ".join(sorted(plans)) or "–"
 
 
+def _read_mib(entry: dict[str, Any]) -> str:
+    """A system's median MiB read from storage per decoded token (range), where the runs counted it."""
+    read = entry.get("read_bytes_per_token")
+    return spread(read["median"] / 2**20, [read["min"] / 2**20, read["max"] / 2**20], 0) if read else "–"
+
+
 def curve_rows(name: str) -> Rows:
     result = load(name)
     by = {(s["cap_bytes"], s["system"]): s for s in result["summary"]}
@@ -51,9 +57,11 @@ def curve_rows(name: str) -> Rows:
         rows.append([num(cap / GB, 2), _speed(by[(cap, "plain")]), _speed(by[(cap, "mmap")]), _speed(mine),
                      num(ratios[cap]["prescient/plain"]), num(ratios[cap]["prescient/mmap"]), _plans(result, cap),
                      num(runtime.get("hit_rate"), 3), num(runtime.get("stall_ms_per_token"), 1),
-                     num(runtime["bytes_moved_per_token"] / 2**20, 1) if runtime else "–"])
+                     num(runtime["bytes_moved_per_token"] / 2**20, 1) if runtime else "–",
+                     _read_mib(by[(cap, "mmap")]), _read_mib(mine)])
     return ["cap (GB)", "plain tokens/s", "mmap tokens/s", "prescient tokens/s", "prescient / plain",
-            "prescient / mmap", "prescient's plan", "hit rate", "stall ms/token", "MiB moved/token"], rows
+            "prescient / mmap", "prescient's plan", "hit rate", "stall ms/token", "MiB moved/token",
+            "mmap: MiB read from disk/token", "prescient: MiB read from disk/token"], rows
 
 
 def tune_rows() -> Rows:

@@ -20,18 +20,21 @@ from prescient.model_dir import ModelDirectory
 
 
 class TokenClock:
-    """A generate() streamer that only notes when each put arrives (the prompt, then each token) and
-    how many major page faults the process had taken by then: under a memory cap, pages the kernel
-    took back (the libraries' code, a mapped checkpoint) fault back in from disk, a cost that no
-    runtime statistic shows."""
+    """A generate() streamer that only notes when each put arrives (the prompt, then each token),
+    how many major page faults the process had taken by then and how many bytes it had read from
+    storage: under a memory cap, pages the kernel took back (the libraries' code, a mapped
+    checkpoint) are read again from disk, a cost that no runtime statistic shows, and one the
+    memory-mapped model also pays in read-ahead beyond what it uses."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
         self.faults: list[int] = []
+        self.reads: list[int | None] = []
 
     def put(self, _value: Any) -> None:
         self.times.append(time.perf_counter())
         self.faults.append(major_faults())
+        self.reads.append(storage_reads())
 
     def end(self) -> None:
         self.put(None)
@@ -40,10 +43,30 @@ class TokenClock:
         """Major page faults per token from the first new token to the last (None for one token)."""
         return (self.faults[new_tokens] - self.faults[1]) / (new_tokens - 1) if new_tokens > 1 else None
 
+    def decode_read_bytes_per_token(self, new_tokens: int) -> float | None:
+        """Bytes read from storage per token from the first new token to the last (None for one
+        token, or where the system does not count them)."""
+        if new_tokens < 2 or self.reads[1] is None:
+            return None
+        return (self.reads[new_tokens] - self.reads[1]) / (new_tokens - 1)
+
 
 def major_faults() -> int:
     """This process's major page faults so far (0 where the system does not count them)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_majflt if resource is not None else 0
+
+
+def storage_reads() -> int | None:
+    """Bytes this process has had read from storage so far, by its reads, faults and read-ahead
+    alike (Linux's /proc/self/io `read_bytes`); None where the system does not count them."""
+    try:
+        with open("/proc/self/io", "rb") as io:
+            for line in io:
+                if line.startswith(b"read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 class GenerationError(PrescientError):
@@ -117,7 +140,8 @@ def generate_offloaded(model_dir: str | Path | ModelDirectory, prompt: str, max_
 def timed_generate(model, tokenizer, inputs, max_new_tokens: int, sampling: Sampling | None = None) -> dict[str, Any]:
     """`model.generate` on tokenized `inputs` (batch 1), greedy or with `sampling`, timed by a
     streamer: the new token ids, prefill seconds (to the first new token), decode tokens/s (from
-    the first new token to the last) and major page faults per decoded token."""
+    the first new token to the last), and major page faults and bytes read from storage per
+    decoded token."""
     import torch
 
     clock = TokenClock()
@@ -136,4 +160,5 @@ def timed_generate(model, tokenizer, inputs, max_new_tokens: int, sampling: Samp
     return {"token_ids": token_ids,
             "prefill_seconds": clock.times[1] - clock.times[0] if token_ids else None,
             "tokens_per_s": (len(token_ids) - 1) / decode_s if decode_s else None,
-            "decode_major_faults_per_token": clock.decode_faults_per_token(len(token_ids))}
+            "decode_major_faults_per_token": clock.decode_faults_per_token(len(token_ids)),
+            "decode_read_bytes_per_token": clock.decode_read_bytes_per_token(len(token_ids))}

@@ -162,6 +162,7 @@ def tune(model_dir: str | Path, predictor: str | Path | None = None, memories: l
                         RuntimeOptions(memory=memory, **settings), timeout_s=limit)
         record["runs"].append({"memory": memory, "settings": settings, "tokens_per_s": result["tokens_per_s"],
                                "decode_major_faults_per_token": result.get("decode_major_faults_per_token"),
+                               "decode_read_bytes_per_token": result.get("decode_read_bytes_per_token"),
                                "stats": result["stats"], "memory_plan": result["memory_plan"],
                                "killed": result.get("killed", False), "timed_out": result.get("timed_out", False),
                                "seconds": result.get("seconds")})

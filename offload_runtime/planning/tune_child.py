@@ -4,7 +4,7 @@
 
 SPEC: (model_dir, prompts, new_tokens, predictor, RuntimeOptions). The model is loaded once and
 each prompt decoded in turn, as a server meets its requests (the cache warm from the one before).
-OUT: per prompt the decode's tokens/s and major page faults per token, the runtime statistics over
+OUT: per prompt the decode's tokens/s, major page faults and bytes read from storage per token, the runtime statistics over
 all of them and the memory plan, or {"refused": why} where the runtime refuses the cap.
 """
 
@@ -41,6 +41,7 @@ def decode(model_dir: str, prompts: list[str], new_tokens: int, predictor: str |
         stats, plan = runtime.stats(), runtime.memory_plan
     return {"tokens_per_s": [t["tokens_per_s"] for t in timed],
             "decode_major_faults_per_token": [t["decode_major_faults_per_token"] for t in timed],
+            "decode_read_bytes_per_token": [t["decode_read_bytes_per_token"] for t in timed],
             "stats": stats.to_dict(), "memory_plan": plan.to_json() if plan is not None else None}
 
 

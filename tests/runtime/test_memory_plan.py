@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from offload_runtime.engine import loader
-from offload_runtime.engine.generate import generate_offloaded
+from offload_runtime.engine import generate as generate_module
+from offload_runtime.engine.generate import generate_offloaded, storage_reads
 from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.mapped import mapped_share
 from offload_runtime.engine.memory_plan import MiB, plan_offloaded, plan_resident, reserve_bytes, workspace_bytes
@@ -116,6 +117,19 @@ def test_memory_settings_need_a_memory_cap_and_the_request_sizes_the_reserve(tin
     prompt_tokens = len(ModelDirectory.open(tiny_moe_dir("mixtral")).tokenizer()("def f(x):")["input_ids"])
     assert record["settings"]["context_tokens"] == prompt_tokens + 4
     assert record["decode_major_faults_per_token"] >= 0  # counted over the 3 tokens after the first
+    if storage_reads() is not None:  # Linux
+        assert record["decode_read_bytes_per_token"] >= 0
+
+
+def test_the_token_clock_counts_reads_from_the_first_new_token_to_the_last(monkeypatch):
+    """Put 0 is the prompt, put 1 the first new token: decoding is from put 1 to the last."""
+    reads = iter([0, 500, 1_000, 1_600, 2_200, 9_999])
+    monkeypatch.setattr(generate_module, "storage_reads", lambda: next(reads))
+    clock = generate_module.TokenClock()
+    for put in range(5):  # the prompt, then 4 new tokens
+        clock.put(put)
+    assert clock.decode_read_bytes_per_token(4) == (2_200 - 500) / 3  # puts 1 (first token) to 4
+    assert clock.decode_read_bytes_per_token(1) is None
 
 
 def test_the_prefill_workspace_counts_each_tokens_top_k_rows(tiny_moe_dir):
