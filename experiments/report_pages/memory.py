@@ -13,6 +13,7 @@ from experiments.report_tables import Headline, Page, Rows, Table, load, num, sp
 CURVE = "bench-memory-tb.json"
 CURVE_WIDE = "bench-memory-tw.json"  # the same model's experts three times wider: they dwarf the import floor
 TUNE = "tune-tb.json"
+TUNE_WIDE = "tune-tw.json"  # under the three-prompt rule
 TRACE = "trace-offloaded-tb.json"
 # the same trace in a cgroup capped at the size (experiments.trace_capped): runs/tb; before trace cut its
 # batch to the plan's reserve; runs/tb widened to twice the experts' bytes
@@ -64,14 +65,14 @@ def curve_rows(name: str) -> Rows:
             "mmap: MiB read from disk/token", "prescient: MiB read from disk/token"], rows
 
 
-def tune_rows() -> Rows:
-    result = load(TUNE)
+def tune_rows(name: str) -> Rows:
+    result = load(name)
     rows = []
     for best in result["best"]:
         settings = ", ".join(f"{k} {v}" for k, v in best["settings"].items())
         rows.append([num(best["memory"] / GB, 2), spread(best["tokens_per_s"], best["spread"], 1),
                      ", ".join(best["kept"]) or "(the defaults)", settings])
-    return ["memory (GB)", "best tokens/s (range)", "changes kept", "settings"], rows
+    return ["memory (GB)", "best tokens/s, mean over the prompts (range)", "changes kept", "settings"], rows
 
 
 def page() -> Page:
@@ -87,6 +88,8 @@ def page() -> Page:
                 "1.1GB,1.7GB,2.2GB,2.8GB,3.3GB --repeats 2 --new-tokens 96 --run-timeout 60 --json ... --plot ...")
     tune_cmd = ("prescient tune --model runs/tb --predictor runs/tb-predictor/sida --memory 0.65GB,0.85GB "
                 "--json ...")
+    tune_wide_cmd = ("prescient tune --model runs/tw --predictor runs/tb-predictor/sida --memory 1.1GB,1.7GB "
+                     "--new-tokens 32 --json ...")
     return Page("memory", "Speed against memory", """
 Each system decodes the same prompt greedily in a fresh process inside a memory cgroup capped at the
 size, which counts the page cache as a real machine does; the page cache is dropped before every run,
@@ -115,9 +118,13 @@ three prompts and keeps a change only where it wins on each (the tune table pred
         Table(f"The same, with the experts three times wider ({wide_setup}; 96 new tokens, 2 interleaved repeats, "
               "medians and ranges; a run past 60 s is stopped as timed out: at the plain model's uncapped speed "
               "one takes about 20 s)", (CURVE_WIDE,), wide_cmd, partial(curve_rows, CURVE_WIDE)),
-        Table("What `prescient tune` kept at two sizes (2 interleaved runs per configuration, 48 new tokens, each run "
-              "a fresh process in a cgroup capped at the size, page cache dropped first)", (TUNE,), tune_cmd,
-              tune_rows),
+        Table("What `prescient tune` kept on runs/tb at two sizes, on one calibration prompt (before the three-prompt "
+              "rule; 2 interleaved runs per configuration, 48 new tokens, each run a fresh process in a cgroup capped "
+              "at the size, page cache dropped first)", (TUNE,), tune_cmd, partial(tune_rows, TUNE)),
+        Table("What `prescient tune` kept on runs/tw at 0.4x and 0.6x of the plain model's need: three calibration "
+              "prompts, a change kept only where it wins on each (2 interleaved runs per configuration, 32 new "
+              "tokens per prompt, each run a fresh process in a cgroup capped at the size, page cache dropped first)",
+              (TUNE_WIDE,), tune_wide_cmd, partial(tune_rows, TUNE_WIDE)),
         Table("`prescient trace` through the runtime: 4 096 tokens of stdlib-code, whole and under a cap, 2 "
               "interleaved runs each (no cgroup: the runtime drops the pages it reads)", (TRACE,),
               load(TRACE)["command"], trace_rows),
