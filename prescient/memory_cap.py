@@ -9,6 +9,7 @@ hold it, by dropping the pages it reads (`ExpertStore(drop_page_cache=True)`).
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -57,10 +58,22 @@ HOT_LIBRARY_BYTES = 48 * 2**20  # of the ~127 MiB of libraries torch and transfo
 # 406 MiB resident set, in `bench --memory`'s first run)
 
 
+def release_free_memory() -> None:
+    """Hand the pages the C allocator holds free back to the kernel (glibc's `malloc_trim`; a no-op
+    elsewhere): loading leaves tens of MiB freed but still resident (45 MiB after loading runs/tw's
+    non-expert weights and predictor, which cost one expert slot at 1.1 GB in some runs and not in others)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def process_footprint() -> int:
-    """What a cap must leave this process: its anonymous memory (which only swap could take back)
-    and the mapped libraries' pages it keeps using (`HOT_LIBRARY_BYTES` at most); the rest of the
-    mapped files is clean page cache the kernel reclaims under a cap."""
+    """What a cap must leave this process: its anonymous memory (which only swap could take back),
+    measured after the allocator's free pages are handed back, and the mapped libraries' pages it
+    keeps using (`HOT_LIBRARY_BYTES` at most); the rest of the mapped files is clean page cache the
+    kernel reclaims under a cap."""
+    release_free_memory()
     memory = psutil.Process(os.getpid()).memory_info()
     mapped = getattr(memory, "shared", 0)  # Linux: file-backed resident pages
     return memory.rss - mapped + min(mapped, HOT_LIBRARY_BYTES)

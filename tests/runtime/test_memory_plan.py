@@ -4,6 +4,9 @@ every path computes what the plain model computes."""
 
 from __future__ import annotations
 
+import ctypes
+
+import psutil
 import pytest
 import torch
 
@@ -21,6 +24,7 @@ from prescient.devices import DeviceError
 from prescient.errors import CapacityError
 from prescient.fingerprint import fingerprint_model_dir
 from prescient.loading import load_model
+from prescient.memory_cap import process_footprint
 from prescient.model_dir import ModelDirectory
 from tests.runtime.test_offloaded_generate import encode, generate
 
@@ -162,3 +166,23 @@ def test_a_cap_too_small_is_refused_in_one_line_naming_the_smallest(tiny_moe_dir
     monkeypatch.setattr(loader, "process_footprint", lambda: FOOTPRINT)
     with pytest.raises(CapacityError, match="smallest memory that works"):
         load_offloaded(path, memory=FOOTPRINT)
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "malloc_trim"), reason="not glibc: nothing to hand back")
+def test_the_footprint_leaves_out_what_the_allocator_holds_free():
+    """Memory freed inside the C heap stays resident until handed back; the slots it would cost
+    are not the process's: the footprint is measured after `malloc_trim`."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+    block = 64 * 1024  # under glibc's mmap threshold: from the heap
+    blocks = [libc.malloc(block) for _ in range(2048)]  # 128 MiB, touched
+    for address in blocks:
+        ctypes.memset(address, 1, block)
+    for address in blocks[:-1]:  # the last one keeps the heap's top: nothing is trimmed on free
+        libc.free(address)
+    resident = psutil.Process().memory_info()
+    held = resident.rss - getattr(resident, "shared", 0)
+    try:
+        assert process_footprint() < held - 64 * MiB
+    finally:
+        libc.free(blocks[-1])
