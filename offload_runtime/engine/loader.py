@@ -105,14 +105,18 @@ def load_offloaded(model_dir: str | Path | ModelDirectory, predictor: str | Path
 
 
 def _load_whole(model_dir: ModelDirectory, options: RuntimeOptions):
-    """The whole model, its experts mapped from the checkpoint where the page cache can hold
-    `MAPPED_SHARE` of them or `options.map_experts` asks, else copied into memory where they all fit;
-    None: offload them into slots (see `memory_plan`)."""
+    """The whole model: copied into memory where every expert fits (the plain transformers model,
+    its own forward), else its experts mapped from the checkpoint where the page cache can hold
+    `MAPPED_SHARE` of them, or wherever `options.map_experts` asks; None: offload them into slots
+    (see `memory_plan`)."""
     need = _whole_model_need(model_dir, options)
     expert_bytes = need.experts_bytes // need.total_experts
     if options.map_experts:
         return _load_mapped(model_dir, options, plan_mapped(options.memory, need.footprint, need.reserve, expert_bytes,
                                                             need.total_experts, need.top_k))
+    plan = plan_resident(options.memory, need.footprint, need.reserve, need.experts_bytes, need.total_experts)
+    if plan is not None:
+        return _load_resident(model_dir, options, plan)
     room = options.memory - need.footprint - need.reserve
     if options.map_experts is None and options.device == "cpu" and room >= MAPPED_SHARE * need.experts_bytes:
         try:
@@ -120,8 +124,7 @@ def _load_whole(model_dir: ModelDirectory, options: RuntimeOptions):
                                                                 expert_bytes, need.total_experts, need.top_k))
         except ModelFilesError as exc:  # another dtype or expert layout than the mapped model computes with
             log.info("the experts are not mapped: %s", exc)
-    plan = plan_resident(options.memory, need.footprint, need.reserve, need.experts_bytes, need.total_experts)
-    return None if plan is None else _load_resident(model_dir, options, plan)
+    return None
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from offload_runtime.engine import generate as generate_module
 from offload_runtime.engine.generate import generate_offloaded, storage_reads
 from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.mapped import mapped_share
-from offload_runtime.engine.memory_plan import MiB, plan_offloaded, plan_resident, reserve_bytes, workspace_bytes
+from offload_runtime.engine.memory_plan import MAPPED_SHARE, MiB, plan_offloaded, plan_resident, reserve_bytes, workspace_bytes
 from offload_runtime.engine.options import OptionsError, RuntimeOptions
 from offload_runtime.engine.resident import ResidentRuntime
 from offload_runtime.engine.runtime import OffloadRuntime
@@ -83,18 +83,23 @@ def test_a_cap_that_holds_every_expert_runs_the_plain_model_without_hooks(tiny_m
         out = generate(model, encode(path, False))
     assert torch.equal(out, reference)
     assert runtime.stats().forwards > 0 and runtime.memory_plan.resident
-    # the tiny checkpoint stores float32: mapped as it is in float32, copied into bfloat16
-    assert runtime.memory_plan.mapped == (dtype == "float32") == hasattr(model, "mmaps")
+    # copied into memory, as the plain transformers model loads it: not mapped from the checkpoint
+    assert not runtime.memory_plan.mapped and not hasattr(model, "mmaps")
 
 
-def test_mapped_experts_are_the_checkpoint_itself_and_can_be_refused(tiny_moe_dir):
-    path, _, reference = _model(tiny_moe_dir)
-    mapped = load_offloaded(path, memory="16GiB")
+def test_mapped_experts_are_the_checkpoint_itself_and_map_where_most_but_not_all_fit(tiny_moe_dir, monkeypatch):
+    path, directory, reference = _model(tiny_moe_dir)
+    mapped = load_offloaded(path, memory="16GiB", map_experts=True)
     assert mapped_share(mapped) == 1.0  # nothing copied
     assert mapped.offload_runtime.fingerprint == fingerprint_model_dir(path)  # the same model, as predictors know it
-    copied = load_offloaded(path, memory="16GiB", map_experts=False)
-    assert not copied.offload_runtime.memory_plan.mapped and not hasattr(copied, "mmaps")
-    assert torch.equal(generate(copied, encode(path, False)), reference)
+    monkeypatch.setattr(loader, "process_footprint", lambda: FOOTPRINT)
+    need = loader._whole_model_need(directory, RuntimeOptions())
+    fixed = need.footprint + need.reserve
+    for share, is_mapped in ((MAPPED_SHARE + 0.05, True), (MAPPED_SHARE - 0.05, False)):
+        model = load_offloaded(path, memory=fixed + int(share * need.experts_bytes))  # not every expert fits
+        assert model.offload_runtime.memory_plan.mapped == is_mapped == hasattr(model, "mmaps")
+        assert torch.equal(generate(model, encode(path, False)), reference)
+        model.offload_runtime.close()
 
 
 def test_mapping_asked_for_below_the_whole_model_runs_exact_and_refuses_below_a_layers_top_k(tiny_moe_dir, monkeypatch):
