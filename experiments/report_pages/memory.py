@@ -12,6 +12,7 @@ from experiments.report_tables import Headline, Page, Rows, Table, load, num, sp
 
 CURVE = "bench-memory-tb.json"
 CURVE_WIDE = "bench-memory-tw.json"  # the same model's experts three times wider: they dwarf the import floor
+CURVE_WHOLE = "bench-memory-tw-whole.json"  # runs/tw at the caps where plain runs, the experts copied where all fit
 TUNE = "tune-tb.json"
 TUNE_WIDE = "tune-tw.json"  # under the three-prompt rule
 TRACE = "trace-offloaded-tb.json"
@@ -85,7 +86,9 @@ def page() -> Page:
     wide_setup = ("runs/tw, configs/reference/tiny-bench-wide.yaml: the same trained model, 64 experts of 34.2 MB, "
                   "2.2 GB of float32 experts, the same predictor, one torch thread")
     wide_cmd = ("prescient bench --model runs/tw --predictor runs/tb-predictor/sida --memory "
-                "1.1GB,1.7GB,2.2GB,2.8GB,3.3GB --repeats 2 --new-tokens 96 --run-timeout 60 --json ... --plot ...")
+                "1.1GB,1.7GB,2.2GB,2.8GB,3.3GB --repeats 3 --new-tokens 96 --run-timeout 60 --json ... --plot ...")
+    whole_cmd = ("prescient bench --model runs/tw --predictor runs/tb-predictor/sida --memory 2.8GB,3.3GB --repeats 3 "
+                 "--new-tokens 96 --run-timeout 60 --json ...")
     tune_cmd = ("prescient tune --model runs/tb --predictor runs/tb-predictor/sida --memory 0.65GB,0.85GB "
                 "--json ...")
     tune_wide_cmd = ("prescient tune --model runs/tw --predictor runs/tb-predictor/sida --memory 1.1GB,1.7GB "
@@ -96,28 +99,39 @@ size, which counts the page cache as a real machine does; the page cache is drop
 and every run that finished computed the plain model's tokens. The plain transformers model copies
 every weight into anonymous memory: on runs/tb it is killed below 1.3 GB, on runs/tw it runs from
 2.8 GB and below that thrashes past the run limit. The project's runtime (`--memory`, with what
-`prescient tune` kept on this machine where it was tuned, else the built-in defaults) keeps a share
-of the experts in slots where memory is scarce, and from where the page cache can hold 80% of the
-experts it maps every weight from the checkpoint and runs with no hooks (the plan column says which).
+`prescient tune` kept on this machine where it was tuned, else the built-in defaults) copies every
+expert into memory where they all fit (the plain model), maps every weight from the checkpoint where
+the page cache can hold 80% of the experts, and below that keeps a share of the experts in slots (the
+plan column says which; the runs/tw curve at 2.8 and 3.3 GB predates copying where all fit, and the
+table after it measures the copy there).
 
 Two models, one trained router: on runs/tb (733 MB of experts) importing torch and transformers
 holds about 0.46 GB, most of any cap that would be "0.4x the plain model's need", so nothing runs
-below 0.55 GB; on runs/tw the same experts are three times wider (2.2 GB) and dwarf that floor. There
-the runtime decodes at 1.1 GB (0.4x of plain's 2.8 GB) at about a third of plain's uncapped speed and
-at 1.7 GB (0.6x) at about three quarters of it (second table), but the memory-mapped model, whose
-page cache the kernel manages, decodes as fast from 1.1 GB up: the slots' hit rate (0.79 at 1.1 GB,
-0.94 at 1.7 GB) is no better than the kernel's cache of the same memory, and a miss costs the same
-read. The bound at 1.1 GB: 106 MiB read per token at this disk's 0.5-0.95 GB/s random-read rate
-(results/tune-tb.json's read curve, queue depth 1 to 16) is 115-210 ms beside 60 ms of compute; reads hidden behind compute, or
-fewer bytes per expert (int4 packed slots, opt-in), move it. At 0.65 GB on runs/tb the policy tune
-kept from one calibration prompt (LRU) fell to a 0.68 hit rate on this prompt: tune now calibrates on
-three prompts and keeps a change only where it wins on each (the tune table predates that).
+below 0.55 GB; on runs/tw the same experts are three times wider (2.2 GB) and dwarf that floor.
+There the runtime decodes at 1.1 GB (0.4x of plain's 2.8 GB) at about a third of plain's uncapped
+16.0 tokens/s and at 1.7 GB (0.6x) at nearly all of it. At 1.1 GB it decoded 1.8x the
+memory-mapped model in this run: the slots read 104-107 MiB from disk per token at a 0.80 hit rate,
+the mapping 223-241 MiB (the kernel's read-ahead, 8 MiB on this machine's disk, reads past what a
+token uses, and the cgroup takes it back before it is used). That model is unsteady there: in the
+curve before this one (results/bench-memory-tw.json as of commit 4b2aadd) it decoded once at 3.1 and
+once at 8.4 tokens/s, with 12.2 and 2.2 major page faults per token, and in `tune`'s runs at 1.1 GB
+the mapped experts beat the slots on two of three prompts and lost on the third (so tune kept the
+slots). At 1.7 GB the two tie and both run near the plain model's own speed: no offloading can be
+1.3x faster there, the ceiling being the all-resident 16.0 tokens/s. The slots' own bound at 1.1 GB:
+about 105 MiB read per token at this disk's 0.52-0.83 GB/s (tune-tw.json's read curve at the expert's
+34 MB, depth 1 to 16) is 130-210 ms beside about 60 ms of compute, and the stall column shows those
+reads are not hidden behind compute; moving it needs fewer bytes per expert (int4 packed slots,
+opt-in) or prefetch issued further ahead. At 0.65 GB on runs/tb the policy tune kept from one calibration prompt (LRU) fell to a
+0.68 hit rate on this prompt: tune now calibrates on three prompts and keeps a change only where it
+wins on each; on runs/tw under that rule no change won at either size.
 """, (
         Table(f"Decode tokens/s against the memory cap ({setup}; 96 new tokens, 3 interleaved repeats, medians "
               "and ranges)", (CURVE,), curve_cmd, partial(curve_rows, CURVE)),
-        Table(f"The same, with the experts three times wider ({wide_setup}; 96 new tokens, 2 interleaved repeats, "
+        Table(f"The same, with the experts three times wider ({wide_setup}; 96 new tokens, 3 interleaved repeats, "
               "medians and ranges; a run past 60 s is stopped as timed out: at the plain model's uncapped speed "
               "one takes about 20 s)", (CURVE_WIDE,), wide_cmd, partial(curve_rows, CURVE_WIDE)),
+        Table("runs/tw where the plain model runs, after `--memory` copies every expert where they all fit (the same "
+              "conditions, 3 interleaved repeats)", (CURVE_WHOLE,), whole_cmd, partial(curve_rows, CURVE_WHOLE)),
         Table("What `prescient tune` kept on runs/tb at two sizes, on one calibration prompt (before the three-prompt "
               "rule; 2 interleaved runs per configuration, 48 new tokens, each run a fresh process in a cgroup capped "
               "at the size, page cache dropped first)", (TUNE,), tune_cmd, partial(tune_rows, TUNE)),

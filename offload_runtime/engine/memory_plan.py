@@ -2,16 +2,16 @@
 
 The cap counts everything the process holds (see `prescient.memory_cap`): the imported libraries,
 the non-expert weights, the expert slots, the predictor, the KV cache and activations, and the page
-cache its reads leave. Three outcomes:
+cache its reads leave. Four outcomes:
+- every expert fits beside the rest: they are copied into memory with the model (the plain
+  transformers model, its own forward and kernels, no hooks);
 - the page cache can hold at least `MAPPED_SHARE` of the experts beside the rest: every weight is a
   view of the memory-mapped checkpoint (`mapped`: nothing copied, the page cache is the expert
-  cache, the kernel reads back what it drops) and the model runs its own forward, no hooks; where
-  the checkpoint stores the experts in another dtype than the compute dtype and they all fit, they
-  are copied into memory instead (the plain transformers model); `tune` measures mapping at every
-  size it tunes, and it can be asked for at any cap (`map_experts`);
+  cache, the kernel reads back what it drops) and the model runs with no hooks; `tune` measures
+  mapping at every size it tunes, and it can be asked for at any cap (`map_experts`);
 - otherwise the experts are offloaded: what is left of the cap after the measured footprint of the
-  process (non-expert weights and predictor loaded) and the reserve buys slots. A cap that cannot buy one
-  layer's top-k is refused, naming the smallest cap that works.
+  process (non-expert weights and predictor loaded) and the reserve buys slots;
+- a cap that cannot buy one layer's top-k is refused, naming the smallest cap that works.
 The limit is held by the kernel where the process runs in a cgroup at or under the cap (the page
 cache is then kept: the kernel reclaims it first); elsewhere by dropping the pages the store reads.
 """
