@@ -214,8 +214,9 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
         "memory": lambda p: p.add_argument(
             "--memory", type=memory, default=None, metavar="SIZE",
             help=f"the whole process's memory ({MEMORY_HELP.replace('%', '%%')}): slots are sized to fit beside "
-                 "the rest; where the page cache holds 80%% of the experts or more, the model runs whole with no "
-                 "hooks, its weights mapped from the checkpoint; the configuration is printed in one line"),
+                 "the rest; where every expert fits, the plain model (its own forward, no hooks); where the page cache "
+                 "holds 80%% of the experts or more, the model runs whole with no hooks, its weights mapped from "
+                 "the checkpoint; the configuration is printed in one line"),
         "budget": lambda p: p.add_argument(
             "--budget", type=budget, default=None,
             help="instead of --memory, the experts' slots alone: a fraction of all experts (0.5 or 50%%), slots "
