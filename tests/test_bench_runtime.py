@@ -53,6 +53,7 @@ def test_grids_and_their_checks():
         check_grid([], {"magic": None}, None)
 
 
+@pytest.mark.slow  # 9 s of runs and baselines in child processes
 def test_two_runs_baselines_oracle_and_hash_cost(tiny_moe_dir, text_corpus, tmp_path):
     model = tiny_moe_dir("mixtral")
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"

@@ -119,6 +119,7 @@ def test_ddp_on_two_cpu_processes(tmp_path, synthetic_trace, tiny_fingerprint):
     assert load_predictor(export, fingerprint=tiny_fingerprint).meta.metrics["val/recall_at_k"] > 0
 
 
+@pytest.mark.slow  # 20 s: a training process with the wandb logger
 def test_train_prints_progress_and_result_without_noise(tmp_path, synthetic_trace):
     """`prescient train` as a user runs it (wandb logger on): no LightningCLI args warning, no
     line twice, no litlogger tip, no wandb warning, no deprecation warning."""
