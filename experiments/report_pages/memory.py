@@ -119,7 +119,7 @@ the mapped experts beat the slots on two of three prompts and lost on the third 
 slots). At 1.7 GB the two tie and both run near the plain model's own speed: no offloading can be
 1.3x faster there, the ceiling being the all-resident 16.0 tokens/s. The slots' own bound at 1.1 GB:
 about 105 MiB read per token at this disk's 0.52-0.83 GB/s (tune-tw.json's read curve at the expert's
-34 MB, depth 1 to 16) is 130-210 ms beside about 60 ms of compute, and the stall column shows those
+34 MB, depth 1 to 16) is 130-210 ms beside about 70 ms of compute (1/5.5 tokens/s less the 114 ms stall), and the stall column shows those
 reads are not hidden behind compute; moving it needs fewer bytes per expert (int4 packed slots,
 opt-in) or prefetch issued further ahead. At 0.65 GB on runs/tb the policy tune kept from one calibration prompt (LRU) fell to a
 0.68 hit rate on this prompt: tune now calibrates on three prompts and keeps a change only where it
