@@ -261,6 +261,20 @@ class ExpertCache:
                 raise CacheError(f"cannot unpin {missing}: not pinned")
             np.subtract.at(pins, ids, 1)
 
+    def shrink(self, capacity: int) -> list[Key]:
+        """Hold at most `capacity` keys from now on (per partition), evicting the policy's victims
+        now (`on_evict` is called for each); returns them. Pinned keys stay, so a partition may
+        hold more until they are unpinned and evicted by later insertions."""
+        least = self.top_k or 1
+        if capacity < least:
+            raise CapacityError(f"capacity {capacity} cannot hold one layer's top-{least} experts")
+        with self._lock:
+            evicted = np.empty(max(int(self.state.fill.max()), 1), np.int64)
+            n_evicted = kernel.shrink(self.state.struct, capacity, evicted)
+            self.capacity = capacity
+            self._evicted(evicted[:n_evicted])
+            return [self._keys[i] for i in evicted[:n_evicted].tolist()]
+
     # -- policy hook -------------------------------------------------------------------------
 
     def on_forecast(self, chances: np.ndarray, layer: int | None = None) -> None:

@@ -127,6 +127,24 @@ def use(st, keys):
 
 
 @jit
+def shrink(st, capacity, evicted):
+    """Lower every partition's capacity to `capacity`, evicting its lowest-ranked unpinned keys
+    until it fits (fewer where pinned keys hold the rest). Returns the evicted count."""
+    st.params[CAPACITY] = capacity
+    n_evicted = 0
+    for part in range(len(st.fill)):
+        while st.fill[part] > capacity:
+            out = victim(st, part)
+            if out < 0:
+                break
+            _evict(st, out)
+            st.fill[part] -= 1
+            evicted[n_evicted] = out
+            n_evicted += 1
+    return n_evicted
+
+
+@jit
 def access_many(st, keys, pin, inserted, evicted):
     """Load and use `keys`; pin them if `pin` and all went well.
     Returns (inserted count, evicted count, failed or -1, off-sequence index or -1)."""

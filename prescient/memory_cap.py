@@ -68,6 +68,12 @@ def release_free_memory() -> None:
         pass
 
 
+def anonymous_bytes() -> int:
+    """This process's resident anonymous memory now (what only swap could take back), in bytes."""
+    memory = psutil.Process(os.getpid()).memory_info()
+    return memory.rss - getattr(memory, "shared", 0)  # Linux: `shared` is the file-backed resident pages
+
+
 def process_footprint() -> int:
     """What a cap must leave this process: its anonymous memory (which only swap could take back),
     measured after the allocator's free pages are handed back, and the mapped libraries' pages it

@@ -9,11 +9,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-try:
-    import resource
-except ImportError:  # not a Unix: no fault counts
-    resource = None
-
+from offload_runtime.engine.memory_guard import major_faults
 from offload_runtime.engine.options import RuntimeOptions
 from prescient.errors import PrescientError
 from prescient.model_dir import ModelDirectory
@@ -49,11 +45,6 @@ class TokenClock:
         if new_tokens < 2 or self.reads[1] is None:
             return None
         return (self.reads[new_tokens] - self.reads[1]) / (new_tokens - 1)
-
-
-def major_faults() -> int:
-    """This process's major page faults so far (0 where the system does not count them)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt if resource is not None else 0
 
 
 def storage_reads() -> int | None:

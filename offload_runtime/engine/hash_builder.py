@@ -34,6 +34,7 @@ import torch
 
 from predictor.forecast import chances_of_use
 from prescient.errors import PrescientError
+from prescient.memory_cap import anonymous_bytes, release_free_memory
 
 log = logging.getLogger(__name__)
 
@@ -213,3 +214,22 @@ class HashBuilder:
                 self._tables = {s: t for s, t in self._tables.items() if s > step - self.keep}
                 self._tables[step] = HashTable(step, scores, tokens, *forecasts)
                 self._landed.notify_all()
+
+
+def warm_up(predictor: Any, forecasts: bool, next_token: bool, tokens: int = 16) -> int:
+    """Run `predictor` as the hash-building thread runs it while decoding, on a thread of its
+    own, over a prompt and `tokens` decode steps; returns how much anonymous memory the process
+    gained meanwhile, measured while the predictor still holds it (its state, its forecasts, the
+    thread's allocator arena): what a memory plan must leave it. A later thread takes over the
+    arena the warm-up thread leaves."""
+    release_free_memory()
+    before = anonymous_bytes()
+    builder = HashBuilder(predictor, forecasts=forecasts, next_token=next_token)
+    try:
+        builder.submit(0, torch.arange(tokens).unsqueeze(0), True)
+        for step in range(1, tokens + 1):
+            builder.submit(step, torch.tensor([[step]]), False)
+        builder.wait(tokens, timeout=60.0)
+        return max(0, anonymous_bytes() - before)
+    finally:
+        builder.close()

@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from cache import make_serving_policy
+from offload_runtime.engine.hash_builder import warm_up
 from offload_runtime.engine.mapped import load_mmap_model
-from offload_runtime.engine.memory_plan import (MAPPED_SHARE, MemoryPlan, held_by, plan_mapped, plan_offloaded,
+from offload_runtime.engine.memory_plan import (MAPPED_SHARE, MemoryPlan, plan_mapped, plan_offloaded,
                                                 plan_resident, reserve_bytes)
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.resident import ResidentRuntime
@@ -71,12 +72,17 @@ def load_offloaded(model_dir: str | Path | ModelDirectory, predictor: str | Path
         require_forecasts(predictor, "cross-token prefetch")
     if options.fine_model is not None and options.precision_rule == "forecast":
         require_forecasts(predictor, "the forecast precision rule")
+    # under a cap the predictor runs once first, so that the plan measures what it holds at work
+    at_work = 0 if predictor is None or options.memory is None else warm_up(
+        predictor, eviction.uses_forecasts, options.next_token_min_chance is not None)
     stores = []  # closed here if the runtime is not made
     try:
-        drop = options.drop_page_cache or (options.memory is not None and held_by(options.memory) != "cgroup")
+        # under a cap the store drops each read's pages, cgroup or not: pages its reads left cached would
+        # make the kernel evict the libraries' code that every token runs, and read it back per token
+        drop = options.drop_page_cache or options.memory is not None
         stores.append(ExpertStore(model_dir, model, layers, mode=options.store, drop_page_cache=drop,
                                   slot_format=options.slot_format, read_depth=options.read_depth))
-        plan = None if options.memory is None else _offloaded_plan(model_dir, options, stores[0], layers)
+        plan = None if options.memory is None else _offloaded_plan(model_dir, options, stores[0], layers, at_work)
         budget = options.budget if plan is None else Budget(plan.slots, "slots")
         if options.fine_model is None:
             pool = SlotPool.for_budget(stores[0].slot_specs, layers[0].num_experts, layers[0].top_k, budget,
@@ -183,13 +189,14 @@ def _load_resident(model_dir: ModelDirectory, options: RuntimeOptions, plan: Mem
     return model
 
 
-def _offloaded_plan(model_dir: ModelDirectory, options: RuntimeOptions, store: ExpertStore, layers) -> MemoryPlan:
+def _offloaded_plan(model_dir: ModelDirectory, options: RuntimeOptions, store: ExpertStore, layers,
+                    predictor_work: int) -> MemoryPlan:
     """The slots `options.memory` buys beside this process as loaded now (non-expert weights,
-    predictor, store)."""
+    predictor, store) and what its predictor holds at work (`predictor_work` bytes)."""
     expert_bytes = sum(spec.nbytes for spec in store.slot_specs) // len(store.slot_specs)
     copy_buffers = options.transfer_workers * expert_bytes
     return plan_offloaded(options.memory, process_footprint(), _reserve(model_dir, options, copy_buffers),
-                          expert_bytes, len(layers) * layers[0].num_experts, layers[0].top_k)
+                          expert_bytes, len(layers) * layers[0].num_experts, layers[0].top_k, predictor_work)
 
 
 def _reserve(model_dir: ModelDirectory, options: RuntimeOptions, copy_buffers: int) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from prescient.errors import CapacityError
-from prescient.memory_cap import cgroup_limit
+from prescient.memory_cap import HOT_LIBRARY_BYTES, cgroup_limit
 
 MiB = 2**20
 SLACK = 16 * MiB  # the allocator's free lists, small buffers
@@ -45,6 +45,7 @@ class MemoryPlan:
     resident: bool  # every expert loaded with the model: no offloading, no hooks
     held_by: str  # "cgroup" (the kernel holds the cap), "dropped pages" (the store drops its reads), or nothing (mapped)
     mapped: bool = False  # resident as views of the memory-mapped checkpoint: the page cache holds the experts
+    predictor_work: int = 0  # of `reserve`: what the predictor adds while it runs (measured over a warm-up)
 
     @property
     def drop_page_cache(self) -> bool:
@@ -61,8 +62,10 @@ class MemoryPlan:
             where = "all experts resident, the model's own forward"
         else:
             where = f"{self.slots} of {self.total_experts} experts in slots ({self.slots * self.expert_bytes / gib:.2f} GiB)"
-        return (f"memory {self.cap / gib:.2f} GiB: {where}; process {self.footprint / gib:.2f} GiB, reserve "
-                f"{self.reserve / gib:.2f} GiB; held by {self.held_by}")
+        work = f", the predictor at work {self.predictor_work / 2**20:.0f} MiB of it" if self.predictor_work else ""
+        return (f"memory {self.cap / gib:.2f} GiB: {where}; process {self.footprint / gib:.2f} GiB (with "
+                f"{HOT_LIBRARY_BYTES / 2**20:.0f} MiB of library code it runs), reserve {self.reserve / gib:.2f} GiB"
+                f"{work}; held by {self.held_by}")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -131,13 +134,14 @@ def plan_mapped(cap: int, footprint: int, reserve: int, expert_bytes: int, total
 
 
 def plan_offloaded(cap: int, footprint: int, reserve: int, expert_bytes: int, total_experts: int,
-                   min_slots: int) -> MemoryPlan:
+                   min_slots: int, predictor_work: int = 0) -> MemoryPlan:
     """The slots what is left of `cap` buys beside the process's measured `footprint` (non-expert
-    weights and predictor loaded) and the reserve; a CapacityError naming the smallest cap that works
-    when that is fewer than `min_slots` (one layer's top-k)."""
+    weights and predictor loaded), the reserve and what the predictor adds at work; a CapacityError
+    naming the smallest cap that works when that is fewer than `min_slots` (one layer's top-k)."""
+    reserve += predictor_work
     slots = _require(cap, footprint, reserve, expert_bytes, min_slots, "expert slots")
     return MemoryPlan(cap, footprint, reserve, expert_bytes, total_experts, min(slots, total_experts), False,
-                      held_by(cap))
+                      held_by(cap), predictor_work=predictor_work)
 
 
 def _require(cap: int, footprint: int, reserve: int, expert_bytes: int, least: int, what: str) -> int:

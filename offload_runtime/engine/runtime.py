@@ -49,6 +49,7 @@ from offload_runtime.engine.hybrid import HybridCounts, HybridExperts
 from offload_runtime.engine.offloaded_experts import offload_experts
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.lookahead import InTokenLookahead
+from offload_runtime.engine.memory_guard import MemoryGuard
 from offload_runtime.engine.prefetch import STEP_PRIORITY, Prefetcher
 from offload_runtime.engine.slots import SlotPool, TieredSlotPool
 from offload_runtime.engine.store import ExpertStore
@@ -90,6 +91,7 @@ class RuntimeStats:
     table_layers_late: int = 0
     table_wait_seconds: float = 0.0  # inference thread blocked waiting for hash tables (`table_wait`)
     where_it_lives: int = 0  # routed experts computed without a slot (`RuntimeOptions.hybrid_schedule`)
+    slots_given_back: int = 0  # by the memory guard (`memory_guard`): the process re-read its own pages
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -147,6 +149,9 @@ class OffloadRuntime:
         self.builder = None if predictor is None else HashBuilder(
             predictor, forecasts=policy.uses_forecasts or (tiered and self.cache.uses_forecasts),
             next_token=options.next_token_min_chance is not None)
+        # under `--memory`, slots are given back if the process starts re-reading its own pages
+        self.guard = MemoryGuard(self._give_back_slots, pool.num_slots, self.top_k) \
+            if options.memory is not None and fine_store is None else None
         self._stop = weakref.finalize(self, _stop_threads, self.engine, self.builder, stores)
 
     @property
@@ -160,6 +165,8 @@ class OffloadRuntime:
         """Each forward of a stack: a new step over its layers; hand its new input ids to the hash
         builder as token stream `stream`."""
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self.guard is not None:
+                self.guard.check()
             self._step += 1
             self.prefetcher.start(self._step, layers)
             if self.builder is None:
@@ -198,6 +205,14 @@ class OffloadRuntime:
             probs = torch.softmax(logits.reshape(-1, logits.shape[-1]), dim=-1).sum(0)
             self.cache.on_step(layer.index, probs.tolist())
         return hook
+
+    def _give_back_slots(self, count: int) -> int:
+        """The memory guard's call: hold `count` fewer experts, evicting the policy's victims, and
+        hand those slots' pages back to the kernel; returns the bytes freed."""
+        evicted = self.cache.shrink(self.cache.capacity - count)
+        copying = [t.future for t in (self._tickets.get(key) for key in evicted) if t is not None]
+        futures.wait(copying)  # a copy still running into a slot would touch its pages again
+        return self.pool.give_back(count)
 
     def _on_evict(self, key: Key) -> None:
         self.engine.cancel(key)
@@ -251,7 +266,7 @@ class OffloadRuntime:
         copies have landed compute while the others' copies run, then each as it lands; without
         it, a group computes once all its copies are in."""
         resident_first = sorted(experts, key=lambda e: self.pool.map.slot_of((layer, e)) is None)
-        room = self.pool.num_slots
+        room = self.pool.num_slots - self.pool.map.retired
         for start in range(0, len(resident_first), room):
             part = resident_first[start:start + room]
             with self.use(layer, part, device, wait=not self.arrival_order) as slots:
@@ -353,7 +368,10 @@ class OffloadRuntime:
             hit_rate=(accesses - misses) / accesses if accesses else 0.0, bytes_moved=t.bytes_moved, loads=t.loads, demand_loads=t.demand_loads,
             prefetch_loads=t.prefetch_loads, stall_seconds=round(t.stall_seconds, 4),
             late_tables=self.prefetcher.late_tables, tables_on_time=self.prefetcher.tables_on_time,
-            slots=self.pool.num_slots, slot_bytes=self.pool.nbytes, predictor_failures=self.predictor_failures,
+            slots=self.pool.num_slots - self.pool.map.retired,
+            slot_bytes=self.pool.nbytes * (self.pool.num_slots - self.pool.map.retired) // self.pool.num_slots,
+            slots_given_back=self.guard.given_back if self.guard is not None else 0,
+            predictor_failures=self.predictor_failures,
             fine_accesses=self.cache.fine_accesses if self.fine_store is not None else 0,
             lookahead_prefetches=self.lookahead.issued if self.lookahead is not None else 0,
             table_layers_on_time=self.prefetcher.layers_on_time, table_layers_late=self.prefetcher.layers_late,

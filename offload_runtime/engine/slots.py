@@ -12,7 +12,10 @@ coarse one (int4), numbered one after the other in one slot map; a key holds a s
 from __future__ import annotations
 
 import bisect
+import ctypes
+import functools
 import logging
+import mmap
 import threading
 from collections.abc import Mapping, Sequence
 
@@ -50,6 +53,26 @@ def slots_for_budget(budget: Budget | float | int | str, expert_nbytes: int, tot
     return min(slots, total_experts)
 
 
+def release_pages(tensor: torch.Tensor) -> int:
+    """Hand the whole pages inside contiguous CPU `tensor` back to the kernel (`madvise(DONTNEED)`:
+    anonymous pages read as zeros after); returns the bytes released (0 on another device or
+    system)."""
+    if tensor.device.type != "cpu" or not hasattr(mmap, "MADV_DONTNEED"):
+        return 0
+    start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last <= first:
+        return 0
+    if _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED) != 0:
+        return 0
+    return last - first
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _one_spec(specs: Sequence[ExpertSpec]) -> ExpertSpec:
     """The slot spec every MoE layer shares; a SlotError if they differ."""
     if any(spec != specs[0] for spec in specs):
@@ -79,6 +102,7 @@ class SlotMap:
         self.home = len(tiers) == 1 and num_slots >= num_layers * num_experts  # see the class doc
         # per tier, pop() hands out its lowest slot first
         self._free = [list(range(start + n - 1, start - 1, -1)) for start, n in zip(self.tier_starts, tiers)]
+        self.retired = 0  # slots taken out of use (`retire`): the memory guard gave their memory back
         self._slot: dict[Key, int] = {}
         self._key: list[Key | None] = [None] * num_slots
         self._lock = threading.Lock()
@@ -115,6 +139,17 @@ class SlotMap:
             self.table[key] = -1
             self._free[self.tier_of(slot)].append(slot)
             return slot
+
+    def retire(self, count: int) -> list[int]:
+        """Take `count` free slots of a one-tier map out of use for good; returns them (their
+        numbers stay: the slot tables' width is the pool's). A SlotError where fewer are free."""
+        with self._lock:
+            if len(self._free) != 1 or len(self._free[0]) < count:
+                raise SlotError(f"cannot retire {count} slots: {sum(map(len, self._free))} are free")
+            self.home = False  # a retired home slot would leave its key homeless
+            retired, self._free[0] = self._free[0][-count:], self._free[0][:-count]
+            self.retired += count
+            return retired
 
     def slot_of(self, key: Key) -> int | None:
         with self._lock:
@@ -183,6 +218,15 @@ class SlotPool:
                 raise SlotError(f"{name} of shape {list(tensor.shape)} does not fit a slot's "
                                 f"{list(self.spec.shapes[name])}")
             self.buffers[name][slot].copy_(tensor, non_blocking=non_blocking)
+
+    def give_back(self, count: int) -> int:
+        """Retire `count` free slots and hand their memory back to the kernel (the pages of a
+        never-touched or dropped slot are not resident); returns the bytes given back."""
+        freed = 0
+        for slot in self.map.retire(count):
+            for buffer in self.buffers.values():
+                freed += release_pages(buffer[slot])
+        return freed
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:

@@ -1,0 +1,105 @@
+"""`--memory` holds while decoding: the plan counts what the predictor holds at work, the store's
+reads leave no pages behind under a cap, and the memory guard gives slots back (their pages to
+the kernel) when major faults climb, computing the same tokens."""
+
+from __future__ import annotations
+
+import itertools
+
+import psutil
+import pytest
+import torch
+
+from cache import ExpertCache, make_policy
+from offload_runtime.engine import loader, memory_guard
+from offload_runtime.engine.loader import load_offloaded
+from offload_runtime.engine.memory_plan import MiB, reserve_bytes
+from offload_runtime.engine.slots import release_pages
+from prescient.errors import CapacityError
+from prescient.loading import load_model
+from prescient.model_dir import ModelDirectory
+from tests.runtime.test_learned_eviction_runtime import forecasting_sida
+from tests.runtime.test_memory_plan import FOOTPRINT, _model
+from tests.runtime.test_offloaded_generate import encode, generate
+
+
+def test_a_shrunk_cache_evicts_its_victims_down_to_the_new_capacity():
+    evicted = []
+    cache = ExpertCache(6, make_policy("lru"), n_layers=2, top_k=2, on_evict=evicted.append)
+    cache.access_many([(0, e) for e in range(6)])
+    cache.access_many([(0, 0)])  # the most recent: kept
+    assert cache.shrink(3) == evicted == [(0, 1), (0, 2), (0, 3)]
+    assert len(cache) == 3 and cache.capacity == 3
+    cache.access_many([(1, 0)])  # a miss at the new capacity evicts one
+    assert len(cache) == 3
+    with pytest.raises(Exception, match="top-2"):
+        cache.shrink(1)
+
+
+def _anonymous() -> int:
+    memory = psutil.Process().memory_info()
+    return memory.rss - memory.shared
+
+
+def test_released_pages_leave_the_process():
+    block = torch.ones(64 * MiB // 4)  # touched: resident
+    before = _anonymous()
+    assert release_pages(block) > 60 * MiB
+    assert _anonymous() < before - 48 * MiB
+    assert float(block[len(block) // 2]) == 0.0  # whole pages read back as zeros
+
+
+def _slot_cap(path, directory, slots: int) -> int:
+    """A cap that buys `slots` slots beside FOOTPRINT (one transfer worker)."""
+    probe = load_offloaded(path, budget=1.0)
+    expert_bytes = probe.offload_runtime.pool.spec.nbytes
+    probe.offload_runtime.close()
+    return FOOTPRINT + reserve_bytes(directory.config, 4, expert_bytes) + slots * expert_bytes
+
+
+def test_the_guard_gives_slots_back_while_faults_climb_and_the_tokens_stay_the_same(tiny_moe_dir, monkeypatch):
+    path, directory, _ = _model(tiny_moe_dir)
+    reference = generate(load_model(path)[0], encode(path, False), 24)
+    monkeypatch.setattr(loader, "process_footprint", lambda: FOOTPRINT)
+    cap = _slot_cap(path, directory, 12)
+    faults = itertools.count(step=5)  # five major faults per forward: a process re-reading its own pages
+    monkeypatch.setattr(memory_guard, "major_faults", lambda: next(faults))
+    model = load_offloaded(path, memory=cap)
+    with model.offload_runtime as runtime:
+        out = generate(model, encode(path, False), 24)  # 24 forwards: the guard trips twice
+        stats = runtime.stats()
+    assert torch.equal(out, reference)
+    assert stats.slots_given_back > 0 and stats.slots == 12 - stats.slots_given_back >= runtime.top_k
+    assert runtime.cache.capacity == stats.slots and len(runtime.cache) <= stats.slots
+
+
+def test_the_guard_leaves_a_healthy_decode_alone(tiny_moe_dir, monkeypatch):
+    path, directory, reference = _model(tiny_moe_dir)
+    monkeypatch.setattr(loader, "process_footprint", lambda: FOOTPRINT)
+    monkeypatch.setattr(memory_guard, "major_faults", lambda: 7)  # none since the start
+    model = load_offloaded(path, memory=_slot_cap(path, directory, 12))
+    with model.offload_runtime as runtime:
+        assert torch.equal(generate(model, encode(path, False)), reference)
+        assert runtime.stats().slots_given_back == 0 and runtime.stats().slots == 12
+
+
+def test_the_plan_leaves_room_for_what_the_predictor_holds_at_work(tiny_moe_dir, monkeypatch):
+    """A predictor whose decode state holds 64 MiB: the plan measures it on a warm-up, so a cap
+    that buys 12 slots without it is refused, naming a cap 64 MiB larger, which then loads."""
+    path, directory, _ = _model(tiny_moe_dir)
+    monkeypatch.setattr(loader, "process_footprint", lambda: FOOTPRINT)
+    predictor = forecasting_sida(path)
+    start = predictor.start
+
+    def heavy_start(batch_size):
+        state = start(batch_size)
+        state.ballast = torch.ones(64 * MiB // 4)  # held as long as the state
+        return state
+
+    monkeypatch.setattr(predictor, "start", heavy_start)
+    cap = _slot_cap(path, directory, 12)
+    with pytest.raises(CapacityError, match="smallest memory that works") as refused:
+        load_offloaded(ModelDirectory.open(path), predictor, memory=cap, policy="learned-belady")
+    smallest = int(str(refused.value).rsplit("(", 1)[1].split("MiB")[0]) * MiB
+    assert smallest >= cap + 60 * MiB
+    load_offloaded(ModelDirectory.open(path), predictor, memory=smallest, policy="learned-belady").offload_runtime.close()
