@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from cli.args import list_of, memory, output_file, positive_int
+from prescient.errors import CapacityError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -42,6 +43,16 @@ def run(args: argparse.Namespace) -> dict:
               f"with {settings}")
     for refused in record["refused"]:
         print(f"{refused['memory'] / 2**30:.2f} GiB: not run ({refused['why']})")
-    if record["best"]:
-        print(f"kept as this machine's default for {args.model}: {tuned_path(args.model)}")
+    if not record["best"]:
+        raise nothing_measured(record["refused"])
+    print(f"kept as this machine's default for {args.model}: {tuned_path(args.model)}")
     return record
+
+
+def nothing_measured(refused: list[dict]) -> CapacityError:
+    """The one error of a tune that measured no size: the sizes, and why the largest was refused."""
+    sizes = ", ".join(f"{entry['memory'] / 2**30:.2f} GiB" for entry in refused)
+    largest = max(refused, key=lambda entry: entry["memory"], default=None)
+    why = f": at the largest, {largest['why']}" if largest else ""
+    return CapacityError(f"tune measured nothing and kept nothing: no size ran ({sizes or 'none given'}){why}; "
+                         "give --memory sizes the model can run in")

@@ -7,8 +7,11 @@ slots or bytes.
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Literal
 
 import psutil
@@ -19,6 +22,7 @@ from prescient.memory_cap import cgroup_limit
 _BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _NUMBER_AND_UNIT = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z%]*)\s*")
+MAX_BYTES = 2**60  # 1 EiB: above any machine's memory or disk, and within a 64-bit count
 UNITS_HELP = "0.5 or 50% (a fraction of all experts), 12slots (a slot count), or bytes such as 3GiB or 512MB"
 MEMORY_HELP = "bytes such as 8GiB, 1.5GB or 700MiB, or a share of this machine's memory such as 25%"
 
@@ -26,32 +30,48 @@ Unit = Literal["fraction", "slots", "bytes"]
 
 
 def parse_bytes(text: str) -> int:
-    """The number of bytes `text` names ("512MiB", "16GB", or a plain count); ValueError if none."""
+    """The number of bytes `text` names ("512MiB", "16GB", or a plain count), at most `MAX_BYTES`;
+    ValueError naming the text otherwise."""
     match = _NUMBER_AND_UNIT.fullmatch(text)
     unit = match.group(2).lower() if match else "?"
     if not match or (unit and unit not in _BYTE_UNITS):
         raise ValueError(f"cannot read size {text!r}; write e.g. '192GiB', '16GB' or '512MiB'")
-    return int(float(match.group(1)) * _BYTE_UNITS.get(unit, 1))
+    size = Fraction(match.group(1)) * _BYTE_UNITS.get(unit, 1)  # exact: no float to overflow or round
+    if size > MAX_BYTES:
+        raise ValueError(f"{_too_large('size', text)}; write e.g. '192GiB', '16GB' or '512MiB'")
+    return int(size)
+
+
+def _shown(text: str, most: int = 40) -> str:
+    """`text` quoted, its middle cut where it is longer than `most` characters (a size of 400 digits)."""
+    text = text.strip()
+    return repr(text) if len(text) <= most else f"'{text[:most // 2]}...{text[-most // 2:]}' ({len(text)} characters)"
+
+
+def _too_large(what: str, text: str) -> str:
+    return f"{what} {_shown(text)} is above 1 EiB, more than any machine holds"
 
 
 def parse_memory(text: str) -> int:
     """The bytes a memory size names: "8GiB", "1.5GB", "700MiB", or "25%" of this machine's
-    memory (`machine_memory`); CapacityError naming the forms otherwise."""
+    memory (`machine_memory`); CapacityError naming the value and the forms otherwise."""
     match = _NUMBER_AND_UNIT.fullmatch(text)
-    if match and match.group(2) == "%":
-        share = float(match.group(1)) / 100
-        if not 0.0 < share <= 1.0:
-            raise CapacityError(f"memory share {text!r} is not in (0%, 100%]; write {MEMORY_HELP}")
+    unit = match.group(2).lower() if match else "?"
+    if unit == "%":
+        share = Fraction(match.group(1)) / 100
+        if not 0 < share <= 1:
+            raise CapacityError(f"memory share {_shown(text)} is not in (0%, 100%]; write {MEMORY_HELP}")
         return int(share * machine_memory())
-    try:
-        size = parse_bytes(text)
-    except ValueError:
-        raise CapacityError(f"cannot read a memory size from {text!r}; write {MEMORY_HELP}") from None
-    if not match.group(2):
-        raise CapacityError(f"memory size {text!r} names no unit; write {MEMORY_HELP}")
+    if unit and unit not in _BYTE_UNITS:
+        raise CapacityError(f"cannot read a memory size from {_shown(text)}; write {MEMORY_HELP}")
+    if not unit:
+        raise CapacityError(f"memory size {_shown(text)} names no unit; write {MEMORY_HELP}")
+    size = Fraction(match.group(1)) * _BYTE_UNITS[unit]
+    if size > MAX_BYTES:
+        raise CapacityError(f"{_too_large('memory size', text)}; write {MEMORY_HELP}")
     if size < 1:
-        raise CapacityError(f"memory size {text!r} is zero; write {MEMORY_HELP}")
-    return size
+        raise CapacityError(f"memory size {_shown(text)} is zero; write {MEMORY_HELP}")
+    return int(size)
 
 
 def machine_memory() -> int:
@@ -70,6 +90,8 @@ class Budget:
     unit: Unit
 
     def __post_init__(self) -> None:
+        if not isinstance(self.amount, numbers.Real) or not math.isfinite(self.amount):
+            raise CapacityError(f"budget {self.amount!r} is not a finite number; write {UNITS_HELP}")
         if self.unit == "fraction" and not 0.0 < self.amount <= 1.0:
             raise CapacityError(f"budget fraction {self.amount:g} is not in (0, 1]; write {UNITS_HELP}")
         if self.unit in ("slots", "bytes") and (self.amount < 1 or self.amount != int(self.amount)):
@@ -83,7 +105,10 @@ class Budget:
         match = _NUMBER_AND_UNIT.fullmatch(text)
         if not match:
             raise CapacityError(f"cannot read a budget from {text!r}; write {UNITS_HELP}")
-        number, unit = float(match.group(1)), match.group(2).lower()
+        exact, unit = Fraction(match.group(1)), match.group(2).lower()
+        if exact > MAX_BYTES:
+            raise CapacityError(f"budget {_shown(text)} is larger than any machine holds; write {UNITS_HELP}")
+        number = float(exact)
         if unit == "%":
             return cls(number / 100, "fraction")
         if unit in ("slot", "slots"):

@@ -166,27 +166,51 @@ def drop_page_cache() -> bool:
 
 def run_capped(argv: list[str], cap_bytes: int | None, timeout_s: float = 1800.0) -> CappedRun:
     """Run `argv` in a cgroup of its own capped at `cap_bytes` (None: uncapped, still measured);
-    a run past `timeout_s` is killed and marked timed out."""
+    a run past `timeout_s` is killed and marked timed out. Whatever ends the wait early (SIGTERM's
+    `StoppedBySignal`, Ctrl-C) kills the run's whole session and reaps it before it propagates, and
+    the cgroup is removed on every way out."""
     group = make_group(f"prescient-capped-{os.getpid()}-{time.monotonic_ns()}")
-    if group is not None:
-        group.limit(cap_bytes)
-    start = time.perf_counter()
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True, preexec_fn=group.join if group else None)
-    timed_out = False
     try:
-        _, stderr = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        _, stderr = process.communicate()
-        timed_out = True
-    seconds = time.perf_counter() - start
-    peak = oom = hits = None
-    if group is not None:
-        peak, oom, hits = group.peak(), group.oom_kills(), group.limit_hits()
-        group.remove()
+        if group is not None:
+            group.limit(cap_bytes)
+        start = time.perf_counter()
+        process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True, preexec_fn=group.join if group else None)
+        timed_out = False
+        try:
+            _, stderr = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            _, stderr = process.communicate()
+            timed_out = True
+        except BaseException:
+            _kill_and_reap(process)
+            raise
+        seconds = time.perf_counter() - start
+        peak = oom = hits = None
+        if group is not None:
+            peak, oom, hits = group.peak(), group.oom_kills(), group.limit_hits()
+    finally:
+        if group is not None:
+            group.remove()
     code = None if timed_out else process.returncode
     killed = not timed_out and group is not None and cap_bytes is not None and (
         bool(oom) or (oom is None and code == -signal.SIGKILL))
     return CappedRun(code, killed, timed_out, peak, cap_bytes, group is not None and cap_bytes is not None,
                      group.version if group else "none", oom, hits, round(seconds, 2), stderr[-2000:])
+
+
+def _kill_and_reap(process: subprocess.Popen) -> None:
+    """Kill `process`'s session (it leads one) and wait for it, with SIGINT and SIGTERM held back
+    meanwhile so that a second signal cannot leave it running or unreaped."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it had ended already
+            pass
+        process.wait()
+        if process.stderr is not None:
+            process.stderr.close()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)

@@ -189,7 +189,7 @@ def tune(model_dir: str | Path, predictor: str | Path | None = None, memories: l
 def _best_at(memory: int, start: dict[str, Any], changes: list[tuple[str, dict[str, Any]]], repeats: int,
              decode: Callable[[int, dict[str, Any]], list[float]]) -> dict[str, Any]:
     """Coordinate search at one size: each change against the best so far, interleaved; a run's
-    score is its tokens/s per prompt, its summary their mean."""
+    score is its tokens/s per prompt, its summary their mean; CapacityError where no run decoded."""
     best, best_runs, kept = start, [], []
     for name, change in changes:
         trial = {**best, **change}
@@ -206,6 +206,9 @@ def _best_at(memory: int, start: dict[str, Any], changes: list[tuple[str, dict[s
     if not best_runs:  # nothing to try: measure the start once for the record
         best_runs = [decode(memory, best) for _ in range(repeats)]
     means = [statistics.fmean(run) for run in best_runs]
+    if max(means) == 0:  # every run killed or stopped: nothing measured, nothing to keep
+        raise CapacityError("every calibration decode was killed for want of memory under the cap or stopped past "
+                            "its time limit")
     return {"settings": {k: best[k] for k in TUNED_SETTINGS}, "kept": kept,
             "tokens_per_s": statistics.median(means), "spread": [min(means), max(means)]}
 

@@ -25,6 +25,8 @@ import psutil
 
 from offload_runtime.engine.options import RuntimeOptions, best_policy
 from prescient.atomic import write_results
+from prescient.budget import MAX_BYTES
+from prescient.errors import PrescientError
 from prescient.model_dir import ModelDirectory
 
 log = logging.getLogger(__name__)
@@ -85,26 +87,69 @@ def save_tuned(model_dir: str | Path | ModelDirectory, record: dict) -> Path:
     return path
 
 
+class DamagedTunedFile(ValueError):
+    """A tuned file that is not `save_tuned`'s schema; its message says what is wrong."""
+
+
 def _entries(path: Path) -> list[dict]:
-    """The sizes a tuned file keeps (none where it is missing or cannot be read)."""
+    """The sizes a tuned file keeps (none where it is missing, cannot be read or is damaged)."""
     try:
-        return list(json.loads(path.read_text())["best"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return _read_entries(path)
+    except (OSError, DamagedTunedFile):
         return []
 
 
+def _read_entries(path: Path) -> list[dict]:
+    """Each size a tuned file keeps, checked: {"memory": bytes, "settings": the `TUNED_SETTINGS` it
+    names}; DamagedTunedFile saying what is wrong where it is not `save_tuned`'s schema."""
+    try:
+        data = json.loads(path.read_text(), parse_float=_finite_or_text)
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise DamagedTunedFile(f"not JSON: {exc}") from None
+    entries = data.get("best") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise DamagedTunedFile('it holds no list of measured sizes ("best")')
+    return [_checked_entry(entry) for entry in entries]
+
+
+def _checked_entry(entry: Any) -> dict:
+    """One measured size, checked (see `_read_entries`)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("settings"), dict):
+        raise DamagedTunedFile(f"entry {_short(entry)} is not a memory size with its settings")
+    memory = entry.get("memory")
+    whole = isinstance(memory, int) or (isinstance(memory, float) and math.isfinite(memory) and memory.is_integer())
+    if isinstance(memory, bool) or not whole or not 1 <= memory <= MAX_BYTES:
+        raise DamagedTunedFile(f"memory size {_short(memory)} is not a number of bytes in 1..2**60")
+    settings = {k: v for k, v in entry["settings"].items() if k in TUNED_SETTINGS}
+    try:
+        RuntimeOptions(memory=int(memory), **settings)
+    except PrescientError as exc:
+        raise DamagedTunedFile(f"its settings at {int(memory)} bytes do not hold: {exc}") from None
+    return {**entry, "memory": int(memory), "settings": settings}
+
+
+def _finite_or_text(text: str) -> float | str:
+    """A JSON number as a float, or as written where no float holds it (1e400): named so in errors."""
+    value = float(text)
+    return value if math.isfinite(value) else text
+
+
+def _short(value: Any, most: int = 40) -> str:
+    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else repr(value)
+    return text if len(text) <= most else f"{text[:most]}..."
+
+
 def load_tuned(model_dir: str | Path | ModelDirectory) -> Tuned | None:
-    """The tuned configurations of `model_dir` on this machine; None when never tuned here (or the
-    file cannot be read, which is logged)."""
+    """The tuned configurations of `model_dir` on this machine; None when never tuned here, or
+    where the file cannot be read or is damaged (said in one line: which file, and why)."""
     path = tuned_path(model_dir)
     if not path.is_file():
         return None
     try:
-        entries = json.loads(path.read_text())["best"]
-        best = {int(entry["memory"]): {k: v for k, v in entry["settings"].items() if k in TUNED_SETTINGS}
-                for entry in entries}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.warning("ignoring the tuned configuration %s (%s); rerun `prescient tune`", path, exc)
+        best = {entry["memory"]: entry["settings"] for entry in _read_entries(path)}
+    except (OSError, DamagedTunedFile) as exc:
+        log.warning("ignoring the tuned configuration %s (%s); running the built-in defaults (rerun `prescient "
+                    "tune` to measure again)", path, " ".join(str(exc).split()))
         return None
     return Tuned(path, best) if best else None
 
