@@ -12,6 +12,7 @@ device, `PredictorError` for the next-token chance, `OptionsError` for the rest)
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -32,6 +33,7 @@ SLOT_FORMATS = ("expanded", "packed")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MAX_TRANSFER_WORKERS = 64  # reads in flight; storage queues gain nothing past a few dozen
 MAX_LOOKAHEAD_LAYERS = 3  # HybriMoE's reach; the residual stream drifts farther out
+MAX_TABLE_WAIT = 1.0  # seconds: a predictor slower than that per token costs more than it can win
 
 
 def best_policy(predictor: str | os.PathLike | None) -> str:
@@ -99,7 +101,10 @@ class RuntimeOptions:
     (HybriMoE's scheduler, see `hybrid`: on a GPU host with the host store, each layer's routed
     experts split between the GPU and the CPU beside it by measured costs; on a CPU-only host,
     admission: a miss whose predicted reuse is later than every resident expert's computes from a
-    scratch buffer without evicting anything; False: every routed expert computes in a slot)."""
+    scratch buffer without evicting anything; False: every routed expert computes in a slot),
+    `prediction_guard` (with a predictor: act on its predictions only while they load fewer experts
+    than LRU would, see `prediction_guard`), `table_wait` (SiDA's rule: seconds a forward's first
+    MoE layer waits for its hash table; 0: never wait)."""
 
     policy: str = "lru"
     memory: int | None = None
@@ -125,6 +130,8 @@ class RuntimeOptions:
     hybrid_schedule: bool = False
     map_experts: bool | None = None
     context_tokens: int | None = None
+    prediction_guard: bool = True
+    table_wait: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str):
@@ -137,7 +144,7 @@ class RuntimeOptions:
         if self.store == "host" and self.memory is not None:
             raise OptionsError("the host store keeps every expert in this process's memory; a memory cap sizes "
                                "the disk store's slots (drop --store host, or give --budget instead of --memory)")
-        for flag in ("drop_page_cache", "expert_pipeline", "hybrid_schedule"):
+        for flag in ("drop_page_cache", "expert_pipeline", "hybrid_schedule", "prediction_guard"):
             if not isinstance(getattr(self, flag), bool):
                 raise OptionsError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         object.__setattr__(self, "device", str(check_device(self.device)))
@@ -149,6 +156,9 @@ class RuntimeOptions:
         if self.prefetch_per_layer is not None:
             _whole("prefetch_per_layer", self.prefetch_per_layer, 1)
         _whole("lookahead_layers", self.lookahead_layers, 0)
+        if not (isinstance(self.table_wait, (int, float)) and math.isfinite(self.table_wait)
+                and 0 <= self.table_wait <= MAX_TABLE_WAIT):
+            raise OptionsError(f"table_wait must be 0 to {MAX_TABLE_WAIT} seconds, got {self.table_wait!r}")
         if self.lookahead_layers > MAX_LOOKAHEAD_LAYERS:
             raise OptionsError(f"lookahead_layers must be 0 (off) to {MAX_LOOKAHEAD_LAYERS}, got {self.lookahead_layers}")
         if self.lookahead_probe is not None:
@@ -267,4 +277,5 @@ class RuntimeOptions:
                 "lookahead_layers": self.lookahead_layers, "lookahead_probe": self.lookahead_probe,
                 "expert_kernel": self.expert_kernel, "expert_kernel_table": self.expert_kernel_table,
                 "hybrid_schedule": self.hybrid_schedule,
-                "map_experts": self.map_experts, "context_tokens": self.context_tokens}
+                "map_experts": self.map_experts, "context_tokens": self.context_tokens,
+                "prediction_guard": self.prediction_guard, "table_wait": self.table_wait}

@@ -50,6 +50,7 @@ from offload_runtime.engine.offloaded_experts import offload_experts
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.lookahead import InTokenLookahead
 from offload_runtime.engine.memory_guard import MemoryGuard
+from offload_runtime.engine.prediction_guard import PredictionGuard
 from offload_runtime.engine.prefetch import STEP_PRIORITY, Prefetcher
 from offload_runtime.engine.slots import SlotPool, TieredSlotPool
 from offload_runtime.engine.store import ExpertStore
@@ -92,6 +93,8 @@ class RuntimeStats:
     table_wait_seconds: float = 0.0  # inference thread blocked waiting for hash tables (`table_wait`)
     where_it_lives: int = 0  # routed experts computed without a slot (`RuntimeOptions.hybrid_schedule`)
     slots_given_back: int = 0  # by the memory guard (`memory_guard`): the process re-read its own pages
+    prediction_paused_forwards: int = 0  # forwards run without acting on predictions (`prediction_guard`)
+    prediction_lost_windows: int = 0  # windows where predictions loaded more experts than LRU would have
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -124,7 +127,7 @@ class OffloadRuntime:
         self.on_predictor_error = "raise"  # or "demand": log, count, and go on without the predictor
         # SiDA's rule: at a forward's first MoE layer, wait up to this many seconds for its hash
         # table (0: never wait; a late table then serves only the layers after the one it lands in)
-        self.table_wait = 0.0
+        self.table_wait = options.table_wait
         self.table_wait_seconds = 0.0
         self.predictor_failures = 0
         packed = list(zip(pool.tier_buffers(), [s.packed for s in stores])) if store.packed else None
@@ -141,14 +144,17 @@ class OffloadRuntime:
         if getattr(self.policy, "uses_scores", False) or (tiered and self.cache.uses_scores):
             self._handles += [layer.router.register_forward_hook(self._router_scores(layer)) for layer in layers]
         self.engine = TransferEngine(stores, pool, workers=options.transfer_workers)
-        self.prefetcher = Prefetcher(self.cache, self.engine, len(layers), self.n_experts,
-                                     options.prefetch_per_layer or self.top_k, options)
         self.lookahead = None if not options.lookahead_layers else InTokenLookahead(
             self, layers, [stack.layers for stack in stacks], options.lookahead_layers,
             options.prefetch_per_layer or self.top_k, STEP_PRIORITY, _probe(options, fingerprint))
         self.builder = None if predictor is None else HashBuilder(
             predictor, forecasts=policy.uses_forecasts or (tiered and self.cache.uses_forecasts),
             next_token=options.next_token_min_chance is not None)
+        # acts on predictions only while they load fewer experts than LRU would
+        self.prediction_guard = PredictionGuard(self.cache, policy, len(layers), self.n_experts, self.top_k) \
+            if predictor is not None and options.prediction_guard and fine_store is None else None
+        self.prefetcher = Prefetcher(self.prediction_guard or self.cache, self.engine, len(layers), self.n_experts,
+                                     options.prefetch_per_layer or self.top_k, options)
         # under `--memory`, slots are given back if the process starts re-reading its own pages
         self.guard = MemoryGuard(self._give_back_slots, pool.num_slots, self.top_k) \
             if options.memory is not None and fine_store is None else None
@@ -167,6 +173,8 @@ class OffloadRuntime:
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
             if self.guard is not None:
                 self.guard.check()
+            if self.prediction_guard is not None:
+                self.prediction_guard.on_forward()
             self._step += 1
             self.prefetcher.start(self._step, layers)
             if self.builder is None:
@@ -210,6 +218,8 @@ class OffloadRuntime:
         """The memory guard's call: hold `count` fewer experts, evicting the policy's victims, and
         hand those slots' pages back to the kernel; returns the bytes freed."""
         evicted = self.cache.shrink(self.cache.capacity - count)
+        if self.prediction_guard is not None:
+            self.prediction_guard.shrink(self.cache.capacity)
         copying = [t.future for t in (self._tickets.get(key) for key in evicted) if t is not None]
         futures.wait(copying)  # a copy still running into a slot would touch its pages again
         return self.pool.give_back(count)
@@ -229,6 +239,8 @@ class OffloadRuntime:
         # policy chooses: `_on_evict` cancels the victim's queued copy and frees its slot) and
         # pins every key, so nothing this layer needs is evicted while it runs
         self.cache.access_many(keys, pin=True)
+        if self.prediction_guard is not None:
+            self.prediction_guard.access(keys)
         try:
             # the copy: each miss (a key without a slot) gets one and a demand load, which the
             # transfer engine serves ahead of every prefetch
@@ -330,7 +342,9 @@ class OffloadRuntime:
         plan = self.prefetcher
         if plan.wanted is None and not self._take_table(layer):
             return
-        keys = plan.keys_after(layer, demand_loads)
+        keys = plan.keys_after(layer, demand_loads)  # the forecasts reach the cache (or the guard's shadow)
+        if self.prediction_guard is not None and not self.prediction_guard.acting:
+            return  # predictions paused: nothing is prefetched
         rows = self.pool.map.rows
         if keys and any(rows[key] < 0 for key in keys):  # all resident: the call would insert nothing
             plan.issued(self.prefetch(keys, priority=plan.priority))
@@ -371,6 +385,8 @@ class OffloadRuntime:
             slots=self.pool.num_slots - self.pool.map.retired,
             slot_bytes=self.pool.nbytes * (self.pool.num_slots - self.pool.map.retired) // self.pool.num_slots,
             slots_given_back=self.guard.given_back if self.guard is not None else 0,
+            prediction_paused_forwards=self.prediction_guard.paused_forwards if self.prediction_guard else 0,
+            prediction_lost_windows=self.prediction_guard.lost_windows if self.prediction_guard else 0,
             predictor_failures=self.predictor_failures,
             fine_accesses=self.cache.fine_accesses if self.fine_store is not None else 0,
             lookahead_prefetches=self.lookahead.issued if self.lookahead is not None else 0,
