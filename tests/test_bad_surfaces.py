@@ -23,10 +23,12 @@ from cli.main import main
 from offload_runtime.planning import tune as tune_module
 from offload_runtime.planning import tuned as tuned_module
 from offload_runtime.planning.tuned import load_tuned, save_tuned, tuned_path, tuned_settings
+from offload_runtime.server.app import serve_config
+from offload_runtime.server.service import _load_within
 from prescient import capped_run
 from prescient.budget import Budget, parse_bytes, parse_memory
 from prescient.capped_run import CGROUP_ROOT
-from prescient.errors import CapacityError, StoppedBySignal
+from prescient.errors import CapacityError, ServerSettingsError, StoppedBySignal
 
 HUNDREDS_OF_DIGITS = "9" * 400
 
@@ -200,3 +202,19 @@ def test_a_capped_run_stopped_by_sigterm_kills_and_reaps_its_session_and_removes
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     assert len(made) == (capped_run.cgroup_kind() != "none") and capped_groups() == []
+
+
+@pytest.mark.parametrize("prefix_cache", [2 * 2**30, 2**30])
+def test_a_prefix_cache_not_below_the_memory_is_refused_naming_both(tiny_moe_dir, prefix_cache):
+    with pytest.raises(ServerSettingsError) as refused:
+        serve_config(tiny_moe_dir("mixtral"), memory=2**30, prefix_cache_bytes=prefix_cache)
+    assert str(refused.value).startswith(f"--prefix-cache {prefix_cache / 2**30:.2f} GiB ({prefix_cache} bytes) is not "
+                                         "below --memory 1.00 GiB (1073741824 bytes)")
+
+
+def test_a_prefix_cache_that_leaves_too_little_memory_says_it_took_its_share(tiny_moe_dir):
+    config = serve_config(tiny_moe_dir("mixtral"), memory=2**30, prefix_cache_bytes=1000 * 2**20)
+    with pytest.raises(CapacityError, match=r"^--memory 1.00 GiB \(1073741824 bytes\) less the prefix cache's 0.98 GiB "
+                                            r"\(1048576000 bytes\) leaves 0.02 GiB .* for the model: .*smallest memory "
+                                            r"that works .*; the prefix cache comes on top of that$"):
+        _load_within(config.model_dir, None, config.options, config.prefix_cache_bytes)

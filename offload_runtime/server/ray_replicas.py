@@ -164,6 +164,9 @@ def replicas_app(app_args: dict, replicas: int, routing: str = "cache", busy_at:
     """The Ray Serve application: `replicas` replicas of `create_app(**app_args)` behind the
     gateway, routed by `routing` (`routing.MODES`); a replica with `busy_at` requests in flight
     (default: its `max_batch`) is passed over for the least loaded."""
+    from offload_runtime.server.app import serve_config
+
+    serve_config(**app_args)  # settings that cannot serve together are refused here, not in each replica
     serve = require_ray()
     from ray.serve.config import RequestRouterConfig
 

@@ -35,7 +35,7 @@ class _Common(BaseModel):
     max_tokens: StrictInt | None = None
     temperature: StrictFloat | StrictInt = Field(1.0, ge=0.0, le=2.0)
     top_p: StrictFloat | StrictInt = Field(1.0, gt=0.0, le=1.0)
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=-2**63, lt=2**64)  # what torch's generator takes
     stop: StrictStr | list[StrictStr] | None = None  # any number, as vLLM (OpenAI: 4; lm-eval adds end-of-text to a task's own)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None

@@ -20,7 +20,7 @@ from offload_runtime.server.scheduler import (Event, QueueFullError, Request as 
                                               SchedulerClosedError)
 from offload_runtime.server.text import TextStream, chat_prompt
 from predictor.base import ExpertPredictor
-from prescient.errors import UnsupportedModelError
+from prescient.errors import CapacityError, ServerSettingsError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,16 @@ class ServeConfig:
     metrics_need_key: bool = False  # /metrics behind the keys too (else open, as /health)
     replica: str | None = None  # one of several replicas: its name, a label of every /metrics series
     prefix_cache_bytes: int = 0  # finished sequences' KV kept for prompts that resume them (0: none)
+
+    def __post_init__(self) -> None:
+        """A prefix cache is held within a `memory` cap: it must be a byte count below it."""
+        size, memory = self.prefix_cache_bytes, self.options.memory
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ServerSettingsError(f"the prefix cache's size must be a whole number of bytes, at least 0; got {size!r}")
+        if size and memory is not None and size >= memory:
+            raise ServerSettingsError(f"--prefix-cache {_gib(size)} is not below --memory {_gib(memory)}: the "
+                                      "prefix cache is held within the memory; give a smaller --prefix-cache or "
+                                      "more --memory")
 
     @property
     def name(self) -> str:
@@ -87,14 +97,13 @@ class Service:
         return self.ready
 
     def _load(self) -> None:
-        from offload_runtime.engine.loader import load_offloaded
         from prescient.model_dir import ModelDirectory
 
         c = self.config
         try:
             model_dir = ModelDirectory.of(c.model_dir)
             tokenizer = model_dir.tokenizer()
-            model = load_offloaded(model_dir, c.predictor, _less_prefix_cache(c.options, c.prefix_cache_bytes))
+            model = _load_within(model_dir, c.predictor, c.options, c.prefix_cache_bytes)
             if model.config.is_encoder_decoder:
                 model.offload_runtime.close()
                 raise UnsupportedModelError(f"{c.model_dir} is an encoder-decoder model; serving decodes "
@@ -148,7 +157,7 @@ class Service:
             ids, param = self.tokenizer(text, add_special_tokens=False)["input_ids"], "messages"
         elif isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], str):
             ids, param = list(body.prompt[0] if isinstance(body.prompt[0], list) else body.prompt), "prompt"
-            if min(ids) < 0 or max(ids) >= len(self.tokenizer):
+            if ids and (min(ids) < 0 or max(ids) >= len(self.tokenizer)):  # none: refused as empty below
                 raise ClientError(400, f"token ids must be in [0, {len(self.tokenizer)})", param="prompt")
         else:
             text = body.prompt if isinstance(body.prompt, str) else "".join(body.prompt)
@@ -224,10 +233,30 @@ def _scoring_only(body: schemas.CompletionRequest | schemas.ChatRequest) -> bool
 
 def _less_prefix_cache(options: RuntimeOptions, prefix_cache_bytes: int) -> RuntimeOptions:
     """The runtime's options with the prefix cache's bytes taken out of a `memory` cap, so that
-    the memory plan leaves room for it (a `budget` counts experts only and stays)."""
+    the memory plan leaves room for it (a `budget` counts experts only and stays); `ServeConfig`
+    holds the cache below the memory."""
     if options.memory is None or not prefix_cache_bytes:
         return options
     return dataclasses.replace(options, memory=options.memory - prefix_cache_bytes)
+
+
+def _load_within(model_dir, predictor, options: RuntimeOptions, prefix_cache_bytes: int):
+    """`load_offloaded` in the memory the prefix cache leaves; a memory too small for the model then
+    says the prefix cache took its share (the plan sees only what is left)."""
+    from offload_runtime.engine.loader import load_offloaded
+
+    try:
+        return load_offloaded(model_dir, predictor, _less_prefix_cache(options, prefix_cache_bytes))
+    except CapacityError as exc:
+        if options.memory is None or not prefix_cache_bytes:
+            raise
+        raise CapacityError(f"--memory {_gib(options.memory)} less the prefix cache's {_gib(prefix_cache_bytes)} "
+                            f"leaves {_gib(options.memory - prefix_cache_bytes)} for the model: {exc}; the prefix cache "
+                            "comes on top of that") from None
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB ({size} bytes)"
 
 
 def memory_or_budget(options: RuntimeOptions) -> str:

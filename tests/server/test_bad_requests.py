@@ -36,6 +36,11 @@ BAD = [  # (endpoint, body, status, error param or None, words in the message)
     ("completions", {**OK, "best_guess": True}, 400, "best_guess", "Unrecognized request argument"),
     ("completions", {**OK, "n": 2}, 400, "n", "n = 1"),
     ("completions", {**OK, "prompt": [1, 2, 10**6]}, 400, "prompt", "token ids"),
+    ("completions", {**OK, "prompt": [[]]}, 400, "prompt", "the prompt is empty"),  # an empty list of token ids
+    ("completions", {**OK, "prompt": [[]], "echo": True, "max_tokens": 0, "logprobs": 1}, 400, "prompt", "empty"),
+    ("completions", {**OK, "prompt": []}, 400, "prompt", "the prompt is empty"),
+    ("completions", {**OK, "seed": 2**70}, 400, "seed", "less than 18446744073709551616"),
+    ("chat/completions", {**CHAT, "seed": -2**70}, 400, "seed", "greater than or equal to"),
     ("completions", {"prompt": "x"}, 400, "model", "Field required"),
     ("chat/completions", {**CHAT, "messages": []}, 400, "messages", "at least 1"),
     ("chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", ""),
