@@ -40,6 +40,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="--memory: interleaved rounds of the systems per cap")
     p.add_argument("--predictor", metavar="ARTIFACT", help="--memory: the runtime's predictor (default: none)")
+    p.add_argument("--systems", type=names, default=None, metavar="NAMES",
+                   help="--memory: comma list of plain, mmap, no-predictor, prescient (the runtime with --predictor), "
+                        "oracle (default: all; prescient only with --predictor)")
     p.add_argument("--run-timeout", type=positive_int, default=1800, metavar="S",
                    help="--memory: seconds before a run is stopped and recorded as timed out")
     p.add_argument("--new-tokens", type=positive_int, default=None,
@@ -74,16 +77,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run_memory(args: argparse.Namespace) -> dict:
     """The memory curve (`experiments.bench_memory`)."""
-    from experiments.bench_memory.orchestrate import bench_memory, corpus_prompt, summary_text
+    from experiments.bench_memory.orchestrate import bench_memory, corpus_prompts, summary_text
     from prescient.model_dir import ModelDirectory
     from training.corpora import load_corpus
 
     directory = ModelDirectory.open(args.model)
     texts = list(load_corpus(args.dataset, args.split)["text"][:200])
-    prompt = corpus_prompt(directory.tokenizer(), texts, args.prompt_tokens)
-    result = bench_memory(directory.path, args.memory, prompt, json_path=args.json, plot_path=args.plot,
+    prompts = corpus_prompts(directory.tokenizer(), texts, args.prompt_tokens, args.prompts)
+    result = bench_memory(directory.path, args.memory, prompts, json_path=args.json, plot_path=args.plot,
                           new_tokens=args.new_tokens or 128, repeats=args.repeats, threads=args.threads or 1,
-                          predictor=args.predictor, timeout_s=args.run_timeout)
+                          predictor=args.predictor, systems=tuple(args.systems) if args.systems else None,
+                          timeout_s=args.run_timeout)
     print(summary_text(result))
     return result
 

@@ -34,11 +34,18 @@ def test_mmap_model_is_zero_copy_and_exact(tiny_moe_dir, arch):
         assert torch.equal(plain.generate(ids, **greedy), mapped.generate(ids, **greedy))
 
 
-def test_child_systems_agree(tiny_moe_dir):
-    spec = {"model": str(tiny_moe_dir("mixtral")), "prompt": PROMPT, "new_tokens": 8, "threads": 1, "memory": None}
-    plain, mapped = (run_child({**spec, "system": system}) for system in ("plain", "mmap"))
-    assert len(plain["token_ids"]) == 8 and plain["token_ids"] == mapped["token_ids"]
+def test_child_systems_agree(tiny_moe_dir, tmp_path):
+    """Every system computes the plain model's tokens; the plain run traces its own sequence, and
+    the oracle read from that trace predicts every expert the run uses."""
+    spec = {"model": str(tiny_moe_dir("mixtral")), "prompt": PROMPT, "new_tokens": 8, "threads": 1, "memory": None,
+            "oracle_trace": str(tmp_path / "oracle")}
+    plain, mapped, lru, oracle = (run_child({**spec, "system": system})
+                                  for system in ("plain", "mmap", "no-predictor", "oracle"))
+    assert len(plain["token_ids"]) == 8
+    assert plain["token_ids"] == mapped["token_ids"] == lru["token_ids"] == oracle["token_ids"]
     assert plain["tokens_per_s"] > 0 and mapped["mapped_share"] == 1.0
+    assert lru["runtime"]["stats"]["prefetch_inserts"] == 0 and oracle["runtime"]["tables_on_time"] == 1.0
+    assert oracle["runtime"]["stats"]["prefetch_hits"] > 0 and oracle["runtime"]["wasted_bytes_per_token"] == 0
 
 
 @pytest.mark.skipif(cgroup_kind() == "none", reason="no writable memory cgroup on this machine")
@@ -56,7 +63,7 @@ def _fake_runner(speeds: dict[tuple[str, int | None], float | None]):
 
     def run(argv: list[str], cap: int | None, _timeout: float) -> CappedRun:
         spec = json.loads(Path(argv[-2]).read_text())
-        speed = speeds.get((spec["system"], cap), 10.0)
+        speed = speeds.get((spec["system"], cap, spec.get("prompt_index")), speeds.get((spec["system"], cap), 10.0))
         if speed == "refused":
             Path(argv[-1]).write_text(json.dumps({"refused": "--memory 50 MiB cannot hold this model"}))
         elif speed is not None:
@@ -76,8 +83,8 @@ def test_orchestrator_writes_killed_runs_and_summary(tmp_path):
                            ("plain", big): 20.0, ("prescient", big): 19.0,
                            ("plain", tiny): None, ("mmap", tiny): None, ("prescient", tiny): "refused"})
     out = tmp_path / "curve.json"
-    orchestrate.bench_memory("model", [big, small, tiny], PROMPT, json_path=out, plot_path=tmp_path / "curve.png",
-                             new_tokens=4, repeats=2, runner=runner)
+    orchestrate.bench_memory("model", [big, small, tiny], [PROMPT], json_path=out, plot_path=tmp_path / "curve.png",
+                             new_tokens=4, repeats=2, runner=runner, predictor="p", systems=("plain", "mmap", "prescient"))
     result = json.loads(out.read_text())
     assert [r["system"] for r in result["runs"][:3]] == ["plain", "mmap", "prescient"]  # interleaved
     killed = [(r["system"], r["cap_bytes"]) for r in result["runs"] if r["status"] == "killed"]
@@ -94,6 +101,32 @@ def test_orchestrator_writes_killed_runs_and_summary(tmp_path):
     assert result["plain_stops"] == {"largest_killed_cap_bytes": small, "smallest_running_cap_bytes": big}
     assert result["floor"]["status"] == "ok" and "page cache" in result["how_counted"]
     assert (tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_prediction_is_judged_per_prompt_against_the_runtime_without_it(tmp_path):
+    """Two prompts: the predictor wins on one and loses on the other; the oracle wins on both.
+    Each system's ratio over no-predictor is taken per prompt, then its median over the prompts."""
+    cap = 2**30
+    runner = _fake_runner({("no-predictor", cap, 0): 10.0, ("prescient", cap, 0): 15.0, ("oracle", cap, 0): 20.0,
+                           ("no-predictor", cap, 1): 20.0, ("prescient", cap, 1): 10.0, ("oracle", cap, 1): 24.0})
+    out = tmp_path / "curve.json"
+    orchestrate.bench_memory("model", [cap], [PROMPT, "import os\n"], json_path=out, new_tokens=4, repeats=2,
+                             runner=runner, predictor="p")
+    result = json.loads(out.read_text())
+    assert result["settings"]["systems"] == list(orchestrate.SYSTEMS)
+    assert [r["prompt_index"] for r in result["runs"][:10]] == [0] * 5 + [1] * 5  # interleaved per prompt
+    assert len(result["references"]) == 2 and all(r["system"] == "plain" for r in result["references"])
+    (cap_entry,) = result["per_prompt"]
+    assert [row["over_no_predictor"]["prescient"] for row in cap_entry["prompts"]] == [1.5, 0.5]
+    assert cap_entry["median_over_no_predictor"]["prescient"] == {"median": 1.0, "min": 0.5, "max": 1.5}
+    assert cap_entry["median_over_no_predictor"]["oracle"]["median"] == pytest.approx(1.6)
+    assert "oracle/no-predictor over 2 prompts: median 1.60" in orchestrate.summary_text(result)
+
+
+def test_the_prescient_system_needs_a_predictor(tmp_path):
+    with pytest.raises(orchestrate.MemoryBenchError, match="--predictor"):
+        orchestrate.bench_memory("model", [2**30], [PROMPT], json_path=tmp_path / "x.json", systems=("prescient",),
+                                 runner=_fake_runner({}))
 
 
 @pytest.mark.parametrize("sizes", ["1GiB,lots", "1GiB,0GiB", "512", "1GiB,1GiB"])

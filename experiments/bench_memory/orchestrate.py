@@ -1,9 +1,12 @@
 """`prescient bench --memory`: decode tokens/s against a memory cap for the plain transformers
-model, the same model memory-mapped, and the offloading runtime sized to the cap, each run a child
-process under the cap (`cgroup.run_capped`); JSON rewritten after every run, and a PNG.
+model, the same model memory-mapped, and the offloading runtime sized to the cap without a
+predictor, with it, and with an oracle that knows the true routing (`systems`), over a set of
+prompts, each run a child process under the cap (`cgroup.run_capped`); JSON rewritten after every
+run, and a PNG.
 
-Order: the import floor, one uncapped plain run (the reference ids every run must equal), then per
-cap `repeats` rounds of the systems interleaved (A B C A B C), the page cache dropped before each.
+Order: the import floor, one uncapped plain run per prompt (the reference ids every run must equal;
+it also traces its own sequence for the oracle), then per cap `repeats` rounds of every prompt's
+systems interleaved (A B C A B C), the page cache dropped before each.
 """
 
 from __future__ import annotations
@@ -27,8 +30,11 @@ METHOD = {
     "runs": "each run is a fresh `python -m experiments.bench_memory.child` process in a memory cgroup of its own "
             "capped at the cap; the page cache is dropped before it (sync; echo 1 > /proc/sys/vm/drop_caches) where "
             "allowed (page_cache_dropped), so every run reads its weights from disk under the cap",
-    "order": "the import floor, one uncapped plain run (reference ids), then per cap `repeats` rounds of the systems "
-             "in turn (A B C A B C)",
+    "order": "the import floor, one uncapped plain run per prompt (reference ids, and the oracle's trace), then per "
+             "cap `repeats` rounds of every prompt's systems in turn (A B C A B C)",
+    "prompts": "the first texts of the corpus's held-out split with at least prompt_tokens tokens, cut to that many",
+    "per_prompt": "per cap, prompt and system: median tokens/s over the repeats; ratios of each runtime system over "
+                  "no-predictor per prompt, and their median over the prompts (the paired statistic)",
     "decoding": "greedy, up to new_tokens after the prompt, batch 1; a streamer notes each token: prefill to the "
                 "first new token, tokens/s over the rest (decode only)",
     "exact": "a run is exact when its token ids equal the uncapped plain model's",
@@ -50,13 +56,17 @@ class MemoryBenchError(PrescientError):
     """A memory curve that cannot be measured: bad sizes, no prompt, or a reference run that failed."""
 
 
-def corpus_prompt(tokenizer, texts: list[str], tokens: int) -> str:
-    """The first text with at least `tokens` tokens, cut to its first `tokens` tokens."""
+def corpus_prompts(tokenizer, texts: list[str], tokens: int, count: int = 1) -> list[str]:
+    """The first `count` texts with at least `tokens` tokens, each cut to its first `tokens` tokens."""
+    prompts = []
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) >= tokens:
-            return tokenizer.decode(ids[:tokens])
-    raise MemoryBenchError(f"none of the {len(texts)} prompt texts has {tokens} tokens; give fewer --prompt-tokens")
+            prompts.append(tokenizer.decode(ids[:tokens]))
+            if len(prompts) == count:
+                return prompts
+    raise MemoryBenchError(f"{len(prompts)} of the {len(texts)} prompt texts have {tokens} tokens, {count} asked for; "
+                           "give fewer --prompts or --prompt-tokens")
 
 
 def child_run(spec: dict[str, Any], cap: int | None, runner: Runner, timeout_s: float) -> dict[str, Any]:
@@ -80,9 +90,15 @@ def _spread(values: list[float]) -> dict[str, float] | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
 
 
+RUNTIME_FIELDS = ("hit_rate", "bytes_moved_per_token", "stall_ms_per_token", "loads_per_token", "wasted_bytes_per_token",
+                  "tables_on_time")
+PROCESS_FIELDS = ("RssAnon", "RssFile")
+
+
 def summarize(runs: list[dict[str, Any]], caps: list[int], systems: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Per cap and system: runs, killed, exact, tokens/s median and spread, prefill, peak, bytes read
-    from storage per decoded token, runtime."""
+    """Per cap and system, over every prompt's runs: runs, killed, exact, tokens/s median and spread,
+    prefill, peak, major faults and bytes read from storage per decoded token, the process's
+    anonymous and file-backed memory at its end, the runtime's counters."""
     out = []
     for cap in caps:
         for system in systems:
@@ -95,23 +111,53 @@ def summarize(runs: list[dict[str, Any]], caps: list[int], systems: tuple[str, .
                      "prefill_seconds": _spread([r["prefill_seconds"] for r in done if r.get("prefill_seconds")]),
                      "peak_bytes": _spread([r["peak_bytes"] for r in mine if r.get("peak_bytes") is not None]),
                      "read_bytes_per_token": _spread([r["decode_read_bytes_per_token"] for r in done
-                                                      if r.get("decode_read_bytes_per_token") is not None])}
+                                                      if r.get("decode_read_bytes_per_token") is not None]),
+                     "major_faults_per_token": _spread([r["decode_major_faults_per_token"] for r in done
+                                                        if r.get("decode_major_faults_per_token") is not None]),
+                     **{f: _spread([r["proc_status"][f] for r in done if f in r.get("proc_status", {})])
+                        for f in PROCESS_FIELDS}}
             stats = [r["runtime"] for r in done if r.get("runtime")]
             if stats:
-                entry["runtime"] = {k: statistics.median(s[k] for s in stats)
-                                    for k in ("hit_rate", "bytes_moved_per_token", "stall_ms_per_token")}
+                entry["runtime"] = {k: statistics.median(v for s in stats if (v := s.get(k)) is not None)
+                                    for k in RUNTIME_FIELDS if any(s.get(k) is not None for s in stats)}
             out.append(entry)
     return out
 
 
+def per_prompt(runs: list[dict[str, Any]], caps: list[int], systems: tuple[str, ...], prompts: int) -> list[dict]:
+    """Per cap: each prompt's median tokens/s per system, each runtime system's ratio over
+    no-predictor per prompt, and the median and range of those ratios over the prompts."""
+    out = []
+    for cap in caps:
+        table = []
+        for index in range(prompts):
+            speeds = {}
+            for system in systems:
+                done = [r["tokens_per_s"] for r in runs if r["cap_bytes"] == cap and r["system"] == system
+                        and r.get("prompt_index") == index and r["status"] == "ok" and r.get("tokens_per_s")]
+                speeds[system] = statistics.median(done) if done else None
+            table.append({"prompt_index": index, "tokens_per_s": speeds,
+                          "over_no_predictor": _over(speeds, "no-predictor")})
+        ratios = {system: _spread([row["over_no_predictor"][system] for row in table
+                                   if row["over_no_predictor"].get(system) is not None])
+                  for system in systems if system != "no-predictor"}
+        out.append({"cap_bytes": cap, "prompts": table, "median_over_no_predictor": ratios})
+    return out
+
+
+def _over(speeds: dict[str, float | None], base: str) -> dict[str, float | None]:
+    theirs = speeds.get(base)
+    return {system: mine / theirs if mine and theirs else None for system, mine in speeds.items() if system != base}
+
+
 def ratios(summary: list[dict[str, Any]], caps: list[int]) -> list[dict[str, Any]]:
-    """prescient's median tokens/s over plain's and over mmap's at each cap."""
+    """prescient's median tokens/s over plain's, mmap's and no-predictor's at each cap."""
     median = {(s["cap_bytes"], s["system"]): (s["tokens_per_s"] or {}).get("median") for s in summary}
     out = []
     for cap in caps:
         mine = median.get((cap, "prescient"))
         entry = {"cap_bytes": cap}
-        for other in ("plain", "mmap"):
+        for other in ("plain", "mmap", "no-predictor"):
             theirs = median.get((cap, other))
             entry[f"prescient/{other}"] = mine / theirs if mine and theirs else None
         out.append(entry)
@@ -132,49 +178,67 @@ def _write(result: dict[str, Any], caps: list[int], json_path: str | Path) -> No
 
     systems = tuple(result["settings"]["systems"])
     result["summary"] = summarize(result["runs"], caps, systems)
+    result["per_prompt"] = per_prompt(result["runs"], caps, systems, len(result["settings"]["prompts"]))
     result["ratios"] = ratios(result["summary"], caps)
     result["plain_stops"] = plain_stops(result["summary"])
     write_json_atomic(json_path, result)
 
 
-def bench_memory(model_dir: str | Path, caps: list[int], prompt: str, *, json_path: str | Path,
+def bench_memory(model_dir: str | Path, caps: list[int], prompts: list[str], *, json_path: str | Path,
                  plot_path: str | Path | None = None, new_tokens: int = 128, repeats: int = 3, threads: int = 1,
-                 predictor: str | None = None, systems: tuple[str, ...] = SYSTEMS, timeout_s: float = 1800.0,
+                 predictor: str | None = None, systems: tuple[str, ...] | None = None, timeout_s: float = 1800.0,
                  runner: Runner = run_capped) -> dict[str, Any]:
     """Measure the curve (see the module doc); the JSON is rewritten after every run, the PNG at
-    the end. MemoryBenchError when the uncapped plain run, the reference, does not finish."""
+    the end. `systems` defaults to every one (`prescient` only with a predictor). MemoryBenchError
+    when an uncapped plain run, a reference, does not finish."""
     from experiments.machine import machine_info
 
-    if not caps or any(cap <= 0 for cap in caps) or unknown(systems):
-        raise MemoryBenchError(f"give at least one positive cap and systems among {', '.join(SYSTEMS)}")
+    systems = tuple(s for s in SYSTEMS if predictor or s != "prescient") if systems is None else systems
+    if not caps or any(cap <= 0 for cap in caps) or unknown(systems) or not prompts:
+        raise MemoryBenchError(f"give at least one positive cap, one prompt and systems among {', '.join(SYSTEMS)}")
+    if "prescient" in systems and not predictor:
+        raise MemoryBenchError("the prescient system is the runtime with its predictor: give --predictor")
     kind = cgroup_kind()
-    spec = {"model": str(model_dir), "prompt": prompt, "new_tokens": new_tokens, "threads": threads,
+    spec = {"model": str(model_dir), "new_tokens": new_tokens, "threads": threads,
             "predictor": predictor and str(predictor)}
     result: dict[str, Any] = {
-        "what": "decode tokens/s against a memory cap: plain transformers, the model memory-mapped, prescient",
-        "settings": {**spec, "caps_bytes": caps, "repeats": repeats, "systems": list(systems),
+        "what": "decode tokens/s against a memory cap: plain transformers, the model memory-mapped, the runtime "
+                "without a predictor, with it, and with an oracle",
+        "settings": {**spec, "prompts": prompts, "caps_bytes": caps, "repeats": repeats, "systems": list(systems),
                      "timeout_s": timeout_s},
         "machine": machine_info(threads), "method": METHOD, "cgroup": kind, "how_counted": HOW_COUNTED[kind],
         "capped": kind != "none", "runs": []}
-    result["floor"] = child_run({**spec, "system": "floor"}, None, runner, timeout_s)
-    reference = child_run({**spec, "system": "plain"}, None, runner, timeout_s)
-    if reference["status"] != "ok":
-        raise MemoryBenchError(f"the uncapped plain run ended {reference['status']}: "
-                               f"{reference['cgroup']['stderr_tail'][-400:]}")
-    result["reference"] = {**reference, "exact": True}
-    _write(result, caps, json_path)
-    for cap in caps:
-        for repeat in range(repeats):
-            for system in systems:
-                record = child_run({**spec, "system": system}, cap, runner, timeout_s)
-                record["repeat"] = repeat
-                if record["status"] == "ok":
-                    record["exact"] = record["token_ids"] == reference["token_ids"]
-                result["runs"].append(record)
-                _write(result, caps, json_path)
+    with tempfile.TemporaryDirectory(prefix="bench-memory-oracle-") as traces:
+        result["floor"] = child_run({**spec, "prompt": prompts[0], "system": "floor"}, None, runner, timeout_s)
+        prompt_specs = [{**spec, "prompt": prompt, "prompt_index": index, "oracle_trace": f"{traces}/{index}"}
+                        for index, prompt in enumerate(prompts)]
+        references = [_reference(prompt_spec, runner, timeout_s) for prompt_spec in prompt_specs]
+        result["reference"] = references[0]
+        result["references"] = references
+        _write(result, caps, json_path)
+        for cap in caps:
+            for repeat in range(repeats):
+                for prompt_spec, reference in zip(prompt_specs, references):
+                    for system in systems:
+                        record = child_run({**prompt_spec, "system": system}, cap, runner, timeout_s)
+                        record.update(repeat=repeat, prompt_index=prompt_spec["prompt_index"])
+                        if record["status"] == "ok":
+                            record["exact"] = record["token_ids"] == reference["token_ids"]
+                        result["runs"].append(record)
+                        _write(result, caps, json_path)
     if plot_path:
         plot_memory_curve(result, plot_path)
     return result
+
+
+def _reference(spec: dict[str, Any], runner: Runner, timeout_s: float) -> dict[str, Any]:
+    """The uncapped plain run of one prompt (its ids every run must equal), which also traces its
+    own sequence for the oracle."""
+    reference = child_run({**spec, "system": "plain"}, None, runner, timeout_s)
+    if reference["status"] != "ok":
+        raise MemoryBenchError(f"the uncapped plain run of prompt {spec['prompt_index']} ended {reference['status']}: "
+                               f"{reference['cgroup']['stderr_tail'][-400:]}")
+    return {**reference, "exact": True, "prompt_index": spec["prompt_index"]}
 
 
 def unknown(systems: tuple[str, ...]) -> list[str]:
@@ -187,11 +251,17 @@ def summary_text(result: dict[str, Any]) -> str:
              f"{floor_bytes(result) / 2**30:.2f} GiB RSS; plain uncapped "
              f"{result['reference'].get('tokens_per_s') or 0:.1f} tok/s)"]
     for s in result["summary"]:
-        speed = s["tokens_per_s"]
+        speed, faults = s["tokens_per_s"], s.get("major_faults_per_token")
         text = f"{speed['median']:.1f} tok/s [{speed['min']:.1f}-{speed['max']:.1f}]" if speed else "-"
-        lines.append(f"  {s['cap_bytes'] / 2**30:6.2f} GiB  {s['system']:<9} {text:<26} killed {s['killed']}/"
-                     f"{s['runs']}  refused {s['refused']}/{s['runs']}  exact {s['exact']}")
-    for r in result["ratios"]:
-        lines.append(f"  {r['cap_bytes'] / 2**30:6.2f} GiB  prescient/plain {r['prescient/plain']}  "
-                     f"prescient/mmap {r['prescient/mmap']}")
+        hit = (s.get("runtime") or {}).get("hit_rate")
+        lines.append(f"  {s['cap_bytes'] / 2**30:6.2f} GiB  {s['system']:<12} {text:<26} killed {s['killed']}/"
+                     f"{s['runs']}  refused {s['refused']}/{s['runs']}  exact {s['exact']}"
+                     + (f"  faults/token {faults['median']:.2f}" if faults else "")
+                     + (f"  hit {hit:.2f}" if hit is not None else ""))
+    for cap in result["per_prompt"]:
+        for system, spread in cap["median_over_no_predictor"].items():
+            if spread:
+                lines.append(f"  {cap['cap_bytes'] / 2**30:6.2f} GiB  {system}/no-predictor over "
+                             f"{len(cap['prompts'])} prompts: median {spread['median']:.2f} "
+                             f"[{spread['min']:.2f}-{spread['max']:.2f}]")
     return "\n".join(lines)

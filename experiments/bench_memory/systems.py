@@ -5,8 +5,14 @@ prompt's put and each new token; prefill runs to the first new token, decode fro
 - `plain`: transformers' own model, `from_pretrained` + `generate` (the anchor).
 - `mmap`: the same model with its weights zero-copy views of the memory-mapped safetensors files
   (`offload_runtime.engine.mapped`): the kernel's page cache is the expert cache.
-- `prescient`: `generate_offloaded` with what `--memory CAP` runs by default (`tuned.memory_options`:
-  the configuration `prescient tune` measured best on this machine, else the built-in defaults).
+- `no-predictor`: the runtime as `--memory CAP` runs it without a predictor (LRU, demand loads).
+- `prescient`: `generate_offloaded` with what `--memory CAP --predictor P` runs by default
+  (`tuned.memory_options`: the configuration `prescient tune` measured best on this machine, else
+  the built-in defaults).
+- `oracle`: the runtime with a predictor that knows the run's true routing (`OraclePredictor` over
+  the reference run's own trace: the prompt and the plain model's tokens): learned eviction on
+  certain forecasts (Belady's rule over the next 8 tokens), prefetch of every layer's experts and of
+  the next token's, SiDA's wait for each table. What prediction could win at that cap.
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ from torch import nn
 
 from offload_runtime.engine.generate import generate_offloaded, timed_generate
 
-SYSTEMS = ("plain", "mmap", "prescient")
+SYSTEMS = ("plain", "mmap", "no-predictor", "prescient", "oracle")
+ORACLE_OPTIONS = {"policy": "learned-belady", "next_token_min_chance": 0.5, "table_wait": 0.05,
+                  "prediction_guard": False}  # the oracle is the bound: nothing guards it
 
 
 def greedy(model: nn.Module, tokenizer, spec: dict[str, Any]) -> dict[str, Any]:
@@ -27,11 +35,35 @@ def greedy(model: nn.Module, tokenizer, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_plain(spec: dict[str, Any]) -> dict[str, Any]:
+    """The plain model; with `oracle_trace` (the reference run) it also traces its own sequence
+    there, the routing the oracle system reads."""
     from prescient.model_dir import ModelDirectory, model_class
 
     directory = ModelDirectory.open(spec["model"])
     model = model_class(directory.config).from_pretrained(directory.path).eval()
-    return greedy(model, directory.tokenizer(), spec)
+    record = greedy(model, directory.tokenizer(), spec)
+    if spec.get("oracle_trace"):
+        trace_own_sequence(model, directory, spec, record["token_ids"])
+    return record
+
+
+def trace_own_sequence(model: nn.Module, directory, spec: dict[str, Any], token_ids: list[int]) -> None:
+    """Trace the prompt and `token_ids` through `model` into `spec["oracle_trace"]`: one sequence."""
+    from prescient.arch import find_moe_layers
+    from prescient.fingerprint import loaded_fingerprint
+    from prescient.traces import TraceManifest, TraceWriter
+    from training.tracing import trace_windows
+
+    tokenizer = directory.tokenizer()
+    sequence = tokenizer(spec["prompt"])["input_ids"] + token_ids
+    layers = find_moe_layers(model)
+    fingerprint = loaded_fingerprint(directory, model, layers, next(model.parameters()).dtype)
+    manifest = TraceManifest(fingerprint=fingerprint, dataset="bench-memory prompt", split="reference",
+                             top_t=fingerprint.top_k, settings={"model": str(directory.path)})
+    writer = TraceWriter(spec["oracle_trace"], manifest)
+    trace_windows(model, layers, [sequence], writer, pad_id=tokenizer.pad_token_id or 0, top_t=manifest.top_t,
+                  batch_size=1, shard_sequences=1)
+    writer.finish()
 
 
 def run_mmap(spec: dict[str, Any]) -> dict[str, Any]:
@@ -44,24 +76,55 @@ def run_mmap(spec: dict[str, Any]) -> dict[str, Any]:
     return {**record, "mapped_share": mapped_share(model)}
 
 
-def run_prescient(spec: dict[str, Any]) -> dict[str, Any]:
+def run_prescient(spec: dict[str, Any], predictor=None, oracle: bool = False) -> dict[str, Any]:
     """`generate_offloaded` with `--memory`'s default configuration at `spec["memory"]` (None: the
-    built-in budget); the runtime's statistics cover prefill and decode."""
+    built-in budget) and `predictor` (the spec's by default; `oracle`: the oracle's settings); the
+    runtime's statistics cover prefill and decode."""
+    from dataclasses import replace
+
     from offload_runtime.engine.options import RuntimeOptions
     from offload_runtime.planning.tuned import memory_options
 
+    predictor = spec.get("predictor") if predictor is None else predictor
     options = RuntimeOptions() if spec["memory"] is None else \
-        memory_options(spec["model"], spec["memory"], spec.get("predictor"))
-    out = generate_offloaded(spec["model"], spec["prompt"], spec["new_tokens"], predictor=spec.get("predictor"),
-                             options=options)
+        memory_options(spec["model"], spec["memory"], None if oracle else predictor)
+    if oracle:
+        options = replace(options, **ORACLE_OPTIONS)
+    out = generate_offloaded(spec["model"], spec["prompt"], spec["new_tokens"], predictor=predictor, options=options)
+    return runtime_record(out)
+
+
+def runtime_record(out: dict[str, Any]) -> dict[str, Any]:
+    """What the memory curve keeps of a `generate_offloaded` record: per decoded token, bytes moved
+    and wasted by prefetches, loads, stall; the hash tables' timeliness; the guards' actions."""
     stats, tokens = out["stats"], max(len(out["token_ids"]), 1)
+    slot_bytes = stats["slot_bytes"] / max(stats["slots"], 1)
     return {"token_ids": out["token_ids"], "prefill_seconds": out["prefill_seconds"],
             "tokens_per_s": out["tokens_per_s"], "decode_major_faults_per_token": out["decode_major_faults_per_token"],
             "decode_read_bytes_per_token": out["decode_read_bytes_per_token"],
             "settings": out["settings"], "memory_plan": out["memory_plan"],
             "runtime": {"hit_rate": stats["hit_rate"], "bytes_moved_per_token": stats["bytes_moved"] / tokens,
                         "stall_ms_per_token": 1000 * stats["stall_seconds"] / tokens, "slots": stats["slots"],
+                        "loads_per_token": stats["loads"] / tokens,
+                        "wasted_bytes_per_token": stats["wasted_prefetches"] * slot_bytes / tokens,
+                        "tables_on_time": _share(stats["tables_on_time"], stats["late_tables"]),
                         "slot_bytes": stats["slot_bytes"], "stats": stats}}
 
 
-RUNNERS = {"plain": run_plain, "mmap": run_mmap, "prescient": run_prescient}
+def run_no_predictor(spec: dict[str, Any]) -> dict[str, Any]:
+    return run_prescient({**spec, "predictor": None})
+
+
+def run_oracle(spec: dict[str, Any]) -> dict[str, Any]:
+    from predictor.baselines import OraclePredictor
+    from prescient.traces import load_trace
+
+    return run_prescient(spec, OraclePredictor(load_trace(spec["oracle_trace"])), oracle=True)
+
+
+def _share(on_time: int, late: int) -> float | None:
+    return on_time / (on_time + late) if on_time + late else None
+
+
+RUNNERS = {"plain": run_plain, "mmap": run_mmap, "no-predictor": run_no_predictor, "prescient": run_prescient,
+           "oracle": run_oracle}
