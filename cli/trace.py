@@ -21,7 +21,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--top-t", type=positive_int, default=30, help="router logits kept per token and layer")
     p.add_argument("--text-field", default="text")
     p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per traced window")
-    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="windows per forward (default: those that fill the 512-token prefill --memory reserves, "
+                        "with or without --memory, so that the two traces are bit-equal; --memory cuts a larger one)")
     p.add_argument("--hidden-states", action="store_true",
                    help="keep each MoE layer's input hidden state per token too (bfloat16), to train a probe")
     p.add_argument("--out", type=output_dir, required=True, help="trace folder (a new one, or one to resume)")
@@ -36,7 +38,7 @@ def run(args: argparse.Namespace) -> None:
 
     options = runtime_options(args)
     model = load_offloaded(args.model, None, options) if args.memory or args.budget else None
-    batch_size = args.batch_size if args.memory is None else within_reserve(args.batch_size, args.seq_len)
+    batch_size = windows_per_forward(args.batch_size, args.seq_len, capped=args.memory is not None)
     with model.offload_runtime if model is not None else nullcontext():
         out = trace_model(args.model, args.dataset, args.out, split=args.split, max_tokens=args.max_tokens,
                           top_t=args.top_t, text_field=args.text_field, seq_len=args.seq_len,
@@ -45,16 +47,19 @@ def run(args: argparse.Namespace) -> None:
     print(f"trace written to {out}")
 
 
-def within_reserve(batch_size: int, seq_len: int) -> int:
-    """The windows per forward under `--memory`: at most the tokens of the prefill its plan reserves
-    activations for; a bigger batch's activations are not in the plan (16 windows of 128 tokens were
-    killed by the kernel in a cgroup at 0.58 and 0.65 GB on runs/tb: results/trace-capped-tb-batch16.json).
-    The batch is no part of a trace (its manifest does not record it): the rows were bit-equal at 16 and 4
-    windows per forward on runs/tb, and at 32 and 4 on the tiny test model."""
+def windows_per_forward(batch_size: int | None, seq_len: int, capped: bool) -> int:
+    """The windows per forward: `batch_size`, or by default the tokens of the prefill a `--memory`
+    plan reserves activations for, whether capped or not, since the batch is no part of a trace but
+    moves the float rounding of some models' router logits (docs/tracing.md); `capped`, at most
+    those: a bigger batch's activations are not in the plan (16 windows of 128 tokens were killed
+    by the kernel in a cgroup at 0.58 and 0.65 GB on runs/tb: results/trace-capped-tb-batch16.json)."""
     from offload_runtime.engine.memory_plan import PREFILL_TOKENS
 
     fits = max(1, PREFILL_TOKENS // seq_len)
-    if batch_size > fits:
+    if batch_size is None:
+        return fits
+    if capped and batch_size > fits:
         log.info("--memory: %d windows of %d tokens per forward (not --batch-size %d), the %d-token prefill "
                  "the memory plan reserves activations for", fits, seq_len, batch_size, PREFILL_TOKENS)
-    return min(batch_size, fits)
+        return fits
+    return batch_size
