@@ -33,6 +33,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,8 @@ from prescient.errors import PrescientError
 log = logging.getLogger(__name__)
 
 KERNELS = ("eager", "batched_mm", "grouped_mm")  # transformers' experts implementations we choose among
-EXPERT_KERNELS = ("model", "auto", *KERNELS)  # `RuntimeOptions.expert_kernel`'s values
+STREAMED = "streamed"  # ours (`streamed_experts_forward`), registered with transformers' experts implementations
+EXPERT_KERNELS = ("model", "auto", *KERNELS, STREAMED)  # `RuntimeOptions.expert_kernel`'s values
 LOADS = (1, 2, 4, 8, 16, 32, 64)  # tokens per activated expert
 LOAD_TIME_LOADS = (1, 4, 16, 64)  # measured at load (no table given): fewer, a layer of wide experts takes seconds
 MARGIN = 0.10  # another kernel replaces the model's own only where it is this much faster
@@ -123,6 +125,8 @@ def pipelines(tokens_per_expert: float, table: CrossoverTable) -> bool:
 def with_kernel(module: nn.Module, kernel: str) -> nn.Module:
     """A shallow copy of a dispatching experts module (its parameters shared) that runs `kernel`:
     its config is a copy with `_experts_implementation` set, so the shared config never changes."""
+    if kernel == STREAMED:
+        register_streamed()
     copy = shallow.copy(module)
     copy.config = shallow.copy(module.config)
     copy.config._experts_implementation = kernel
@@ -228,3 +232,75 @@ def crossover_for(module: nn.Module, experts: int, top_k: int) -> CrossoverTable
                  time.perf_counter() - start, ", ".join(f"{m}: {k}" for m, k in zip(table.loads, table.kernels)),
                  table.pipeline_from)
     return _MEASURED[key]
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """One expert's matrix on its rows `x`: the GEMM grouped_mm runs on that expert's group (bias
+    added after, as `_grouped_linear` adds it)."""
+    out = torch.mm(x, weight) if transposed else nn.functional.linear(x, weight)
+    return out if bias is None else out.add_(bias)
+
+
+def _grouped(self: nn.Module, name: str, groups: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """Projection `name` ("gate_up_proj", "up_proj", "down_proj") of each (expert, rows) group, in
+    group order: a GEMM per expert, straight from its slice of the [E, ...] weight."""
+    weight, bias = getattr(self, name), getattr(self, f"{name}_bias") if self.has_bias else None
+    return torch.cat([_linear(rows, weight[e], None if bias is None else bias[e], self.is_transposed)
+                      for e, rows in groups])
+
+
+def streamed_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts signature (`ExpertsInterface`), registered as "streamed": each routed
+    expert's GEMM on its own rows, straight from its [2I, H] / [H, I] weights (a decode token's is a
+    matrix-vector product streaming the expert's bytes once), without grouped_mm's histogram,
+    inverse permutation and per-group work over every expert. Its steps are grouped_mm's on the
+    CPU: the same rows per expert in the same order, gating and norm over all rows at once, the k
+    outputs weighted and summed in router order; so its result is grouped_mm's bit for bit."""
+    tokens, k = top_k_index.shape
+    flat_ids = top_k_index.reshape(-1)
+    order = None
+    if tokens == 1:  # decode: one row per expert, the ids read once
+        groups = [(e, hidden_states) for e in flat_ids.tolist()]
+    else:
+        _, order = torch.sort(flat_ids)  # grouped_mm's sort: a GEMM's rounding of a row may depend on its place
+        rows = hidden_states[order // k]
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        starts = list(accumulate(counts, initial=0))
+        groups = [(e, rows[starts[e]:starts[e + 1]]) for e in range(len(counts)) if counts[e]]
+    up = _grouped(self, "gate_up_proj" if self.has_gate else "up_proj", groups)
+    hidden = self._apply_gate(up) if self.has_gate else self.act_fn(up)
+    hidden = hidden.split([len(rows) for _, rows in groups])
+    out = _grouped(self, "down_proj", [(e, part) for (e, _), part in zip(groups, hidden)])
+    if self.has_post_expert_norm:
+        out = self.post_expert_norm(out)
+    if order is not None:
+        out = torch.empty_like(out).index_copy_(0, order, out)
+    weighted = out * top_k_weights.reshape(-1, 1)
+    return weighted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def stands_in(implementation: str | None, device: torch.device) -> bool:
+    """Whether "streamed" computes in place of `implementation` on `device`: where it is transformers'
+    grouped_mm on the CPU, whose per-group GEMMs it runs (see `streamed_experts_forward`)."""
+    return implementation == "grouped_mm" and device.type == "cpu"
+
+
+def stream_experts(model: nn.Module) -> bool:
+    """Switch a whole transformers model from grouped_mm to "streamed" where `stands_in` holds for
+    its experts; whether it did."""
+    config = getattr(model, "config", None)
+    weights = next(model.parameters(), None)
+    if weights is None or not stands_in(getattr(config, "_experts_implementation", None), weights.device):
+        return False
+    register_streamed()
+    model.set_experts_implementation(STREAMED)
+    return True
+
+
+def register_streamed() -> None:
+    """Make "streamed" one of transformers' experts implementations (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if STREAMED not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(STREAMED, streamed_experts_forward)

@@ -45,8 +45,8 @@ import torch
 from torch import nn
 
 from offload_runtime.compression.kernels import SCALES_SUFFIX, PackedMatrixSpec, PackedWeights
-from offload_runtime.engine.expert_kernels import (KERNELS, CrossoverTable, choose, crossover_for, dispatches,
-                                                   load_table, pipelines, with_kernel)
+from offload_runtime.engine.expert_kernels import (KERNELS, STREAMED, CrossoverTable, choose, crossover_for,
+                                                   dispatches, load_table, pipelines, stands_in, with_kernel)
 from offload_runtime.engine.expert_layout import expert_spec
 from offload_runtime.engine.hybrid import HybridExperts, measure_times
 from offload_runtime.engine.options import OptionsError
@@ -164,8 +164,11 @@ def _kernel_setting(layer: MoELayer, slot_twin: nn.Module, runtime: ExpertSlots,
     the twin's shapes once per process) and a twin per kernel it may call."""
     options = getattr(runtime, "options", None)
     kernel = getattr(options, "expert_kernel", "model")
-    if kernel == "model" or (kernel in ("auto", "eager") and packed):
+    if kernel == "model" or (kernel in ("auto", "eager", STREAMED) and packed):
         return "model", None, {}
+    if kernel == STREAMED:  # stands in for grouped_mm where the model runs it (see `expert_kernels.stands_in`)
+        return (STREAMED, None, {STREAMED: with_kernel(slot_twin, STREAMED)}) if dispatches(slot_twin) else \
+            ("model", None, {})
     if packed or not dispatches(slot_twin):
         if kernel == "auto":
             return "model", None, {}
@@ -255,6 +258,8 @@ class OffloadedExperts(_Offloaded):
         implementation = self._implementation
         sums_in_router_order = implementation in ("batched_mm", "grouped_mm")
         kernel, pipelined = self._plan(top_k_index, weighted, len(experts))
+        streamed = self._kernel_twins[STREAMED] if self._kernel == STREAMED and stands_in(implementation, device) \
+            else None
         lives = self._where_it_lives(hidden_states, top_k_index, experts) if self._lives is not None else []
         if lives:  # HybriMoE's scheduler (`hybrid`): these compute where they live, the rest in slots
             experts = [e for e in experts if e not in lives]
@@ -265,6 +270,8 @@ class OffloadedExperts(_Offloaded):
             if (fits and (sums_in_router_order or self._k <= 2)
                     and (not pipelined or self._runtime.landed(self.layer, experts))):
                 with self._runtime.use(self.layer, experts, device) as slots:
+                    if streamed is not None:
+                        return streamed(hidden_states, self._ids(slots, top_k_index), top_k_weights)
                     twin, ids = self._windowed(experts, self._ids(slots, top_k_index), implementation)
                     return twin(hidden_states, ids, top_k_weights)
         if weighted is None:
@@ -280,7 +287,7 @@ class OffloadedExperts(_Offloaded):
             token, choice, out = self._rows_out(experts_module, flat, top_k_index, rows, slots, top_k_weights.dtype, part)
             unweighted[token, choice] = out.reshape(len(token), -1).to(unweighted.dtype)
 
-        computing = self._twin if kernel is None else self._kernel_twins[kernel]
+        computing = (streamed or self._twin) if kernel is None else self._kernel_twins[kernel]
         if (fits and not pipelined) or not experts:  # EPS-MoE: too few tokens per expert for parts to pay
             with self._runtime.use(self.layer, experts, device) as slots:  # one call once all land
                 if experts:
@@ -343,7 +350,7 @@ class OffloadedExperts(_Offloaded):
         whether its experts compute as their copies land (the runtime's `arrival_order`): by
         `RuntimeOptions.expert_kernel`; "auto" picks both by the tokens per activated expert."""
         pipelined = self._runtime.arrival_order
-        if self._kernel == "model" or not experts:
+        if self._kernel in ("model", STREAMED) or not experts:
             return None, pipelined
         if self._kernel != "auto":
             return (None if self._kernel == self._implementation else self._kernel), pipelined

@@ -1,7 +1,9 @@
 """`ResidentRuntime`: the runtime's face when the memory cap holds every expert.
 
 The model is the plain transformers model, loaded whole: it runs its own forward with no hooks,
-threads or cache, so it is exactly as fast as transformers. This object stands where an
+threads or cache, so it is at least as fast as transformers: with `expert_kernel` "streamed" (the
+runtime's default) its experts run `expert_kernels.streamed_experts_forward` where they would run
+grouped_mm on the CPU, the same numbers bit for bit at the memory bus's rate. This object stands where an
 `OffloadRuntime` would (`model.offload_runtime`) so that generate, serve and bench treat both
 alike: statistics, closing, the server's sequence bookkeeping.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from offload_runtime.engine.expert_kernels import STREAMED, stream_experts
 from offload_runtime.engine.memory_plan import MemoryPlan
 from offload_runtime.engine.runtime import RuntimeStats
 from prescient.arch import MoELayer
@@ -20,8 +23,10 @@ class ResidentRuntime:
     """Every expert resident: nothing to load, so every access hits (see the module doc)."""
 
     def __init__(self, model: nn.Module, layers: list[MoELayer], fingerprint: ModelFingerprint,
-                 memory_plan: MemoryPlan) -> None:
+                 memory_plan: MemoryPlan, expert_kernel: str = "model") -> None:
         self.model, self.layers, self.fingerprint, self.memory_plan = model, layers, fingerprint, memory_plan
+        if expert_kernel == STREAMED:
+            stream_experts(model)
         self.top_k, self.n_experts = layers[0].top_k, layers[0].num_experts
         self.sequence_ids: list | None = None  # set by the server; nothing here keeps per-sequence state
         self.on_predictor_error = "raise"

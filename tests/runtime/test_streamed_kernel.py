@@ -1,0 +1,92 @@
+"""The "streamed" expert kernel (`expert_kernels.streamed_experts_forward`): each routed expert's
+GEMM on its own rows, the k outputs summed in router order. It stands in for transformers'
+grouped_mm on the CPU, so it must give grouped_mm's numbers bit for bit: on experts modules of
+each layout transformers has (fused gate_up, transposed with biases and interleaved gate/up), at
+one token (decode) and many (prefill), in float32 and bfloat16; through the runtime's slots and in
+the whole model `--memory` loads, the logits and greedy tokens of the plain model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GptOssConfig, MixtralConfig
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+from offload_runtime.engine.expert_kernels import STREAMED, register_streamed, stands_in
+from offload_runtime.engine.loader import load_offloaded
+from offload_runtime.engine.options import RuntimeOptions
+from prescient.loading import load_tokenizer
+from tests.runtime.test_exact_offloading import PROMPT, decode, plain_model
+
+EXPERTS = 6
+
+
+def experts_module(kind: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A random experts module of `kind`: Mixtral's (fused [E, 2I, H] gate_up, no bias) or
+    GPT-OSS's (transposed [E, H, 2I], biases, gate and up interleaved, its own gating)."""
+    torch.manual_seed(0)
+    if kind == "mixtral":
+        module = MixtralExperts(MixtralConfig(hidden_size=32, intermediate_size=48, num_local_experts=EXPERTS))
+    else:
+        module = GptOssExperts(GptOssConfig(hidden_size=32, intermediate_size=48, num_local_experts=EXPERTS))
+    with torch.no_grad():
+        for param in module.parameters():
+            param.normal_(0, 0.1)
+    return module.to(dtype)
+
+
+def routed(tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, 32, generator=generator).to(dtype)
+    probs = torch.softmax(torch.randn(tokens, EXPERTS, generator=generator), dim=-1)
+    weights, index = probs.topk(2, dim=-1)
+    return hidden, index, weights / weights.sum(dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_streamed_is_grouped_mm_bit_for_bit(kind, dtype, tokens):
+    register_streamed()
+    module = experts_module(kind, dtype)
+    hidden, index, weights = routed(tokens, dtype)
+    outputs = {}
+    with torch.inference_mode():
+        for implementation in ("grouped_mm", STREAMED):
+            module.config._experts_implementation = implementation
+            outputs[implementation] = module(hidden, index, weights)
+    assert outputs[STREAMED].dtype == dtype and outputs[STREAMED].abs().sum() > 0
+    assert torch.equal(outputs[STREAMED], outputs["grouped_mm"])
+
+
+def test_streamed_stands_in_for_grouped_mm_on_the_cpu_only():
+    cpu = torch.device("cpu")
+    assert stands_in("grouped_mm", cpu)
+    assert not stands_in("eager", cpu) and not stands_in("batched_mm", cpu)
+    assert not stands_in("grouped_mm", torch.device("cuda"))
+
+
+@pytest.mark.parametrize("load", ["slots", "memory"])
+def test_streamed_runtime_keeps_the_plain_models_logits(tiny_moe_dir, load):
+    """Through the slots (5 of the tiny model's experts, every schedule's single call) and in the
+    whole model `--memory` loads: prompt logits and every greedy step's logits equal the plain
+    model's, and the whole model's experts run "streamed" (with "model", transformers' own)."""
+    path = tiny_moe_dir("mixtral")
+    ids = load_tokenizer(path)(PROMPT, return_tensors="pt").input_ids
+    reference, _ = plain_model(path, "float32")
+    assert reference.config._experts_implementation == "grouped_mm"
+    with torch.inference_mode():
+        want_prefill = reference(ids).logits
+    want_tokens, want_logits = decode(reference, ids, sample=False)
+    for kernel in (STREAMED, "model"):
+        settings = {"budget": "5slots"} if load == "slots" else {"memory": "90%"}
+        model = load_offloaded(path, options=RuntimeOptions(expert_kernel=kernel, **settings))
+        if load == "memory":
+            assert model.config._experts_implementation == (STREAMED if kernel == STREAMED else "grouped_mm")
+        with model.offload_runtime:
+            with torch.inference_mode():
+                assert torch.equal(model(ids).logits, want_prefill), kernel
+            tokens, logits = decode(model, ids, sample=False)
+        assert torch.equal(tokens, want_tokens), kernel
+        assert torch.equal(logits, want_logits), kernel
