@@ -87,14 +87,19 @@ class MappedExperts(nn.Module):
             out[:, rows] = nn.functional.linear(x, weight)
         return out
 
+    def _expert(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return self._linear(self.apply_gate(self._linear(x, expert, "gate_up_proj")), expert, "down_proj")
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:
         tokens, k = top_k_index.shape
+        if tokens == 1:  # decode: one row per expert, the ids read once
+            out = torch.cat([self._expert(hidden_states, e) for e in top_k_index[0].tolist()])
+            return (out * top_k_weights.reshape(-1, 1)).view(1, k, -1).sum(dim=1).to(hidden_states.dtype)
         out = hidden_states.new_empty(tokens, k, hidden_states.shape[-1])
         for expert in top_k_index.unique().tolist():
             token_idx, pos = torch.where(top_k_index == expert)
-            hidden = self.apply_gate(self._linear(hidden_states[token_idx], expert, "gate_up_proj"))
-            out[token_idx, pos] = self._linear(hidden, expert, "down_proj") * top_k_weights[token_idx, pos, None]
+            out[token_idx, pos] = self._expert(hidden_states[token_idx], expert) * top_k_weights[token_idx, pos, None]
         return out.sum(dim=1).to(hidden_states.dtype)
 
 
