@@ -31,8 +31,8 @@ from cache.policy import EvictionPolicy
 log = logging.getLogger(__name__)
 
 WINDOW = 16  # forwards per comparison
-MARGIN = 1.1  # predictions must beat LRU by this factor
-SLACK = 2  # and by this many experts per window
+MARGIN = 1.0  # predictions must load no more than LRU (a prefetch shares the link with demand loads)
+SLACK = 1  # and by this many experts per window
 PROBE_AFTER = 4  # windows paused before a policy without forecasts (prefetch alone) tries predictions again
 
 
