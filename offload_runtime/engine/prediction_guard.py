@@ -6,15 +6,15 @@ wrong, learned eviction drops what LRU would have kept and the prefetches read e
 uses, so the run moves more bytes than it would without a predictor (on runs/tw at 1.1 GB, 357
 loads against LRU's 96 for one prompt). The guard keeps two shadows of the live cache, each the
 same `ExpertCache` over the same accesses and capacity (bookkeeping only: nothing is copied): LRU,
-and the live policy fed the predictor's forecasts. Per window of `WINDOW` forwards:
-- acting on predictions, it compares the experts the live cache loaded (demand loads and
-  prefetches) with LRU's misses; more than `MARGIN` times as many (plus `SLACK`) pauses predictions:
-  the live cache's learned ranks are cleared (with no forecast, learned eviction is LRU by its
-  tiebreak), nothing is prefetched, and the forecasts reach the learned shadow alone;
-- paused, it compares the learned shadow's misses with LRU's; predictions resume once the learned
-  shadow misses fewer than LRU's divided by `MARGIN` (less `SLACK`). A policy without forecasts
-  (predictions drive prefetches alone) has no learned shadow: it tries again after `PROBE_AFTER`
-  windows.
+and the live policy fed the predictor's forecasts. At each forward it adds up, as a moving sum over
+about `WINDOW` forwards, how many experts more than LRU's misses the live cache loaded (demand loads
+and prefetches: on one link a prefetch is a load too), and the learned shadow missed:
+- acting on predictions, an excess above `SLACK` pauses them: the live cache's learned ranks are
+  cleared (with no forecast, learned eviction is LRU by its tiebreak), nothing is prefetched, and
+  the forecasts reach the learned shadow alone;
+- paused, predictions resume once the learned shadow's excess is below -`SLACK` (it would have
+  missed fewer than LRU). A policy without forecasts (predictions drive prefetches alone) has no
+  learned shadow: it tries again after `PROBE_AFTER` windows.
 So a wrong predictor costs one window, and a predictor that is right again is followed again, as
 the robust learned-caching literature asks of a learned policy (never far below its classic twin).
 """
@@ -30,10 +30,10 @@ from cache.policy import EvictionPolicy
 
 log = logging.getLogger(__name__)
 
-WINDOW = 16  # forwards per comparison
-MARGIN = 1.0  # predictions must load no more than LRU (a prefetch shares the link with demand loads)
-SLACK = 1  # and by this many experts per window
+WINDOW = 16  # forwards the comparison remembers (an exponential moving sum with this time constant)
+SLACK = 4.0  # experts more than LRU's within the window before predictions count as losing (or winning)
 PROBE_AFTER = 4  # windows paused before a policy without forecasts (prefetch alone) tries predictions again
+WARMUP = 8  # forwards before the first judgement
 
 
 class PredictionGuard:
@@ -49,9 +49,10 @@ class PredictionGuard:
         self.n_layers, self.n_experts = n_layers, n_experts
         self.acting = True  # the runtime prefetches and feeds the live cache forecasts
         self.paused_forwards = 0  # forwards run without acting on predictions, in all
-        self.lost_windows = self.won_windows = 0
-        self._left = WINDOW  # forwards left in this window
-        self._start = self._counts()
+        self.lost_windows = 0  # times predictions were paused
+        self.excess = self.learned_excess = 0.0  # loads beyond LRU's: the live cache's, the learned shadow's
+        self._seen = 0
+        self._last = self._counts()
 
     def __contains__(self, key: Key) -> bool:
         return key in self.cache
@@ -76,26 +77,28 @@ class PredictionGuard:
                 shadow.shrink(capacity)
 
     def on_forward(self) -> None:
-        """A forward starts: judge a window that ended."""
+        """A forward starts: weigh the last one's loads and pause or resume predictions."""
+        counts = self._counts()
+        live, lru, learned = (now - then for now, then in zip(counts, self._last))
+        self._last = counts
+        keep = 1 - 1 / WINDOW
+        self.excess = keep * self.excess + live - lru  # what acting on predictions loaded beyond LRU
+        self.learned_excess = keep * self.learned_excess + learned - lru
+        self._seen += 1
         if not self.acting:
             self.paused_forwards += 1
-        self._left -= 1
-        if self._left > 0:
+        if self._seen < WARMUP:
             return
-        live, lru, learned = (now - then for now, then in zip(self._counts(), self._start))
-        if self.acting and live > MARGIN * lru + SLACK:
+        if self.acting and self.excess > SLACK:
             self.lost_windows += 1
             if self.lost_windows == 1:
-                log.info("prediction guard: acting on the predictor loaded %d experts in %d tokens where LRU would "
-                         "have loaded %d; predictions paused until they would load fewer", live, WINDOW, lru)
+                log.info("prediction guard: acting on the predictor loaded %.0f experts more than LRU would have over "
+                         "the last %d tokens; predictions paused until they would load fewer", self.excess, WINDOW)
             self.acting = False
             self.cache.on_forecast(np.zeros((self.n_layers, self.n_experts)))  # learned ranks cleared: LRU
-        elif not self.acting and (learned < lru / MARGIN - SLACK if self.learned is not None
+        elif not self.acting and (self.learned_excess < -SLACK if self.learned is not None
                                   else self.paused_forwards % (PROBE_AFTER * WINDOW) == 0):
-            self.acting = True
-        elif self.acting:
-            self.won_windows += 1
-        self._left, self._start = WINDOW, self._counts()
+            self.acting, self.excess = True, 0.0
 
     def _counts(self) -> tuple[int, int, int]:
         """(experts the live cache inserted, LRU's misses, the learned shadow's misses) so far."""
