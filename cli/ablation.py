@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import names, output_file, positive_int
+from cli.args import names, output_file, positive_int, seed
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -20,7 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--window", type=positive_int, default=128, help="tokens per training window")
     p.add_argument("--batch-size", type=positive_int, default=64, help="windows per batch")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     return p
 
 

@@ -88,12 +88,37 @@ def _number(text: str, read: Callable[[str], T], what: str, fits: Callable[[T], 
     return value
 
 
+MOST = 2**63 - 1  # the largest count a 64-bit integer holds: beyond it torch and numpy overflow
+MAX_THREADS = 4096
+
+
+def _count(text: str, least: int) -> int:
+    """A whole number from `least` to `MOST`."""
+    value = _number(text, int, "a whole number", lambda v: v >= least, f"must be at least {least}")
+    if value > MOST:
+        shown = text.strip() if len(text.strip()) <= 24 else f"{text.strip()[:12]}... ({len(text.strip())} digits)"
+        raise argparse.ArgumentTypeError(f"{shown} is too large: at most 2**63-1")
+    return value
+
+
 def positive_int(text: str) -> int:
-    return _number(text, int, "a whole number", lambda v: v >= 1, "must be at least 1")
+    return _count(text, 1)
 
 
 def non_negative_int(text: str) -> int:
-    return _number(text, int, "a whole number", lambda v: v >= 0, "must be at least 0")
+    return _count(text, 0)
+
+
+def seed(text: str) -> int:
+    """A random seed: a whole number torch's generator takes (-2**63 to 2**64-1)."""
+    return _number(text, int, "a whole number", lambda v: -2**63 <= v < 2**64,
+                   "is not a seed: give a whole number from -2**63 to 2**64-1")
+
+
+def threads(text: str) -> int:
+    """Torch threads: 1 to `MAX_THREADS`."""
+    return _number(text, int, "a whole number", lambda v: 1 <= v <= MAX_THREADS,
+                   f"is not a number of threads in 1..{MAX_THREADS}")
 
 
 def share(text: str) -> float:

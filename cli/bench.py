@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from cli.args import (add_next_token_min_chance, add_results_args, add_runtime_args, budgets, list_of, memory, names,
-                      positive_int, predictor_specs, runtime_options)
+                      positive_int, predictor_specs, runtime_options, seed, threads)
 
 BASELINES = "all_resident,accelerate_disk"
 
@@ -50,7 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--prompts", type=positive_int, default=2, help="timed prompts (one more is the warm-up)")
     p.add_argument("--prompt-tokens", type=positive_int, default=16, help="tokens per prompt")
     p.add_argument("--warmup-tokens", type=positive_int, default=4, help="new tokens of the untimed warm-up prompt")
-    p.add_argument("--sample", type=int, default=None, metavar="SEED",
+    p.add_argument("--sample", type=seed, default=None, metavar="SEED",
                    help="sampled decoding under the model's generation settings, seeded per prompt by SEED "
                         "(default: greedy)")
     p.add_argument("--dataset", default="stdlib-code", help="corpus the prompts come from")
@@ -59,7 +59,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--baseline-tokens", type=positive_int, default=4, help="new tokens of the accelerate_disk run")
     p.add_argument("--hash-cost", default="auto",
                    help="predictor of hash_thread_cost; auto: sida if given, else skipped; off: skipped")
-    p.add_argument("--threads", type=positive_int, default=None,
+    p.add_argument("--threads", type=threads, default=None,
                    help="torch threads per run (default: torch's; with --memory, 1)")
     add_runtime_args(p, "store", "transfer_workers", "dtype", "slot_format", "lookahead_probe")  # each run names its policy, budget and prefetch modes
     p.add_argument("--keep-page-cache", action="store_true", help="disk store: leave read pages in the page cache")

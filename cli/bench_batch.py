@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import add_results_args, add_runtime_args, non_negative_int, positive_int, runtime_options, share
+from cli.args import add_results_args, add_runtime_args, non_negative_int, positive_int, runtime_options, share, threads
 from experiments.bench_batch import ACCELERATE_RUNS, DEFAULT_GRID
 
 
@@ -93,7 +93,7 @@ def add_batch_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-page-cache", action="store_true", help="disk store: leave read pages in the page cache")
     p.add_argument("--dataset", default="stdlib-code")
     p.add_argument("--split", default="validation")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads")
+    p.add_argument("--threads", type=threads, default=1, help="torch threads")
 
 
 def run(args: argparse.Namespace) -> int:

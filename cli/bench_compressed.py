@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import add_results_args, add_runtime_args, budgets, named_paths, names, positive_int, serving_policy
+from cli.args import (add_results_args, add_runtime_args, budgets, named_paths, names, positive_int, seed, serving_policy,
+                      threads)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -37,9 +38,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="NAME=JSON,... `prescient quality` results shown beside NAME's runs")
     p.add_argument("--new-tokens", type=positive_int, default=24, help="new tokens per timed prompt")
     p.add_argument("--prompts", type=positive_int, default=3, help="timed prompts (one more is the warm-up)")
-    p.add_argument("--sample", type=int, default=0, metavar="SEED",
+    p.add_argument("--sample", type=seed, default=0, metavar="SEED",
                    help="sampled decoding seeded per prompt by SEED (as `prescient bench --sample`)")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per run")
+    p.add_argument("--threads", type=threads, default=1, help="torch threads per run")
     add_runtime_args(p, "dtype")  # every model alike; --packed sets each model's slot format
     p.add_argument("--dataset", default="stdlib-code", help="corpus the prompts come from")
     add_results_args(p)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import output_file, positive_int
+from cli.args import output_file, positive_int, threads
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -15,7 +15,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--n-experts", type=positive_int, default=8, help="experts per layer (no artifact)")
     p.add_argument("--vocab-size", type=positive_int, default=32000, help="vocabulary (no artifact)")
     p.add_argument("--batch-size", type=positive_int, default=1, help="rows decoded together")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
+    p.add_argument("--threads", type=threads, default=1, help="torch intra-op threads")
     p.add_argument("--tokens", type=positive_int, default=2000, help="timed steps after the warm-up")
     p.add_argument("--json", type=output_file, help="JSON file for the result")
     return p

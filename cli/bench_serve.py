@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from cli.args import (add_runtime_args, output_file, positive_int, positive_ints, predictor_specs, runtime_options,
-                      seconds)
+                      seconds, threads)
 
 
 def served_predictors(text: str) -> dict[str, str | None]:
@@ -37,7 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--request-timeout", type=seconds, default=300.0, help="seconds before a request counts as hung")
     p.add_argument("--max-batch", type=positive_int, default=64, help="the server's --max-batch")
     p.add_argument("--max-queue", type=positive_int, default=64, help="the server's --max-queue")
-    p.add_argument("--threads", type=positive_int, default=1, help="the server's torch threads")
+    p.add_argument("--threads", type=threads, default=1, help="the server's torch threads")
     p.add_argument("--json", type=output_file, required=True, metavar="OUT")
     p.add_argument("--plot", type=output_file, default=None, metavar="OUT.png")
     return p

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.args import Renamed, chance, output_file, positive_int
+from cli.args import Renamed, chance, output_file, positive_int, seed
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -22,7 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--layers-ahead", "--horizon", type=positive_int, default=1, action=Renamed, deprecated="--horizon",
                    help="prefetch this many layers ahead (--horizon: its old name)")
     p.add_argument("--transfer-per-step", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--runs", type=positive_int, default=3, help="timed runs per policy; the best counts")
     return p
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from cli.args import add_results_args, positive_int
+from cli.args import add_results_args, positive_int, threads
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--shard-sequences", type=positive_int, default=256, help="as `prescient trace`")
     p.add_argument("--top-t", type=positive_int, default=30)
     p.add_argument("--repeats", type=positive_int, default=7)
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=threads, default=None, help="torch threads (default: torch's choice)")
     return p
 
 

@@ -8,6 +8,7 @@ import argparse
 from cli.args import (Renamed, add_next_token_min_chance, add_results_args, budgets, names, positive_int,
                       positive_ints)
 from predictor.registry import NAMES_HELP
+from prescient.errors import TraceError
 
 PIPELINES = {"on": (True,), "off": (False,), "both": (True, False)}
 POLICIES_HELP = "lru, lfu, fifo, mrs, static, belady, learned (needs a --predictor with forecast heads), learned-belady"
@@ -58,12 +59,15 @@ def run(args: argparse.Namespace) -> None:
     from experiments.compare_caches import compare_caches, format_table, plot_compare_caches
     from prescient.atomic import write_results
 
+    from prescient.traces import read_manifest
+
+    manifest = read_manifest(args.trace)  # None: compare_caches names the missing trace
+    if manifest is not None:
+        _check_batch_sizes(args.batch_size, args.trace, manifest.n_tokens)
     calibration = None
     if args.timing:
         from experiments.timing_calibration import load_timing
-        from prescient.traces import read_manifest
 
-        manifest = read_manifest(args.trace)  # None: compare_caches names the missing trace
         calibration = load_timing(args.timing, model_config=args.model_config,
                                   fingerprint=manifest.fingerprint if manifest else None)
     result = compare_caches(args.trace, args.policies, args.capacity, args.batch_size, args.predictor,
@@ -75,3 +79,12 @@ def run(args: argparse.Namespace) -> None:
         result["timing_calibration"] = calibration.to_dict()
     print(format_table(result))
     write_results(result, args.json, args.plot, plot_compare_caches)
+
+
+def _check_batch_sizes(batch_sizes: tuple[int, ...], trace: str, tokens: int) -> None:
+    """A batch steps that many sequences together: more than the trace has tokens steps nothing more
+    and would only size the simulator's arrays past any memory."""
+    too_many = [size for size in batch_sizes if size > max(tokens, 1)]
+    if too_many:
+        raise TraceError(f"--batch-size {too_many[0]} is more sequences than trace {trace} has tokens ({tokens}); "
+                         f"give batch sizes up to {max(tokens, 1)}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from cli.args import add_runtime_args, output_file, positive_int, runtime_options
+from cli.args import add_runtime_args, output_file, positive_int, runtime_options, seed
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +19,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_runtime_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
-    p.add_argument("--sample", type=int, default=None, metavar="SEED",
+    p.add_argument("--sample", type=seed, default=None, metavar="SEED",
                    help="sampled decoding seeded by SEED (default: greedy)")
     p.add_argument("--temperature", type=float, default=None, help="with --sample: the temperature (default 1.0)")
     p.add_argument("--top-p", type=float, default=None, help="with --sample: nucleus sampling's mass (default 1.0)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from cli.args import add_runtime_args, memory, port, positive_int, runtime_options, seconds
+from cli.args import add_runtime_args, memory, port, positive_int, runtime_options, seconds, threads
 
 API_KEY_ENV = "PRESCIENT_API_KEY"
 
@@ -61,7 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="keep finished sequences' KV (up to SIZE, e.g. 64MiB; per replica) so that a prompt "
                         "resuming one (a chat's next turn) prefills only its new tokens; default: off")
     add_runtime_args(p)
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=threads, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 

@@ -65,6 +65,25 @@ def test_a_byte_size_beyond_any_machine_is_a_value_error_and_exact_below():
     assert parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes(f"{2**60}B") == 2**60
 
 
+@pytest.mark.parametrize("read, text, expected", [
+    (cli_args.positive_int, "9" * 400, r"^999999999999\.\.\. \(400 digits\) is too large: at most 2\*\*63-1$"),
+    (cli_args.non_negative_int, str(2**63), r"^9223372036854775808 is too large"),
+    (cli_args.seed, str(2**64), r"is not a seed: give a whole number from -2\*\*63 to 2\*\*64-1"),
+    (cli_args.seed, str(-2**63 - 1), r"is not a seed"),
+    (cli_args.threads, "0", r"0 is not a number of threads in 1\.\.4096"),
+    (cli_args.threads, str(2**31), r"is not a number of threads in 1\.\.4096"),
+])
+def test_counts_seeds_and_threads_beyond_what_torch_takes_are_refused(read, text, expected):
+    """Each once ended in an OverflowError or ValueError from torch ("Overflow when unpacking long")."""
+    with pytest.raises(argparse.ArgumentTypeError, match=expected):
+        read(text)
+
+
+def test_the_largest_counts_and_seeds_still_read():
+    assert cli_args.positive_int(str(2**63 - 1)) == 2**63 - 1 and cli_args.seed(str(2**64 - 1)) == 2**64 - 1
+    assert cli_args.seed("-1") == -1 and cli_args.threads("4096") == 4096
+
+
 @pytest.mark.parametrize("amount", [float("nan"), float("inf")])
 def test_a_budget_of_nan_or_infinity_is_refused(amount):
     with pytest.raises(CapacityError, match="is not a finite number"):
