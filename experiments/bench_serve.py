@@ -79,7 +79,13 @@ class ServerProcess:
         args += ["--predictor", predictor] if predictor else []
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT), API_KEY_ENV: self.api_key}
         self.proc = subprocess.Popen(args, cwd=ROOT, env=env)
-        deadline = time.monotonic() + 600
+        try:
+            self._wait_ready(time.monotonic() + 600)
+        except BaseException:  # not ready, or stopped meanwhile (SIGTERM, Ctrl-C): the server must not outlive us
+            self.stop()
+            raise
+
+    def _wait_ready(self, deadline: float) -> None:
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with status {self.proc.returncode} before it was ready")
@@ -89,7 +95,6 @@ class ServerProcess:
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                self.proc.kill()
                 raise RuntimeError("the server did not become ready in 600 s")
             time.sleep(0.2)
 

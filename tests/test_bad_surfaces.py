@@ -237,3 +237,28 @@ def test_a_prefix_cache_that_leaves_too_little_memory_says_it_took_its_share(tin
                                             r"\(1048576000 bytes\) leaves 0.02 GiB .* for the model: .*smallest memory "
                                             r"that works .*; the prefix cache comes on top of that$"):
         _load_within(config.model_dir, None, config.options, config.prefix_cache_bytes)
+
+
+def test_bench_serve_stopped_before_its_server_is_ready_stops_the_server(monkeypatch):
+    """`prescient bench-serve` waits up to 600 s for its `prescient serve` child: a SIGTERM meanwhile
+    must end the child too (it was left serving)."""
+    import subprocess
+
+    from experiments import bench_serve
+    from offload_runtime.engine.options import RuntimeOptions
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(_args, **_kwargs):
+        started.append(real_popen(["sleep", "60"]))
+        return started[-1]
+
+    def stopped_while_waiting(_self, _deadline):
+        raise StoppedBySignal(signal.SIGTERM)
+
+    monkeypatch.setattr(bench_serve.subprocess, "Popen", popen)
+    monkeypatch.setattr(bench_serve.ServerProcess, "_wait_ready", stopped_while_waiting)
+    with pytest.raises(StoppedBySignal):
+        bench_serve.ServerProcess("model", None, RuntimeOptions(), 1, 1, 1)
+    assert started[0].returncode == -signal.SIGTERM  # ended and reaped
