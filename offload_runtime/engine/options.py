@@ -104,7 +104,8 @@ class RuntimeOptions:
     scratch buffer without evicting anything; False: every routed expert computes in a slot),
     `prediction_guard` (with a predictor: act on its predictions only while they load fewer experts
     than LRU would, see `prediction_guard`), `table_wait` (SiDA's rule: seconds a forward's first
-    MoE layer waits for its hash table; 0: never wait)."""
+    MoE layer waits for its hash table; 0: never wait; default 10 ms: the wait hands the GIL to the
+    hash-building thread, which otherwise waits up to the interpreter's 5 ms switch interval)."""
 
     policy: str = "lru"
     memory: int | None = None
@@ -131,7 +132,7 @@ class RuntimeOptions:
     map_experts: bool | None = None
     context_tokens: int | None = None
     prediction_guard: bool = True
-    table_wait: float = 0.0
+    table_wait: float = 0.01  # a SiDA step takes 0.2 ms; without the wait the GIL's 5 ms switch interval made tables late
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str):

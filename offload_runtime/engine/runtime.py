@@ -354,7 +354,8 @@ class OffloadRuntime:
         the hash-building thread failed (and serving goes on without it)."""
         try:
             table = self.builder.poll(self._step)
-            if table is None and self.table_wait > 0 and layer == self.prefetcher.layers.start:
+            acting = self.prediction_guard is None or self.prediction_guard.acting  # paused: no wait for it
+            if table is None and self.table_wait > 0 and layer == self.prefetcher.layers.start and acting:
                 start = time.perf_counter()
                 table = self.builder.wait(self._step, self.table_wait)
                 self.table_wait_seconds += time.perf_counter() - start
