@@ -33,7 +33,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, count
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,9 @@ log = logging.getLogger(__name__)
 
 KERNELS = ("eager", "batched_mm", "grouped_mm")  # transformers' experts implementations we choose among
 STREAMED = "streamed"  # ours (`streamed_experts_forward`), registered with transformers' experts implementations
-EXPERT_KERNELS = ("model", "auto", *KERNELS, STREAMED)  # `RuntimeOptions.expert_kernel`'s values
+GEMV = "gemv"  # ours: "streamed" with a decode row's products through oneDNN (`gemv_experts_forward`)
+EXPERT_KERNELS = ("model", "auto", *KERNELS, STREAMED, GEMV)  # `RuntimeOptions.expert_kernel`'s values
+ONEDNN = torch.backends.mkldnn.is_available()  # "gemv"'s matrix-vector product; else torch's `linear`
 LOADS = (1, 2, 4, 8, 16, 32, 64)  # tokens per activated expert
 LOAD_TIME_LOADS = (1, 4, 16, 64)  # measured at load (no table given): fewer, a layer of wide experts takes seconds
 MARGIN = 0.10  # another kernel replaces the model's own only where it is this much faster
@@ -125,7 +127,7 @@ def pipelines(tokens_per_expert: float, table: CrossoverTable) -> bool:
 def with_kernel(module: nn.Module, kernel: str) -> nn.Module:
     """A shallow copy of a dispatching experts module (its parameters shared) that runs `kernel`:
     its config is a copy with `_experts_implementation` set, so the shared config never changes."""
-    if kernel == STREAMED:
+    if kernel in (STREAMED, GEMV):
         register_streamed()
     copy = shallow.copy(module)
     copy.config = shallow.copy(module.config)
@@ -234,29 +236,54 @@ def crossover_for(module: nn.Module, experts: int, top_k: int) -> CrossoverTable
     return _MEASURED[key]
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+def _onednn_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+_ONEDNN_WINS: dict[tuple, bool] = {}
+
+
+def onednn_wins(weights: torch.Tensor, repeats: int = 3) -> bool:
+    """Whether oneDNN's matrix-vector product beats torch's `linear` on one row against the [out, in]
+    matrices of `weights` [E, out, in] on the CPU: measured once per process per shape, dtype and
+    thread count, best of `repeats` calls each, a different expert's matrix per call (so that the
+    weights come from memory, as in decode, not from the cache)."""
+    key = (tuple(weights.shape), weights.dtype, torch.get_num_threads())
+    if key not in _ONEDNN_WINS:
+        x = torch.randn(1, weights.shape[-1], dtype=weights.dtype)
+        turn = count()
+        seconds = {kernel: _best_seconds(lambda kernel=kernel: kernel(x, weights[next(turn) % len(weights)]), repeats)
+                   for kernel in (nn.functional.linear, _onednn_matvec)}
+        _ONEDNN_WINS[key] = seconds[_onednn_matvec] < seconds[nn.functional.linear]
+        log.info("one-row products on %s %s matrices: oneDNN %.3f ms, torch linear %.3f ms", list(weights.shape[1:]),
+                 weights.dtype, 1e3 * seconds[_onednn_matvec], 1e3 * seconds[nn.functional.linear])
+    return _ONEDNN_WINS[key]
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
+            matvec: bool = False) -> torch.Tensor:
     """One expert's matrix on its rows `x`: the GEMM grouped_mm runs on that expert's group (bias
-    added after, as `_grouped_linear` adds it)."""
-    out = torch.mm(x, weight) if transposed else nn.functional.linear(x, weight)
+    added after, as `_grouped_linear` adds it); `matvec`: a single row through oneDNN's
+    matrix-vector product on the same [out, in] weight (see `gemv_experts_forward`)."""
+    if matvec:
+        out = _onednn_matvec(x, weight)
+    else:
+        out = torch.mm(x, weight) if transposed else nn.functional.linear(x, weight)
     return out if bias is None else out.add_(bias)
 
 
-def _grouped(self: nn.Module, name: str, groups: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+def _grouped(self: nn.Module, name: str, groups: list[tuple[int, torch.Tensor]], matvec: bool) -> torch.Tensor:
     """Projection `name` ("gate_up_proj", "up_proj", "down_proj") of each (expert, rows) group, in
     group order: a GEMM per expert, straight from its slice of the [E, ...] weight."""
     weight, bias = getattr(self, name), getattr(self, f"{name}_bias") if self.has_bias else None
-    return torch.cat([_linear(rows, weight[e], None if bias is None else bias[e], self.is_transposed)
+    matvec = matvec and ONEDNN and len(groups[0][1]) == 1 and not self.is_transposed and \
+        weight.dtype == torch.float32 and weight.device.type == "cpu" and onednn_wins(weight)
+    return torch.cat([_linear(rows, weight[e], None if bias is None else bias[e], self.is_transposed, matvec)
                       for e, rows in groups])
 
 
-def streamed_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                             top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' experts signature (`ExpertsInterface`), registered as "streamed": each routed
-    expert's GEMM on its own rows, straight from its [2I, H] / [H, I] weights (a decode token's is a
-    matrix-vector product streaming the expert's bytes once), without grouped_mm's histogram,
-    inverse permutation and per-group work over every expert. Its steps are grouped_mm's on the
-    CPU: the same rows per expert in the same order, gating and norm over all rows at once, the k
-    outputs weighted and summed in router order; so its result is grouped_mm's bit for bit."""
+def _streamed(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+              matvec: bool) -> torch.Tensor:
     tokens, k = top_k_index.shape
     flat_ids = top_k_index.reshape(-1)
     order = None
@@ -268,10 +295,10 @@ def streamed_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         starts = list(accumulate(counts, initial=0))
         groups = [(e, rows[starts[e]:starts[e + 1]]) for e in range(len(counts)) if counts[e]]
-    up = _grouped(self, "gate_up_proj" if self.has_gate else "up_proj", groups)
+    up = _grouped(self, "gate_up_proj" if self.has_gate else "up_proj", groups, matvec)
     hidden = self._apply_gate(up) if self.has_gate else self.act_fn(up)
     hidden = hidden.split([len(rows) for _, rows in groups])
-    out = _grouped(self, "down_proj", [(e, part) for (e, _), part in zip(groups, hidden)])
+    out = _grouped(self, "down_proj", [(e, part) for (e, _), part in zip(groups, hidden)], matvec)
     if self.has_post_expert_norm:
         out = self.post_expert_norm(out)
     if order is not None:
@@ -280,27 +307,49 @@ def streamed_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k
     return weighted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
+def streamed_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts signature (`ExpertsInterface`), registered as "streamed": each routed
+    expert's GEMM on its own rows, straight from its [2I, H] / [H, I] weights (a decode token's is a
+    matrix-vector product streaming the expert's bytes once), without grouped_mm's histogram,
+    inverse permutation and per-group work over every expert. Its steps are grouped_mm's on the
+    CPU: the same rows per expert in the same order, gating and norm over all rows at once, the k
+    outputs weighted and summed in router order; so its result is grouped_mm's bit for bit."""
+    return _streamed(self, hidden_states, top_k_index, top_k_weights, matvec=False)
+
+
+def gemv_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor:
+    """"streamed", but a decode token's float32 rows run oneDNN's matrix-vector product on the same
+    weights instead of torch's `linear` (MKL's sgemv) where it measured faster for the shape
+    (`onednn_wins`): on this project's AMD CPU it streams wide experts' weights 2-3x as fast, with
+    both cores (`experiments.bench_decode`). Its sums run in another order, so its results differ
+    from grouped_mm's in the last bits; a prefill's rows are grouped_mm's, bit for bit."""
+    return _streamed(self, hidden_states, top_k_index, top_k_weights, matvec=True)
+
+
 def stands_in(implementation: str | None, device: torch.device) -> bool:
-    """Whether "streamed" computes in place of `implementation` on `device`: where it is transformers'
-    grouped_mm on the CPU, whose per-group GEMMs it runs (see `streamed_experts_forward`)."""
+    """Whether "streamed" (or "gemv") computes in place of `implementation` on `device`: where it is
+    transformers' grouped_mm on the CPU, whose per-group GEMMs it runs (see `streamed_experts_forward`)."""
     return implementation == "grouped_mm" and device.type == "cpu"
 
 
-def stream_experts(model: nn.Module) -> bool:
-    """Switch a whole transformers model from grouped_mm to "streamed" where `stands_in` holds for
-    its experts; whether it did."""
+def stream_experts(model: nn.Module, kernel: str = STREAMED) -> bool:
+    """Switch a whole transformers model from grouped_mm to `kernel` ("streamed" or "gemv") where
+    `stands_in` holds for its experts; whether it did."""
     config = getattr(model, "config", None)
     weights = next(model.parameters(), None)
     if weights is None or not stands_in(getattr(config, "_experts_implementation", None), weights.device):
         return False
     register_streamed()
-    model.set_experts_implementation(STREAMED)
+    model.set_experts_implementation(kernel)
     return True
 
 
 def register_streamed() -> None:
-    """Make "streamed" one of transformers' experts implementations (idempotent)."""
+    """Make "streamed" and "gemv" transformers' experts implementations (idempotent)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     if STREAMED not in ALL_EXPERTS_FUNCTIONS:
         ALL_EXPERTS_FUNCTIONS.register(STREAMED, streamed_experts_forward)
+        ALL_EXPERTS_FUNCTIONS.register(GEMV, gemv_experts_forward)

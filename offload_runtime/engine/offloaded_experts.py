@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from offload_runtime.compression.kernels import SCALES_SUFFIX, PackedMatrixSpec, PackedWeights
-from offload_runtime.engine.expert_kernels import (KERNELS, STREAMED, CrossoverTable, choose, crossover_for,
+from offload_runtime.engine.expert_kernels import (GEMV, KERNELS, STREAMED, CrossoverTable, choose, crossover_for,
                                                    dispatches, load_table, pipelines, stands_in, with_kernel)
 from offload_runtime.engine.expert_layout import expert_spec
 from offload_runtime.engine.hybrid import HybridExperts, measure_times
@@ -123,6 +123,7 @@ class _Offloaded(nn.Module):
         return f"layer={self.layer}, num_experts={self.num_experts}, offloaded"
 
 
+OURS = (STREAMED, GEMV)  # our kernels: each stands in for grouped_mm (`expert_kernels.stands_in`)
 PackedTier = tuple[dict[str, torch.Tensor], dict[str, PackedMatrixSpec]]  # a tier's slot buffers and matrices
 
 
@@ -164,10 +165,10 @@ def _kernel_setting(layer: MoELayer, slot_twin: nn.Module, runtime: ExpertSlots,
     the twin's shapes once per process) and a twin per kernel it may call."""
     options = getattr(runtime, "options", None)
     kernel = getattr(options, "expert_kernel", "model")
-    if kernel == "model" or (kernel in ("auto", "eager", STREAMED) and packed):
+    if kernel == "model" or (kernel in ("auto", "eager", *OURS) and packed):
         return "model", None, {}
-    if kernel == STREAMED:  # stands in for grouped_mm where the model runs it (see `expert_kernels.stands_in`)
-        return (STREAMED, None, {STREAMED: with_kernel(slot_twin, STREAMED)}) if dispatches(slot_twin) else \
+    if kernel in OURS:  # stands in for grouped_mm where the model runs it (see `expert_kernels.stands_in`)
+        return (kernel, None, {kernel: with_kernel(slot_twin, kernel)}) if dispatches(slot_twin) else \
             ("model", None, {})
     if packed or not dispatches(slot_twin):
         if kernel == "auto":
@@ -258,7 +259,7 @@ class OffloadedExperts(_Offloaded):
         implementation = self._implementation
         sums_in_router_order = implementation in ("batched_mm", "grouped_mm")
         kernel, pipelined = self._plan(top_k_index, weighted, len(experts))
-        streamed = self._kernel_twins[STREAMED] if self._kernel == STREAMED and stands_in(implementation, device) \
+        streamed = self._kernel_twins[self._kernel] if self._kernel in OURS and stands_in(implementation, device) \
             else None
         lives = self._where_it_lives(hidden_states, top_k_index, experts) if self._lives is not None else []
         if lives:  # HybriMoE's scheduler (`hybrid`): these compute where they live, the rest in slots
@@ -350,7 +351,7 @@ class OffloadedExperts(_Offloaded):
         whether its experts compute as their copies land (the runtime's `arrival_order`): by
         `RuntimeOptions.expert_kernel`; "auto" picks both by the tokens per activated expert."""
         pipelined = self._runtime.arrival_order
-        if self._kernel in ("model", STREAMED) or not experts:
+        if self._kernel in ("model", *OURS) or not experts:
             return None, pipelined
         if self._kernel != "auto":
             return (None if self._kernel == self._implementation else self._kernel), pipelined

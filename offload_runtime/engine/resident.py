@@ -1,9 +1,10 @@
 """`ResidentRuntime`: the runtime's face when the memory cap holds every expert.
 
 The model is the plain transformers model, loaded whole: it runs its own forward with no hooks,
-threads or cache, so it is at least as fast as transformers: with `expert_kernel` "streamed" (the
-runtime's default) its experts run `expert_kernels.streamed_experts_forward` where they would run
-grouped_mm on the CPU, the same numbers bit for bit at the memory bus's rate. This object stands where an
+threads or cache, so it is at least as fast as transformers: with `expert_kernel` "streamed" its
+experts run `expert_kernels.streamed_experts_forward` where they would run grouped_mm on the CPU
+(the same numbers bit for bit, without grouped_mm's per-call work), with "gemv" its decode rows
+through oneDNN's matrix-vector product (the last bits differ, the weights stream faster). This object stands where an
 `OffloadRuntime` would (`model.offload_runtime`) so that generate, serve and bench treat both
 alike: statistics, closing, the server's sequence bookkeeping.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from offload_runtime.engine.expert_kernels import STREAMED, stream_experts
+from offload_runtime.engine.expert_kernels import GEMV, STREAMED, stream_experts
 from offload_runtime.engine.memory_plan import MemoryPlan
 from offload_runtime.engine.runtime import RuntimeStats
 from prescient.arch import MoELayer
@@ -25,8 +26,8 @@ class ResidentRuntime:
     def __init__(self, model: nn.Module, layers: list[MoELayer], fingerprint: ModelFingerprint,
                  memory_plan: MemoryPlan, expert_kernel: str = "model") -> None:
         self.model, self.layers, self.fingerprint, self.memory_plan = model, layers, fingerprint, memory_plan
-        if expert_kernel == STREAMED:
-            stream_experts(model)
+        if expert_kernel in (STREAMED, GEMV):
+            stream_experts(model, expert_kernel)
         self.top_k, self.n_experts = layers[0].top_k, layers[0].num_experts
         self.sequence_ids: list | None = None  # set by the server; nothing here keeps per-sequence state
         self.on_predictor_error = "raise"

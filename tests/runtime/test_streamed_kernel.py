@@ -3,7 +3,9 @@ GEMM on its own rows, the k outputs summed in router order. It stands in for tra
 grouped_mm on the CPU, so it must give grouped_mm's numbers bit for bit: on experts modules of
 each layout transformers has (fused gate_up, transposed with biases and interleaved gate/up), at
 one token (decode) and many (prefill), in float32 and bfloat16; through the runtime's slots and in
-the whole model `--memory` loads, the logits and greedy tokens of the plain model."""
+the whole model `--memory` loads, the logits and greedy tokens of the plain model. "gemv" (a decode
+row through oneDNN, forced here where the tiny model's shapes would keep torch's `linear`): the
+plain model's greedy tokens, its prompt logits bit for bit and its decode logits within 1e-5."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from transformers import GptOssConfig, MixtralConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-from offload_runtime.engine.expert_kernels import STREAMED, register_streamed, stands_in
+from offload_runtime.engine import expert_kernels
+from offload_runtime.engine.expert_kernels import GEMV, STREAMED, onednn_wins, register_streamed, stands_in
 from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.options import RuntimeOptions
 from prescient.loading import load_tokenizer
@@ -90,3 +93,34 @@ def test_streamed_runtime_keeps_the_plain_models_logits(tiny_moe_dir, load):
             tokens, logits = decode(model, ids, sample=False)
         assert torch.equal(tokens, want_tokens), kernel
         assert torch.equal(logits, want_logits), kernel
+
+
+def test_gemv_keeps_greedy_tokens_and_logits_within_1e_5(tiny_moe_dir, monkeypatch):
+    monkeypatch.setattr(expert_kernels, "onednn_wins", lambda weights: True)
+    calls = []
+    matvec = expert_kernels._onednn_matvec
+    monkeypatch.setattr(expert_kernels, "_onednn_matvec", lambda x, weight: calls.append(1) or matvec(x, weight))
+    path = tiny_moe_dir("mixtral")
+    ids = load_tokenizer(path)(PROMPT, return_tensors="pt").input_ids
+    reference, _ = plain_model(path, "float32")
+    with torch.inference_mode():
+        want_prefill = reference(ids).logits
+    want_tokens, want_logits = decode(reference, ids, sample=False)
+    for settings in ({"budget": "5slots"}, {"memory": "90%"}):
+        model = load_offloaded(path, options=RuntimeOptions(expert_kernel=GEMV, **settings))
+        with model.offload_runtime:
+            with torch.inference_mode():
+                assert torch.equal(model(ids).logits, want_prefill), settings
+            tokens, logits = decode(model, ids, sample=False)
+        assert torch.equal(tokens, want_tokens), settings
+        assert (logits - want_logits).abs().max() < 1e-5, settings
+        assert calls, settings  # the decode rows ran oneDNN's product
+        calls.clear()
+
+
+def test_onednn_wins_is_measured_once_per_shape():
+    weights = torch.randn(3, 8, 16)
+    first = onednn_wins(weights, repeats=1)
+    assert isinstance(first, bool) and onednn_wins(weights) is first
+    key = (tuple(weights.shape), weights.dtype, torch.get_num_threads())
+    assert expert_kernels._ONEDNN_WINS[key] is first
