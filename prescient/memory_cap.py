@@ -53,9 +53,12 @@ def cgroup_limit() -> int | None:
     return min(limits) if limits else None
 
 
-HOT_LIBRARY_BYTES = 48 * 2**20  # of the ~127 MiB of libraries torch and transformers map, what must stay
-# resident: under a cap the kernel reclaims the rest (plain transformers decoded at 380 MiB, below its
-# 406 MiB resident set, in `bench --memory`'s first run)
+# the file-backed pages a process under a cap must keep: the libraries' code and data every decoded
+# token runs (17-22 MiB on runs/tb, results/code-pages-tb.json) and room beside them for the kernel's
+# file LRU, which ages active pages against inactive ones: with 48 MiB booked, 2 of 4 runs at 0.66 GB
+# on runs/tb re-read their code (18 major faults per token) or were killed; the rest of the ~127 MiB
+# torch and transformers map is clean page cache the kernel reclaims under a cap
+HOT_LIBRARY_BYTES = 96 * 2**20
 
 
 def release_free_memory() -> None:
@@ -76,13 +79,10 @@ def anonymous_bytes() -> int:
 
 def process_footprint() -> int:
     """What a cap must leave this process: its anonymous memory (which only swap could take back),
-    measured after the allocator's free pages are handed back, and the mapped libraries' pages it
-    keeps using (`HOT_LIBRARY_BYTES` at most); the rest of the mapped files is clean page cache the
-    kernel reclaims under a cap."""
+    measured after the allocator's free pages are handed back, and `HOT_LIBRARY_BYTES` of file
+    pages for the library code it runs, whatever is mapped now."""
     release_free_memory()
-    memory = psutil.Process(os.getpid()).memory_info()
-    mapped = getattr(memory, "shared", 0)  # Linux: file-backed resident pages
-    return memory.rss - mapped + min(mapped, HOT_LIBRARY_BYTES)
+    return anonymous_bytes() + HOT_LIBRARY_BYTES
 
 
 def drop_file_pages(path: str | os.PathLike) -> None:
