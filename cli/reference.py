@@ -98,8 +98,9 @@ def help_text(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
 
 
 def cell(text: str) -> str:
-    """Text safe inside a Markdown table cell."""
-    return text.replace("|", "\\|").replace("\n", " ")
+    """Text safe inside a Markdown table cell: pipes escaped, and brackets, which Markdown (and
+    mkdocs-autorefs) would read as reference links (`[+hide][+next]`)."""
+    return text.replace("|", "\\|").replace("[", "\\[").replace("]", "\\]").replace("\n", " ")
 
 
 def command_section(name: str, summary: str, parser: argparse.ArgumentParser, module: Any) -> list[str]:

@@ -54,9 +54,10 @@ def test_every_public_function_on_the_api_page_has_a_docstring():
 
 def test_site_builds_strictly(tmp_path):
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # not --quiet: it hides warnings
     assert done.returncode == 0, f"mkdocs build --strict failed (install `.[test]`):\n{done.stdout}\n{done.stderr}"
+    assert "WARNING" not in done.stdout + done.stderr, done.stdout + done.stderr
     assert (tmp_path / "api" / "index.html").exists()
 
 
