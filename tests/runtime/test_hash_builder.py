@@ -158,7 +158,7 @@ def test_runtime_counts_late_tables_and_output_is_unchanged(tiny_moe_dir):
     predictor = SlowFrequencyPredictor(torch.ones(fingerprint.n_moe_layers, fingerprint.n_experts),
                                        PredictorMeta("frequency", fingerprint))
     inputs = dict(load_tokenizer(path)("def cache(key, value):", return_tensors="pt"))
-    model = load_offloaded(path, predictor=predictor, budget=0.5)
+    model = load_offloaded(path, prediction_guard=False, predictor=predictor, budget=0.5)
     with model.offload_runtime as runtime, torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False)
         assert torch.equal(out, plain.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False))
@@ -193,7 +193,7 @@ def test_waiting_for_tables_puts_every_later_layer_on_time_and_output_is_unchang
     for wait in (0.0, 5.0):
         predictor = SlowFrequencyPredictor(torch.ones(fingerprint.n_moe_layers, fingerprint.n_experts),
                                            PredictorMeta("frequency", fingerprint))
-        model = load_offloaded(path, predictor=predictor, budget=0.5)
+        model = load_offloaded(path, prediction_guard=False, predictor=predictor, budget=0.5)
         model.offload_runtime.table_wait = wait
         with model.offload_runtime as runtime, torch.inference_mode():
             assert torch.equal(model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False), want)

@@ -60,7 +60,7 @@ def outputs(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def offloaded_outputs(path, predictor, split: bool = False, **options):
-    model = load_offloaded(path, predictor, RuntimeOptions(hybrid_schedule=True, policy="learned-belady", **options))
+    model = load_offloaded(path, predictor, RuntimeOptions(hybrid_schedule=True, policy="learned-belady", prediction_guard=False, **options))
     runtime = model.offload_runtime
     if split:  # the GPU host's schedule, the "device" being the CPU too
         runtime.hybrid.close()

@@ -50,7 +50,7 @@ def test_learned_eviction_is_exact_and_ranks_by_the_forecasts(tiny_moe_dir, poli
     inputs = encode(path, encoder_decoder=False)
     plain, _ = load_model(path, dtype=torch.float32)
     want = generate(plain, inputs, new_tokens=6)
-    model = load_offloaded(path, predictor=forecasting_sida(path), policy=policy, budget=0.5)
+    model = load_offloaded(path, prediction_guard=False, predictor=forecasting_sida(path), policy=policy, budget=0.5)
     wait_for_tables(model)
     runtime = model.offload_runtime
     recorded = record_forecasts(runtime)
@@ -71,7 +71,7 @@ def test_learned_eviction_is_exact_and_ranks_by_the_forecasts(tiny_moe_dir, poli
 
 def test_a_late_table_gives_the_layers_already_run_their_later_chances(tiny_moe_dir):
     path = tiny_moe_dir("mixtral")
-    model = load_offloaded(path, predictor=forecasting_sida(path), policy="learned-belady", budget=0.5)
+    model = load_offloaded(path, prediction_guard=False, predictor=forecasting_sida(path), policy="learned-belady", budget=0.5)
     with model.offload_runtime as runtime:
         n_layers, n_experts = len(runtime.layers), runtime.n_experts
         soon, later = torch.full((n_layers, n_experts), 0.8), torch.full((n_layers, n_experts), 0.2)
@@ -89,7 +89,7 @@ def test_the_tables_chances_are_the_predictors_own(tiny_moe_dir):
     path = tiny_moe_dir("mixtral")
     predictor = forecasting_sida(path)
     predictor.chance_selected = lambda scores, top_k: torch.ones_like(scores)  # certain of every expert
-    model = load_offloaded(path, predictor=predictor, policy="learned-belady", budget=0.5)
+    model = load_offloaded(path, prediction_guard=False, predictor=predictor, policy="learned-belady", budget=0.5)
     wait_for_tables(model)
     runtime = model.offload_runtime
     fed = record_forecasts(runtime)
@@ -107,7 +107,7 @@ def test_learned_eviction_needs_a_predictor_with_forecast_heads(tiny_moe_dir, tm
     with pytest.raises(PredictorError, match="--model.horizon"):
         load_offloaded(path, policy="learned", budget=0.5)
     with pytest.raises(ForecastHorizonError, match="--model.horizon"):
-        load_offloaded(path, predictor=save_tiny_predictor("frequency", path, tmp_path), policy="learned", budget=0.5)
+        load_offloaded(path, prediction_guard=False, predictor=save_tiny_predictor("frequency", path, tmp_path), policy="learned", budget=0.5)
 
 
 @pytest.mark.parametrize(("compute_s", "transfer_s", "prefetches"), [(1e-3, 1.0, False), (1.0, 1e-3, True)])
@@ -117,7 +117,7 @@ def test_hide_only_prefetch_issues_only_what_the_link_can_hide(tiny_moe_dir, com
     plain, _ = load_model(path, dtype=torch.float32)
     want = generate(plain, inputs, new_tokens=6)
     link = LinkTiming(compute_s, 100.0, 100.0 / transfer_s)  # a copy takes transfer_s, a layer computes compute_s
-    model = load_offloaded(path, predictor=forecasting_sida(path), policy="lru", budget=0.5, link_timing=link)
+    model = load_offloaded(path, prediction_guard=False, predictor=forecasting_sida(path), policy="lru", budget=0.5, link_timing=link)
     wait_for_tables(model)
     with model.offload_runtime as runtime:
         out = generate(model, inputs, new_tokens=6)
@@ -131,7 +131,7 @@ def test_cross_token_prefetch_loads_the_next_forwards_layers_and_stays_exact(tin
     inputs = encode(path, encoder_decoder=False)
     plain, _ = load_model(path, dtype=torch.float32)
     want = generate(plain, inputs, new_tokens=6)
-    model = load_offloaded(path, predictor=forecasting_sida(path), policy="lru", budget=0.5, next_token_min_chance=0.0)
+    model = load_offloaded(path, prediction_guard=False, predictor=forecasting_sida(path), policy="lru", budget=0.5, next_token_min_chance=0.0)
     wait_for_tables(model)
     runtime = model.offload_runtime
     layer_now, early = [-1], []  # prefetched keys of a layer not after the one running: the next forward's
@@ -155,7 +155,7 @@ def test_cross_token_prefetch_loads_the_next_forwards_layers_and_stays_exact(tin
 
 def test_cross_token_prefetch_keeps_only_likely_experts(tiny_moe_dir):
     path = tiny_moe_dir("mixtral")
-    model = load_offloaded(path, predictor=forecasting_sida(path), policy="lru", budget=0.5, next_token_min_chance=0.5)
+    model = load_offloaded(path, prediction_guard=False, predictor=forecasting_sida(path), policy="lru", budget=0.5, next_token_min_chance=0.5)
     with model.offload_runtime as runtime:
         chances = torch.zeros(len(runtime.layers), runtime.n_experts)
         chances[0, 3], chances[1, 1], chances[1, 2] = 0.9, 0.5, 0.49
@@ -167,16 +167,16 @@ def test_cross_token_prefetch_bad_input(tiny_moe_dir, tmp_path):
     with pytest.raises(PredictorError, match="cross-token prefetch needs a predictor's forecasts"):
         load_offloaded(path, policy="lru", budget=0.5, next_token_min_chance=0.5)
     with pytest.raises(ForecastHorizonError, match="--model.horizon"):
-        load_offloaded(path, predictor=save_tiny_predictor("frequency", path, tmp_path), policy="lru", budget=0.5,
+        load_offloaded(path, prediction_guard=False, predictor=save_tiny_predictor("frequency", path, tmp_path), policy="lru", budget=0.5,
                        next_token_min_chance=0.5)
     with pytest.raises(PredictorError, match=r"must be in \[0, 1\], got 1.5"):
-        load_offloaded(path, predictor=forecasting_sida(path), policy="lru", budget=0.5, next_token_min_chance=1.5)
+        load_offloaded(path, prediction_guard=False, predictor=forecasting_sida(path), policy="lru", budget=0.5, next_token_min_chance=1.5)
 
 
 def test_hide_only_counts_from_when_the_running_layers_own_demand_loads_are_in(tiny_moe_dir, monkeypatch):
     path = tiny_moe_dir("mixtral")
     link = LinkTiming(1.0, 100.0, 100.0 / 0.9)  # one copy (0.9 s) fits behind one layer's compute (1 s)
-    model = load_offloaded(path, predictor=forecasting_sida(path), policy="lru", budget=0.5, link_timing=link)
+    model = load_offloaded(path, prediction_guard=False, predictor=forecasting_sida(path), policy="lru", budget=0.5, link_timing=link)
     with model.offload_runtime as runtime:
         key = next((1, e) for e in range(runtime.n_experts) if (1, e) not in runtime.cache)
         monkeypatch.setattr(type(runtime.engine), "pending", property(lambda _engine: 1))  # a copy waiting

@@ -127,7 +127,7 @@ def test_generate_with_predictor(tiny_moe_dir, tmp_path, arch, kind, budget, pol
     inputs = encode(path, encoder_decoder=False)
     plain, _ = load_model(path, dtype=torch.float32)
     want = generate(plain, inputs, new_tokens=6)
-    model = load_offloaded(path, predictor=artifact, policy=policy, budget=budget)
+    model = load_offloaded(path, prediction_guard=False, predictor=artifact, policy=policy, budget=budget)
     if synced:
         wait_for_tables(model)
     with model.offload_runtime as runtime:
@@ -171,7 +171,7 @@ def test_switch_predictor_reads_the_prompt_for_the_encoder_and_the_decoder_token
                            generator=torch.Generator().manual_seed(0)).float()
     meta = PredictorMeta("token-table", fingerprint, training={"settings": {"decoder_reads_row_token": True}})
     predictor = StreamRecordingPredictor(counts, meta)
-    model = load_offloaded(path, predictor=predictor, policy="lru", budget=0.5)
+    model = load_offloaded(path, prediction_guard=False, predictor=predictor, policy="lru", budget=0.5)
     wait_for_tables(model)
     runtime = model.offload_runtime
     n_encoder = len(moe_stacks(model, runtime.layers)[0].layers)
@@ -202,7 +202,7 @@ def test_switch_predictor_from_an_old_convention_trace_is_warned_about(tiny_moe_
     counts = torch.ones(fingerprint.n_moe_layers, fingerprint.n_experts)
     predictor = FrequencyPredictor(counts, PredictorMeta("frequency", fingerprint, training={"settings": {}}))
     with caplog.at_level(logging.WARNING):
-        load_offloaded(path, predictor=predictor, budget=0.5).offload_runtime.close()
+        load_offloaded(path, prediction_guard=False, predictor=predictor, budget=0.5).offload_runtime.close()
     assert "one token off" in caplog.text
 
 
