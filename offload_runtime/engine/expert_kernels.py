@@ -243,20 +243,27 @@ def _onednn_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 _ONEDNN_WINS: dict[tuple, bool] = {}
 
 
-def onednn_wins(weights: torch.Tensor, repeats: int = 3) -> bool:
+def onednn_wins(weights: torch.Tensor, rounds: int = 7) -> bool:
     """Whether oneDNN's matrix-vector product beats torch's `linear` on one row against the [out, in]
     matrices of `weights` [E, out, in] on the CPU: measured once per process per shape, dtype and
-    thread count, best of `repeats` calls each, a different expert's matrix per call (so that the
-    weights come from memory, as in decode, not from the cache)."""
+    thread count, the two interleaved for `rounds` after two warm-up calls each, medians compared
+    (on a shared CPU a burst of other work lands on both alike); each call on the next expert's
+    matrix, so that the weights come from memory, as in decode, not from the cache."""
     key = (tuple(weights.shape), weights.dtype, torch.get_num_threads())
     if key not in _ONEDNN_WINS:
         x = torch.randn(1, weights.shape[-1], dtype=weights.dtype)
         turn = count()
-        seconds = {kernel: _best_seconds(lambda kernel=kernel: kernel(x, weights[next(turn) % len(weights)]), repeats)
-                   for kernel in (nn.functional.linear, _onednn_matvec)}
-        _ONEDNN_WINS[key] = seconds[_onednn_matvec] < seconds[nn.functional.linear]
-        log.info("one-row products on %s %s matrices: oneDNN %.3f ms, torch linear %.3f ms", list(weights.shape[1:]),
-                 weights.dtype, 1e3 * seconds[_onednn_matvec], 1e3 * seconds[nn.functional.linear])
+        seconds: dict = {nn.functional.linear: [], _onednn_matvec: []}
+        for step in range(rounds + 2):
+            for kernel, times in seconds.items():
+                start = time.perf_counter()
+                kernel(x, weights[next(turn) % len(weights)])
+                if step >= 2:  # after the warm-up calls
+                    times.append(time.perf_counter() - start)
+        onednn, linear = (sorted(seconds[k])[rounds // 2] for k in (_onednn_matvec, nn.functional.linear))
+        _ONEDNN_WINS[key] = onednn < linear
+        log.info("one-row products on %s %s matrices, %d thread(s): oneDNN %.3f ms, torch linear %.3f ms",
+                 list(weights.shape[1:]), weights.dtype, key[-1], 1e3 * onednn, 1e3 * linear)
     return _ONEDNN_WINS[key]
 
 
@@ -305,6 +312,15 @@ def _streamed(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.T
         out = torch.empty_like(out).index_copy_(0, order, out)
     weighted = out * top_k_weights.reshape(-1, 1)
     return weighted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def expert_rows(self: nn.Module, expert: int, rows: torch.Tensor) -> torch.Tensor:
+    """Expert `expert` of experts module `self` (run by "streamed" or "gemv") on `rows`, unweighted:
+    the computation `_streamed` runs for that expert's group alone."""
+    matvec = self.config._experts_implementation == GEMV
+    up = _grouped(self, "gate_up_proj" if self.has_gate else "up_proj", [(expert, rows)], matvec)
+    out = _grouped(self, "down_proj", [(expert, self._apply_gate(up) if self.has_gate else self.act_fn(up))], matvec)
+    return self.post_expert_norm(out) if self.has_post_expert_norm else out
 
 
 def streamed_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

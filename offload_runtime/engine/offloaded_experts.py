@@ -46,7 +46,8 @@ from torch import nn
 
 from offload_runtime.compression.kernels import SCALES_SUFFIX, PackedMatrixSpec, PackedWeights
 from offload_runtime.engine.expert_kernels import (GEMV, KERNELS, STREAMED, CrossoverTable, choose, crossover_for,
-                                                   dispatches, load_table, pipelines, stands_in, with_kernel)
+                                                   dispatches, expert_rows, load_table, pipelines, stands_in,
+                                                   with_kernel)
 from offload_runtime.engine.expert_layout import expert_spec
 from offload_runtime.engine.hybrid import HybridExperts, measure_times
 from offload_runtime.engine.options import OptionsError
@@ -275,6 +276,8 @@ class OffloadedExperts(_Offloaded):
                         return streamed(hidden_states, self._ids(slots, top_k_index), top_k_weights)
                     twin, ids = self._windowed(experts, self._ids(slots, top_k_index), implementation)
                     return twin(hidden_states, ids, top_k_weights)
+        if streamed is not None and not lives and weighted is None and len(top_k_index) == 1:
+            return self._decode_as_they_land(hidden_states, top_k_index, top_k_weights, experts, streamed)
         if weighted is None:
             weighted = top_k_index < self.num_experts
         # each group of experts runs on its own (token, choice) rows at routing weight one (on the
@@ -303,6 +306,22 @@ class OffloadedExperts(_Offloaded):
         if not weighted.all():
             run(~weighted, self._runtime.pool.map.table[self.layer].to(device), self._twin)
         combined = self._combine(unweighted, top_k_index, top_k_weights, sums_in_router_order)
+        return combined.reshape(hidden_states.shape)
+
+    def _decode_as_they_land(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor, experts: list[int], kernel_twin: nn.Module) -> torch.Tensor:
+        """One decode token on our kernel's twin (`OURS`), each expert as its part lands
+        (`ExpertSlots.parts`), unweighted; then weighted and summed in router order as the kernel
+        sums them (`_combine`): the row bookkeeping of `_rows_out` done on the token's k ids."""
+        choices = top_k_index[0].tolist()
+        unweighted: list[torch.Tensor | None] = [None] * len(choices)
+        for part, slots in self._runtime.parts(self.layer, experts, hidden_states.device):
+            for expert in part:
+                out = expert_rows(kernel_twin, int(slots[expert]), hidden_states)
+                for j, choice in enumerate(choices):
+                    if choice == expert:
+                        unweighted[j] = out
+        combined = self._combine(torch.stack(unweighted, dim=1), top_k_index, top_k_weights, True)
         return combined.reshape(hidden_states.shape)
 
     def _rows_out(self, experts_module: nn.Module, flat: torch.Tensor, top_k_index: torch.Tensor, rows: torch.Tensor,

@@ -20,7 +20,7 @@ from offload_runtime.engine.expert_kernels import GEMV, STREAMED, onednn_wins, r
 from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.options import RuntimeOptions
 from prescient.loading import load_tokenizer
-from tests.runtime.test_exact_offloading import PROMPT, decode, plain_model
+from tests.runtime.test_exact_offloading import PROMPT, check_exact, decode, model_dir, plain_model  # noqa: F401
 
 EXPERTS = 6
 
@@ -61,6 +61,13 @@ def test_streamed_is_grouped_mm_bit_for_bit(kind, dtype, tokens):
             outputs[implementation] = module(hidden, index, weights)
     assert outputs[STREAMED].dtype == dtype and outputs[STREAMED].abs().sum() > 0
     assert torch.equal(outputs[STREAMED], outputs["grouped_mm"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_streamed_is_exact_at_every_slot_count_and_schedule(model_dir, dtype):
+    """Below, at and above the experts a layer routes to, with each expert computed as its copy
+    lands and with lookahead: prefill, greedy and sampled decode equal the plain model bit for bit."""
+    check_exact(model_dir("reference"), dtype, [2, 5, 16], expert_kernel=STREAMED)
 
 
 def test_streamed_stands_in_for_grouped_mm_on_the_cpu_only():
@@ -120,7 +127,7 @@ def test_gemv_keeps_greedy_tokens_and_logits_within_1e_5(tiny_moe_dir, monkeypat
 
 def test_onednn_wins_is_measured_once_per_shape():
     weights = torch.randn(3, 8, 16)
-    first = onednn_wins(weights, repeats=1)
+    first = onednn_wins(weights, rounds=1)
     assert isinstance(first, bool) and onednn_wins(weights) is first
     key = (tuple(weights.shape), weights.dtype, torch.get_num_threads())
     assert expert_kernels._ONEDNN_WINS[key] is first
