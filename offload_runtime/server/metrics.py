@@ -34,6 +34,10 @@ _RUNTIME_COUNTERS = [
      "predictor_failures"),
     ("model_forwards", "forwards of the model (prefills and decode steps)", "forwards"),
     ("expert_fine_uses", "mixed precision: expert accesses computed with an expert's fine copy", "fine_accesses"),
+    ("expert_slots_given_back", "slots the memory guard gave back: the process re-read its own pages under --memory",
+     "slots_given_back"),
+    ("prediction_paused_forwards", "forwards run without acting on the predictor (the prediction guard: its "
+     "forecasts would have loaded more experts than LRU)", "prediction_paused_forwards"),
 ]
 
 
