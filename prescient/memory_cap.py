@@ -54,11 +54,14 @@ def cgroup_limit() -> int | None:
 
 
 # the file-backed pages a process under a cap must keep: the libraries' code and data every decoded
-# token runs (17-22 MiB on runs/tb, results/code-pages-tb.json) and room beside them for the kernel's
-# file LRU, which ages active pages against inactive ones: with 48 MiB booked, 2 of 4 runs at 0.66 GB
-# on runs/tb re-read their code (18 major faults per token) or were killed; the rest of the ~127 MiB
-# torch and transformers map is clean page cache the kernel reclaims under a cap
-HOT_LIBRARY_BYTES = 96 * 2**20
+# token runs (17-22 MiB on runs/tb, results/code-pages-tb.json), and where experts are read through the
+# page cache, room beside them for the kernel's file LRU, which ages active pages against the reads' pages:
+# with 48 MiB booked in all, 2 of 4 runs at 0.66 GB on runs/tb re-read their code (18 major faults per
+# token) or were killed; the rest of the ~127 MiB torch and transformers map is clean page cache the
+# kernel reclaims under a cap
+CODE_BYTES = 32 * 2**20
+READ_HEADROOM_BYTES = 64 * 2**20
+HOT_LIBRARY_BYTES = CODE_BYTES + READ_HEADROOM_BYTES
 
 
 def release_free_memory() -> None:
@@ -77,12 +80,13 @@ def anonymous_bytes() -> int:
     return memory.rss - getattr(memory, "shared", 0)  # Linux: `shared` is the file-backed resident pages
 
 
-def process_footprint() -> int:
+def process_footprint(reads: bool = True) -> int:
     """What a cap must leave this process: its anonymous memory (which only swap could take back),
-    measured after the allocator's free pages are handed back, and `HOT_LIBRARY_BYTES` of file
-    pages for the library code it runs, whatever is mapped now."""
+    measured after the allocator's free pages are handed back, and file pages for the library code
+    it runs, whatever is mapped now: `HOT_LIBRARY_BYTES` where it reads experts through the page
+    cache (`reads`), `CODE_BYTES` where it does not (the whole model in memory)."""
     release_free_memory()
-    return anonymous_bytes() + HOT_LIBRARY_BYTES
+    return anonymous_bytes() + (HOT_LIBRARY_BYTES if reads else CODE_BYTES)
 
 
 def drop_file_pages(path: str | os.PathLike) -> None:

@@ -162,7 +162,8 @@ def _whole_model_need(model_dir: ModelDirectory, options: RuntimeOptions) -> Who
     experts = expert_tensor_names(layers)
     sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in skeleton.state_dict().items()}
     experts_bytes = sum(size for name, size in sizes.items() if name in experts)
-    return WholeModelNeed(process_footprint() + sum(sizes.values()) - experts_bytes, _reserve(model_dir, options, 0),
+    return WholeModelNeed(process_footprint(reads=False) + sum(sizes.values()) - experts_bytes,
+                          _reserve(model_dir, options, 0),
                           experts_bytes, len(layers) * layers[0].num_experts, layers[0].top_k)
 
 

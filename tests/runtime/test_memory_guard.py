@@ -60,7 +60,7 @@ def _slot_cap(path, directory, slots: int) -> int:
 def test_the_guard_gives_slots_back_while_faults_climb_and_the_tokens_stay_the_same(tiny_moe_dir, monkeypatch):
     path, directory, _ = _model(tiny_moe_dir)
     reference = generate(load_model(path)[0], encode(path, False), 24)
-    monkeypatch.setattr(loader, "process_footprint", lambda: FOOTPRINT)
+    monkeypatch.setattr(loader, "process_footprint", lambda reads=True: FOOTPRINT)
     cap = _slot_cap(path, directory, 12)
     faults = itertools.count(step=5)  # five major faults per forward: a process re-reading its own pages
     monkeypatch.setattr(memory_guard, "major_faults", lambda: next(faults))
@@ -75,7 +75,7 @@ def test_the_guard_gives_slots_back_while_faults_climb_and_the_tokens_stay_the_s
 
 def test_the_guard_leaves_a_healthy_decode_alone(tiny_moe_dir, monkeypatch):
     path, directory, reference = _model(tiny_moe_dir)
-    monkeypatch.setattr(loader, "process_footprint", lambda: FOOTPRINT)
+    monkeypatch.setattr(loader, "process_footprint", lambda reads=True: FOOTPRINT)
     monkeypatch.setattr(memory_guard, "major_faults", lambda: 7)  # none since the start
     model = load_offloaded(path, memory=_slot_cap(path, directory, 12))
     with model.offload_runtime as runtime:
@@ -87,7 +87,7 @@ def test_the_plan_leaves_room_for_what_the_predictor_holds_at_work(tiny_moe_dir,
     """A predictor whose decode state holds 64 MiB: the plan measures it on a warm-up, so a cap
     that buys 12 slots without it is refused, naming a cap 64 MiB larger, which then loads."""
     path, directory, _ = _model(tiny_moe_dir)
-    monkeypatch.setattr(loader, "process_footprint", lambda: FOOTPRINT)
+    monkeypatch.setattr(loader, "process_footprint", lambda reads=True: FOOTPRINT)
     predictor = forecasting_sida(path)
     start = predictor.start
 

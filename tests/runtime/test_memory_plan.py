@@ -92,7 +92,7 @@ def test_mapped_experts_are_the_checkpoint_itself_and_map_where_most_but_not_all
     mapped = load_offloaded(path, memory="16GiB", map_experts=True)
     assert mapped_share(mapped) == 1.0  # nothing copied
     assert mapped.offload_runtime.fingerprint == fingerprint_model_dir(path)  # the same model, as predictors know it
-    monkeypatch.setattr(loader, "process_footprint", lambda: FOOTPRINT)
+    monkeypatch.setattr(loader, "process_footprint", lambda reads=True: FOOTPRINT)
     need = loader._whole_model_need(directory, RuntimeOptions())
     fixed = need.footprint + need.reserve
     for share, is_mapped in ((MAPPED_SHARE + 0.05, True), (MAPPED_SHARE - 0.05, False)):
@@ -104,7 +104,7 @@ def test_mapped_experts_are_the_checkpoint_itself_and_map_where_most_but_not_all
 
 def test_mapping_asked_for_below_the_whole_model_runs_exact_and_refuses_below_a_layers_top_k(tiny_moe_dir, monkeypatch):
     path, directory, reference = _model(tiny_moe_dir)
-    monkeypatch.setattr(loader, "process_footprint", lambda: FOOTPRINT)
+    monkeypatch.setattr(loader, "process_footprint", lambda reads=True: FOOTPRINT)
     need = loader._whole_model_need(directory, RuntimeOptions())
     fixed, expert_bytes = need.footprint + need.reserve, need.experts_bytes // need.total_experts
     model = load_offloaded(path, memory=fixed + 4 * expert_bytes, map_experts=True)
@@ -153,7 +153,7 @@ def test_the_prefill_workspace_counts_each_tokens_top_k_rows(tiny_moe_dir):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_cap_below_the_whole_model_buys_the_slots_it_can_and_computes_the_same(tiny_moe_dir, monkeypatch, dtype):
     path, directory, reference = _model(tiny_moe_dir, dtype)
-    monkeypatch.setattr(loader, "process_footprint", lambda: FOOTPRINT)
+    monkeypatch.setattr(loader, "process_footprint", lambda reads=True: FOOTPRINT)
     probe = load_offloaded(path, budget=1.0, dtype=dtype)
     expert_bytes, total = probe.offload_runtime.pool.spec.nbytes, probe.offload_runtime.pool.num_slots
     probe.offload_runtime.close()
@@ -168,7 +168,7 @@ def test_a_cap_below_the_whole_model_buys_the_slots_it_can_and_computes_the_same
 
 def test_a_cap_too_small_is_refused_in_one_line_naming_the_smallest(tiny_moe_dir, monkeypatch):
     path, _, _ = _model(tiny_moe_dir)
-    monkeypatch.setattr(loader, "process_footprint", lambda: FOOTPRINT)
+    monkeypatch.setattr(loader, "process_footprint", lambda reads=True: FOOTPRINT)
     with pytest.raises(CapacityError, match="smallest memory that works"):
         load_offloaded(path, memory=FOOTPRINT)
 

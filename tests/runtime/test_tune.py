@@ -35,7 +35,7 @@ def tuned_home(tmp_path, monkeypatch, caplog):
 
 def _sizes(path, monkeypatch) -> list[int]:
     """Two caps that buy 4 and 8 slots of the tiny model, with the footprint held fixed."""
-    monkeypatch.setattr(loader, "process_footprint", lambda: FOOTPRINT)
+    monkeypatch.setattr(loader, "process_footprint", lambda reads=True: FOOTPRINT)
     directory = ModelDirectory.open(path)
     config = directory.config
     expert_bytes = 3 * config.hidden_size * config.intermediate_size * 4  # gate, up and down in float32
