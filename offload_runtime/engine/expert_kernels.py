@@ -32,6 +32,7 @@ import copy as shallow
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, count
 from pathlib import Path
@@ -236,34 +237,40 @@ def crossover_for(module: nn.Module, experts: int, top_k: int) -> CrossoverTable
     return _MEASURED[key]
 
 
-def _onednn_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def matvec_wins(weights: torch.Tensor | Sequence[torch.Tensor]) -> bool:
+    """Whether a single float32 row against `weights` (see `onednn_wins`) runs oneDNN's product."""
+    first = weights[0]
+    return ONEDNN and first.dtype == torch.float32 and first.device.type == "cpu" and onednn_wins(weights)
+
+
+def onednn_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
 _ONEDNN_WINS: dict[tuple, bool] = {}
 
 
-def onednn_wins(weights: torch.Tensor, rounds: int = 7) -> bool:
+def onednn_wins(weights: torch.Tensor | Sequence[torch.Tensor], rounds: int = 7) -> bool:
     """Whether oneDNN's matrix-vector product beats torch's `linear` on one row against the [out, in]
-    matrices of `weights` [E, out, in] on the CPU: measured once per process per shape, dtype and
-    thread count, the two interleaved for `rounds` after two warm-up calls each, medians compared
-    (on a shared CPU a burst of other work lands on both alike); each call on the next expert's
-    matrix, so that the weights come from memory, as in decode, not from the cache."""
-    key = (tuple(weights.shape), weights.dtype, torch.get_num_threads())
+    matrices of `weights` ([E, out, in], or E such matrices) on the CPU: measured once per process per
+    shape, dtype and thread count, the two interleaved for `rounds` after two warm-up calls each,
+    medians compared (on a shared CPU a burst of other work lands on both alike); each call on the
+    next expert's matrix, so that the weights come from memory, as in decode, not from the cache."""
+    key = (len(weights), tuple(weights[0].shape), weights[0].dtype, torch.get_num_threads())
     if key not in _ONEDNN_WINS:
-        x = torch.randn(1, weights.shape[-1], dtype=weights.dtype)
+        x = torch.randn(1, weights[0].shape[-1], dtype=weights[0].dtype)
         turn = count()
-        seconds: dict = {nn.functional.linear: [], _onednn_matvec: []}
+        seconds: dict = {nn.functional.linear: [], onednn_matvec: []}
         for step in range(rounds + 2):
             for kernel, times in seconds.items():
                 start = time.perf_counter()
                 kernel(x, weights[next(turn) % len(weights)])
                 if step >= 2:  # after the warm-up calls
                     times.append(time.perf_counter() - start)
-        onednn, linear = (sorted(seconds[k])[rounds // 2] for k in (_onednn_matvec, nn.functional.linear))
+        onednn, linear = (sorted(seconds[k])[rounds // 2] for k in (onednn_matvec, nn.functional.linear))
         _ONEDNN_WINS[key] = onednn < linear
         log.info("one-row products on %s %s matrices, %d thread(s): oneDNN %.3f ms, torch linear %.3f ms",
-                 list(weights.shape[1:]), weights.dtype, key[-1], 1e3 * onednn, 1e3 * linear)
+                 list(key[1]), key[2], key[-1], 1e3 * onednn, 1e3 * linear)
     return _ONEDNN_WINS[key]
 
 
@@ -273,7 +280,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tr
     added after, as `_grouped_linear` adds it); `matvec`: a single row through oneDNN's
     matrix-vector product on the same [out, in] weight (see `gemv_experts_forward`)."""
     if matvec:
-        out = _onednn_matvec(x, weight)
+        out = onednn_matvec(x, weight)
     else:
         out = torch.mm(x, weight) if transposed else nn.functional.linear(x, weight)
     return out if bias is None else out.add_(bias)
@@ -283,8 +290,7 @@ def _grouped(self: nn.Module, name: str, groups: list[tuple[int, torch.Tensor]],
     """Projection `name` ("gate_up_proj", "up_proj", "down_proj") of each (expert, rows) group, in
     group order: a GEMM per expert, straight from its slice of the [E, ...] weight."""
     weight, bias = getattr(self, name), getattr(self, f"{name}_bias") if self.has_bias else None
-    matvec = matvec and ONEDNN and len(groups[0][1]) == 1 and not self.is_transposed and \
-        weight.dtype == torch.float32 and weight.device.type == "cpu" and onednn_wins(weight)
+    matvec = matvec and len(groups[0][1]) == 1 and not self.is_transposed and matvec_wins(weight)
     return torch.cat([_linear(rows, weight[e], None if bias is None else bias[e], self.is_transposed, matvec)
                       for e, rows in groups])
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from torch import nn
 
 from offload_runtime.engine.expert_kernels import GEMV, STREAMED, stream_experts
+from offload_runtime.engine.mapped import MappedExperts
 from offload_runtime.engine.memory_plan import MemoryPlan
 from offload_runtime.engine.runtime import RuntimeStats
 from prescient.arch import MoELayer
@@ -28,6 +29,10 @@ class ResidentRuntime:
         self.model, self.layers, self.fingerprint, self.memory_plan = model, layers, fingerprint, memory_plan
         if expert_kernel in (STREAMED, GEMV):
             stream_experts(model, expert_kernel)
+        if expert_kernel == GEMV:  # the experts mapped from the checkpoint (`mapped`)
+            for module in model.modules():
+                if isinstance(module, MappedExperts):
+                    module.use_matvec()
         self.top_k, self.n_experts = layers[0].top_k, layers[0].num_experts
         self.sequence_ids: list | None = None  # set by the server; nothing here keeps per-sequence state
         self.on_predictor_error = "raise"

@@ -4,8 +4,9 @@ grouped_mm on the CPU, so it must give grouped_mm's numbers bit for bit: on expe
 each layout transformers has (fused gate_up, transposed with biases and interleaved gate/up), at
 one token (decode) and many (prefill), in float32 and bfloat16; through the runtime's slots and in
 the whole model `--memory` loads, the logits and greedy tokens of the plain model. "gemv" (a decode
-row through oneDNN, forced here where the tiny model's shapes would keep torch's `linear`): the
-plain model's greedy tokens, its prompt logits bit for bit and its decode logits within 1e-5."""
+row through oneDNN, forced here where the tiny model's shapes would keep torch's `linear`), in the
+slots, the whole model and the model mapped from its checkpoint: the plain model's greedy tokens,
+its prompt logits bit for bit and its decode logits within 1e-5."""
 
 from __future__ import annotations
 
@@ -103,17 +104,17 @@ def test_streamed_runtime_keeps_the_plain_models_logits(tiny_moe_dir, load):
 
 
 def test_gemv_keeps_greedy_tokens_and_logits_within_1e_5(tiny_moe_dir, monkeypatch):
-    monkeypatch.setattr(expert_kernels, "onednn_wins", lambda weights: True)
+    monkeypatch.setattr(expert_kernels, "onednn_wins", lambda weights: True)  # also the mapped model's (`mapped`)
     calls = []
-    matvec = expert_kernels._onednn_matvec
-    monkeypatch.setattr(expert_kernels, "_onednn_matvec", lambda x, weight: calls.append(1) or matvec(x, weight))
+    matvec = expert_kernels.onednn_matvec
+    monkeypatch.setattr(expert_kernels, "onednn_matvec", lambda x, weight: calls.append(1) or matvec(x, weight))
     path = tiny_moe_dir("mixtral")
     ids = load_tokenizer(path)(PROMPT, return_tensors="pt").input_ids
     reference, _ = plain_model(path, "float32")
     with torch.inference_mode():
         want_prefill = reference(ids).logits
     want_tokens, want_logits = decode(reference, ids, sample=False)
-    for settings in ({"budget": "5slots"}, {"memory": "90%"}):
+    for settings in ({"budget": "5slots"}, {"memory": "90%"}, {"memory": "90%", "map_experts": True}):
         model = load_offloaded(path, options=RuntimeOptions(expert_kernel=GEMV, **settings))
         with model.offload_runtime:
             with torch.inference_mode():
@@ -129,5 +130,5 @@ def test_onednn_wins_is_measured_once_per_shape():
     weights = torch.randn(3, 8, 16)
     first = onednn_wins(weights, rounds=1)
     assert isinstance(first, bool) and onednn_wins(weights) is first
-    key = (tuple(weights.shape), weights.dtype, torch.get_num_threads())
+    key = (len(weights), tuple(weights.shape[1:]), weights.dtype, torch.get_num_threads())
     assert expert_kernels._ONEDNN_WINS[key] is first
