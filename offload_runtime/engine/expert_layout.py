@@ -228,10 +228,14 @@ def _probe(prefix: str, spec: ExpertSpec, fused: bool, n: int, children: list[st
 def _inverse(layer: MoELayer, found: dict[str, torch.Tensor], total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Where each probe number went: its position in the checkpoint tensors laid end to end, and
     the start of each tensor in that line."""
-    codes = torch.cat([t.reshape(-1) for t in found.values()]).long()
-    where = torch.full((total,), -1, dtype=torch.int64)
+    # int32 where the positions fit: these [total] tensors are the store's largest allocations while
+    # it opens (two experts of runs/tb: int64 took the process 140 MiB above its footprint, and a cap
+    # near the smallest that works was killed there rather than refused)
+    dtype = torch.int32 if total < 2**31 else torch.int64
+    codes = torch.cat([t.reshape(-1) for t in found.values()]).to(dtype)
+    where = torch.full((total,), -1, dtype=dtype)
     if codes.numel() == total:
-        where[codes] = torch.arange(total)
+        where[codes] = torch.arange(total, dtype=dtype)
     if codes.numel() != total or (where < 0).any():
         raise StoreError(f"layer {layer.index}: the reverted checkpoint tensors do not hold every expert element "
                          f"exactly once; transformers' conversion for {type(layer.block).__name__} is not a layout")
@@ -249,8 +253,8 @@ def _boxes(where: torch.Tensor, box: list[tuple[int, int]], starts: torch.Tensor
     first = int(pos.reshape(-1)[0])
     k = int(torch.searchsorted(starts, first, right=True)) - 1
     steps = [int(pos.select(b, 1).reshape(-1)[0]) - first if pos.shape[b] > 1 else 0 for b in range(pos.dim())]
-    predicted = first + sum(torch.arange(n).reshape([-1 if a == b else 1 for a in range(pos.dim())]) * step
-                            for b, (n, step) in enumerate(zip(pos.shape, steps)))
+    predicted = first + sum(torch.arange(n, dtype=pos.dtype).reshape([-1 if a == b else 1 for a in range(pos.dim())])
+                            * step for b, (n, step) in enumerate(zip(pos.shape, steps)))
     bad = (predicted != pos).reshape(-1).nonzero()
     start = _unravel(first - int(starts[k]), shapes[k])
     axes = None if len(bad) else _axis_map(steps, tuple(pos.shape), start, shapes[k])
