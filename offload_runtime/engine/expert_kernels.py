@@ -255,8 +255,8 @@ def onednn_wins(weights: torch.Tensor | Sequence[torch.Tensor], rounds: int = 7)
     matrices of `weights` ([E, out, in], or E such matrices) on the CPU: measured once per process per
     shape, dtype and thread count, the two interleaved for `rounds` after two warm-up calls each,
     medians compared, oneDNN's `MARGIN` faster to win (on a shared CPU a burst of other work lands on
-    both alike); each call on the
-    next expert's matrix, so that the weights come from memory, as in decode, not from the cache."""
+    both alike); each call on the next expert's matrix, so that the weights come from memory, as in
+    decode, not from the cache."""
     key = (len(weights), tuple(weights[0].shape), weights[0].dtype, torch.get_num_threads())
     if key not in _ONEDNN_WINS:
         x = torch.randn(1, weights[0].shape[-1], dtype=weights[0].dtype)
