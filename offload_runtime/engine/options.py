@@ -103,7 +103,8 @@ class RuntimeOptions:
     admission: a miss whose predicted reuse is later than every resident expert's computes from a
     scratch buffer without evicting anything; False: every routed expert computes in a slot),
     `prediction_guard` (with a predictor: act on its predictions only while they load fewer experts
-    than LRU would, see `prediction_guard`), `table_wait` (SiDA's rule: seconds a forward's first
+    than LRU would, see `prediction_guard`; not with mixed precision or `hybrid_schedule`, whose rules
+    decide on the forecasts themselves), `table_wait` (SiDA's rule: seconds a forward's first
     MoE layer waits for its hash table; 0: never wait; default 10 ms: the wait hands the GIL to the
     hash-building thread, which otherwise waits up to the interpreter's 5 ms switch interval)."""
 

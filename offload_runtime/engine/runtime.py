@@ -152,7 +152,8 @@ class OffloadRuntime:
             next_token=options.next_token_min_chance is not None)
         # acts on predictions only while they load fewer experts than LRU would
         self.prediction_guard = PredictionGuard(self.cache, policy, len(layers), self.n_experts, self.top_k) \
-            if predictor is not None and options.prediction_guard and fine_store is None else None
+            if predictor is not None and options.prediction_guard and fine_store is None \
+            and not options.hybrid_schedule else None  # HybriMoE's scheduler decides on the forecasts itself
         self.prefetcher = Prefetcher(self.prediction_guard or self.cache, self.engine, len(layers), self.n_experts,
                                      options.prefetch_per_layer or self.top_k, options)
         # under `--memory`, slots are given back if the process starts re-reading its own pages
