@@ -24,6 +24,13 @@ least load where tA < 2·t1 holds at it and every larger load.
 The table is small JSON (`CrossoverTable.to_json`, `load_table`); `crossover_for` measures once
 per process per layer shape, at fewer loads (seconds for a layer of wide experts: give a table
 from `prescient bench-kernels` instead where load time matters).
+
+Two kernels of our own, registered with transformers' experts implementations, stand in for
+grouped_mm on the CPU (`stands_in`; `RuntimeOptions.expert_kernel`): "streamed" runs each routed
+expert's GEMM straight from its weights, grouped_mm's numbers bit for bit without its per-call
+work; "gemv" also runs a decode token's float32 rows through oneDNN's matrix-vector product where
+it measured faster for the shape (`onednn_wins`), which reads wide experts 2-3x as fast as MKL's
+sgemv on this project's AMD CPU and rounds differently in the last bits.
 """
 
 from __future__ import annotations
