@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
+from offload_runtime.engine import prediction_guard
 from offload_runtime.engine.loader import load_offloaded
 from prescient.loading import load_model
 from prescient.model_dir import load_tokenizer
@@ -74,10 +75,12 @@ def test_wrong_forecasts_are_dropped_and_the_run_loads_no_more_than_lru(case):
         out, stats, _ = _run(path, inputs, predictor, policy="learned-belady", prediction_guard=guarded)
         assert torch.equal(out, want)
         runs[guarded] = stats
-    assert runs[False].loads > 1.2 * lru.loads  # acting on the wrong forecasts loses (hit 0.05 against LRU's 0.22)
-    # guarded, the learned shadow never beat LRU: the runtime never acted on them, and ran as LRU
-    assert runs[True].prediction_paused_forwards == NEW_TOKENS and runs[True].prefetch_inserts == 0
-    assert runs[True].hit_rate == lru.hit_rate and runs[True].loads == lru.loads
+    assert runs[False].loads > 1.2 * lru.loads  # acting on the wrong forecasts loses
+    assert runs[True].prediction_lost_windows >= 1 and runs[True].prediction_paused_forwards > NEW_TOKENS / 2
+    # what it lost is what the moving sum needed to judge the forecasts: a few hits, not the unguarded
+    # run's (here 0.05 against LRU's 0.22)
+    assert runs[True].hit_rate >= lru.hit_rate - 0.03 > runs[False].hit_rate + 0.1
+    assert runs[True].loads <= lru.loads + 4 * prediction_guard.WINDOW
 
 
 def test_right_forecasts_keep_their_gain(case):
