@@ -43,7 +43,7 @@ def test_quality_command_under_a_memory_cap_runs_both_models_offloaded_and_equal
     reserve = reserve_bytes(ModelDirectory.open(model).config, 4, expert_bytes)  # one transfer worker
     # a fixed process, which grows by what the reference's plan holds once it is loaded
     held = [FOOTPRINT]
-    monkeypatch.setattr(loader, "process_footprint", lambda: held[0])
+    monkeypatch.setattr(loader, "process_footprint", lambda reads=True: held[0])
     monkeypatch.setattr(quality, "process_footprint", lambda: held[0])
     real_loaded = quality._loaded
 
