@@ -3,6 +3,8 @@ agreement."""
 
 from __future__ import annotations
 
+from functools import partial
+
 from experiments.report_pages.rows import bench_rows, compressed_rows, quality_rows
 from experiments.report_tables import Headline, Page, Rows, Table, load, num, pct, spread
 
@@ -37,6 +39,24 @@ def link_rows() -> Rows:
     return ["reads in flight", f"GB/s, median (range), reads of {num(r['expert_bytes'] / 2**20, 2)} MiB", ""], rows
 
 
+def decode_kernel_rows(name: str) -> Rows:
+    """Per thread count and expert kernel: decode tokens/s and the experts' GB/s (median, range),
+    beside the machine's measured read bandwidth, and whether the tokens and logits equal the model's."""
+    result = load(name)
+    rows = []
+    for threads, kernels in result["summary"].items():
+        bus = result["bus"][threads.split()[0]]["read_gb_s"]
+        for kernel, m in kernels.items():
+            exact = result["exactness"].get(kernel)
+            speed, rate = m["decode_tokens_per_s"], m["experts_gb_s"]
+            rows.append([threads, kernel, spread(speed["median"], [speed["min"], speed["max"]], 1),
+                         spread(rate["median"], [rate["min"], rate["max"]], 1), num(bus, 1),
+                         "reference" if exact is None else
+                         f"tokens {'equal' if exact['tokens_equal'] else 'DIFFER'}, logits within "
+                         f"{exact['max_logit_difference']:.1e}"])
+    return ["threads", "expert kernel", "decode tokens/s", "experts GB/s", "bus read GB/s", "against the model's own"], rows
+
+
 def page() -> Page:
     runs = "R (G): the run labels of the table, in order. "
     bench = ("prescient bench --model runs/reference-bench --predictors {p} --runs {r} --new-tokens 24 --prompts 3 "
@@ -59,6 +79,14 @@ this machine's noise, and with 8 slots double the bytes moved for a longer stall
 expert run faster with several in flight than with one. The first three tables were measured
 before the expert pipeline existed: their runs are `+serial` runs in today's terms.
 """, (
+        *(Table(f"The per-token path on {model}, every expert in memory: transformers' own experts kernel "
+                "(`model`, grouped_mm on the CPU), `streamed` (its steps without its per-call work, bit for bit) and "
+                "`gemv` (a decode row's matrix-vector products through oneDNN where measured faster for the shape), "
+                "96 greedy tokens, 3 interleaved repeats (medians and ranges); opt-in with `--expert-kernel`; "
+                "2-thread figures were taken while other jobs ran and are unsteady", (name,), load(name)["command"],
+                partial(decode_kernel_rows, name))
+          for name, model in (("bench-decode-tw.json", "runs/tw (2.2 GB of float32 experts)"),
+                              ("bench-decode-demo.json", "the demo's tiny model"))),
         Table("Sampled decoding, 50% and 25% of the experts in slots", ("bench-runtime-base-sampled.json",),
               bench.format(p="none,freq,corr,oracle,sida=runs/base-predictor/sida,sida8=runs/forecast-base/sida-h8",
                            r="R,R,R", x="--sample 0 --hash-cost off --simulate --link-timing "
