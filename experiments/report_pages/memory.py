@@ -190,7 +190,7 @@ moved 119 MiB per token against 136 without it (9.4 MiB of it wasted prefetches,
 plan books what the predictor holds at work and 96 MiB of library pages, and a guard gives slots back
 when major faults climb. In every run of the tables below but two (of 192 on runs/tb's prediction
 tables) the process took at most 0.12 major page faults per decoded token and read from disk no more
-than the slots moved (the two, each the first run of a bench, took 6 per token). At the plain model's own need (1100 MiB,
+than the slots moved (the two, the first or second run of a bench, took 6 per token). At the plain model's own need (1100 MiB,
 where plain itself was killed in 1 of 3 runs) `--memory` runs the plain model, 1.04x plain; at
 0.85 GB 0.80x and at 660 MiB 0.67x the plain model's uncapped speed. Not yet held: in a cgroup, a
 cap within about 50 MiB above the smallest the plan names is killed while the store derives the
