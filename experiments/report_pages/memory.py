@@ -134,33 +134,7 @@ def tune_rows(name: str) -> Rows:
     return ["memory (GB)", "best tokens/s, mean over the prompts (range)", "changes kept", "settings"], rows
 
 
-def page() -> Page:
-    setup = ("the demo's reference model with its experts widened as configs/reference/bench.yaml widens the base "
-             "one (runs/tb: 4 layers of 16 experts, 733 MB of float32 experts), a SiDA predictor with two forecast "
-             "heads, one torch thread")
-    curve_cmd = ("prescient bench --model runs/tb --predictor runs/tb-predictor/sida --memory "
-                 "0.45GB,0.55GB,0.65GB,0.85GB,1.0GB,1.1GB,1.3GB --repeats 3 --new-tokens 96 --run-timeout 240 "
-                 "--json ... --plot ...")
-    wide_setup = ("runs/tw, configs/reference/tiny-bench-wide.yaml: the same trained model, 64 experts of 34.2 MB, "
-                  "2.2 GB of float32 experts, the same predictor, one torch thread")
-    wide_cmd = ("prescient bench --model runs/tw --predictor runs/tb-predictor/sida --memory "
-                "1.1GB,1.7GB,2.2GB,2.8GB,3.3GB --repeats 3 --new-tokens 96 --run-timeout 60 --json ... --plot ...")
-    whole_cmd = ("prescient bench --model runs/tw --predictor runs/tb-predictor/sida --memory 2.8GB,3.3GB --repeats 3 "
-                 "--new-tokens 96 --run-timeout 60 --json ...")
-    tune_cmd = ("prescient tune --model runs/tb --predictor runs/tb-predictor/sida --memory 0.65GB,0.85GB "
-                "--json ...")
-    tune_wide_cmd = ("prescient tune --model runs/tw --predictor runs/tb-predictor/sida --memory 1.1GB,1.7GB "
-                     "--new-tokens 32 --json ...")
-    prediction_cmd = ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory 0.66GB,0.85GB "
-                      "--prompts 8 --new-tokens 96 --repeats 2 --systems no-predictor,prescient,oracle "
-                      "--run-timeout 120 --json ...")
-    prediction_wide_cmd = ("prescient bench --model runs/tw --predictor runs/demo/predictor/sida --memory 1.1GB "
-                           "--prompts 8 --new-tokens 64 --repeats 1 --systems no-predictor,prescient,oracle "
-                           "--run-timeout 150 --json ...")
-    holds_cmd = ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory 1100MiB,0.85GB,660MiB "
-                 "--prompts 1 --new-tokens 96 --repeats 3 --systems plain,no-predictor,prescient --run-timeout 120 "
-                 "--json ...")
-    return Page("memory", "Speed against memory", """
+CONCLUSION = """
 **What prediction is worth, measured against not predicting.** The first tables run the runtime
 under `--memory` three ways on 8 held-out prompts, in the same cgroups: without a predictor (LRU,
 demand loads), with the demo's SiDA predictor as `--predictor` runs it by default (learned eviction
@@ -226,7 +200,36 @@ reads are not hidden behind compute; moving it needs fewer bytes per expert (int
 opt-in) or prefetch issued further ahead. At 0.65 GB on runs/tb the policy tune kept from one calibration prompt (LRU) fell to a
 0.68 hit rate on this prompt: tune now calibrates on three prompts and keeps a change only where it
 wins on each; on runs/tw under that rule no change won at either size.
-""", (
+"""
+
+
+def page() -> Page:
+    setup = ("the demo's reference model with its experts widened as configs/reference/bench.yaml widens the base "
+             "one (runs/tb: 4 layers of 16 experts, 733 MB of float32 experts), a SiDA predictor with two forecast "
+             "heads, one torch thread")
+    curve_cmd = ("prescient bench --model runs/tb --predictor runs/tb-predictor/sida --memory "
+                 "0.45GB,0.55GB,0.65GB,0.85GB,1.0GB,1.1GB,1.3GB --repeats 3 --new-tokens 96 --run-timeout 240 "
+                 "--json ... --plot ...")
+    wide_setup = ("runs/tw, configs/reference/tiny-bench-wide.yaml: the same trained model, 64 experts of 34.2 MB, "
+                  "2.2 GB of float32 experts, the same predictor, one torch thread")
+    wide_cmd = ("prescient bench --model runs/tw --predictor runs/tb-predictor/sida --memory "
+                "1.1GB,1.7GB,2.2GB,2.8GB,3.3GB --repeats 3 --new-tokens 96 --run-timeout 60 --json ... --plot ...")
+    whole_cmd = ("prescient bench --model runs/tw --predictor runs/tb-predictor/sida --memory 2.8GB,3.3GB --repeats 3 "
+                 "--new-tokens 96 --run-timeout 60 --json ...")
+    tune_cmd = ("prescient tune --model runs/tb --predictor runs/tb-predictor/sida --memory 0.65GB,0.85GB "
+                "--json ...")
+    tune_wide_cmd = ("prescient tune --model runs/tw --predictor runs/tb-predictor/sida --memory 1.1GB,1.7GB "
+                     "--new-tokens 32 --json ...")
+    prediction_cmd = ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory 0.66GB,0.85GB "
+                      "--prompts 8 --new-tokens 96 --repeats 2 --systems no-predictor,prescient,oracle "
+                      "--run-timeout 120 --json ...")
+    prediction_wide_cmd = ("prescient bench --model runs/tw --predictor runs/demo/predictor/sida --memory 1.1GB "
+                           "--prompts 8 --new-tokens 64 --repeats 1 --systems no-predictor,prescient,oracle "
+                           "--run-timeout 150 --json ...")
+    holds_cmd = ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory 1100MiB,0.85GB,660MiB "
+                 "--prompts 1 --new-tokens 96 --repeats 3 --systems plain,no-predictor,prescient --run-timeout 120 "
+                 "--json ...")
+    return Page("memory", "Speed against memory", CONCLUSION, (
         Table("What prediction is worth, per prompt: the runtime under `--memory` without a predictor, with the "
               "demo's SiDA predictor (its default: learned eviction on the forecasts, the prediction guard, SiDA's "
               "wait) and with an oracle that knows the run's true routing (learned eviction on certain forecasts, "
