@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from cache import make_serving_policy
+from offload_runtime.engine.expert_layout import LAYOUT_BYTES_PER_ELEMENT, expert_spec
 from offload_runtime.engine.hash_builder import warm_up
 from offload_runtime.engine.mapped import load_mmap_model
 from offload_runtime.engine.memory_plan import (MAPPED_SHARE, MemoryPlan, plan_mapped, plan_offloaded,
@@ -25,7 +27,7 @@ from prescient.checkpoint_schemes import CompressionError
 from prescient.errors import ModelFilesError
 from prescient.fingerprint import ModelFingerprint, expert_tensor_names, fingerprint_model_dir, loaded_fingerprint
 from prescient.loading import load_model, load_without_experts
-from prescient.memory_cap import drop_file_pages, process_footprint
+from prescient.memory_cap import READ_HEADROOM_BYTES, drop_file_pages, process_footprint
 from prescient.model_dir import ModelDirectory
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,8 @@ def load_offloaded(model_dir: str | Path | ModelDirectory, predictor: str | Path
         # under a cap the store drops each read's pages, cgroup or not: pages its reads left cached would
         # make the kernel evict the libraries' code that every token runs, and read it back per token
         drop = options.drop_page_cache or options.memory is not None
+        if options.memory is not None:
+            _refuse_before_opening(model_dir, options, layers, at_work)
         stores.append(ExpertStore(model_dir, model, layers, mode=options.store, drop_page_cache=drop,
                                   slot_format=options.slot_format, read_depth=options.read_depth))
         plan = None if options.memory is None else _offloaded_plan(model_dir, options, stores[0], layers, at_work)
@@ -198,6 +202,21 @@ def _offloaded_plan(model_dir: ModelDirectory, options: RuntimeOptions, store: E
     copy_buffers = options.transfer_workers * expert_bytes
     return plan_offloaded(options.memory, process_footprint(), _reserve(model_dir, options, copy_buffers),
                           expert_bytes, len(layers) * layers[0].num_experts, layers[0].top_k, predictor_work)
+
+
+def _refuse_before_opening(model_dir: ModelDirectory, options: RuntimeOptions, layers, predictor_work: int) -> None:
+    """A CapacityError now, naming the smallest cap that works, where `options.memory` cannot hold
+    this process while the store opens (no expert is read yet: its code pages alone beside its
+    anonymous memory): deriving the checkpoint's layout holds temporaries of
+    `LAYOUT_BYTES_PER_ELEMENT` per element of one expert, and under a cgroup a cap below that peak is
+    killed by the kernel before the plan could refuse it."""
+    spec, _ = expert_spec(layers[0])
+    elements = sum(math.prod(shape) for shape in spec.shapes.values())
+    steady = process_footprint()  # the read headroom it books is not needed before any read
+    opening = max(steady, steady - READ_HEADROOM_BYTES + LAYOUT_BYTES_PER_ELEMENT * elements)
+    plan_offloaded(options.memory, opening,
+                   _reserve(model_dir, options, options.transfer_workers * spec.nbytes), spec.nbytes,
+                   len(layers) * layers[0].num_experts, layers[0].top_k, predictor_work)
 
 
 def _reserve(model_dir: ModelDirectory, options: RuntimeOptions, copy_buffers: int) -> int:

@@ -16,6 +16,7 @@ from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.memory_plan import MiB, reserve_bytes
 from offload_runtime.engine.slots import release_pages
 from prescient.errors import CapacityError
+from prescient.memory_cap import READ_HEADROOM_BYTES
 from prescient.loading import load_model
 from prescient.model_dir import ModelDirectory
 from tests.runtime.test_learned_eviction_runtime import forecasting_sida
@@ -103,3 +104,19 @@ def test_the_plan_leaves_room_for_what_the_predictor_holds_at_work(tiny_moe_dir,
     smallest = int(str(refused.value).rsplit("(", 1)[1].split("MiB")[0]) * MiB
     assert smallest >= cap + 60 * MiB
     load_offloaded(ModelDirectory.open(path), predictor, memory=smallest, policy="learned-belady").offload_runtime.close()
+
+
+def test_a_cap_the_store_cannot_open_in_is_refused_before_it_opens(tiny_moe_dir, monkeypatch):
+    """Deriving the checkpoint's layout holds temporaries per element of one expert; a cap whose
+    steady plan would fit but whose opening peak would not is refused before the store opens (in a
+    cgroup the kernel would kill the process there), naming a cap that holds the peak."""
+    path, directory, _ = _model(tiny_moe_dir)
+    monkeypatch.setattr(loader, "process_footprint", lambda reads=True: FOOTPRINT)
+    cap = _slot_cap(path, directory, 12)
+    monkeypatch.setattr(loader, "LAYOUT_BYTES_PER_ELEMENT", 2 * READ_HEADROOM_BYTES)  # a peak past the headroom
+    opened = []
+    monkeypatch.setattr(loader, "ExpertStore", lambda *args, **kwargs: opened.append(1))
+    with pytest.raises(CapacityError, match="smallest memory that works") as refused:
+        load_offloaded(path, memory=cap)
+    assert not opened
+    assert int(str(refused.value).rsplit("(", 1)[1].split("MiB")[0]) * MiB > cap + READ_HEADROOM_BYTES
