@@ -115,6 +115,14 @@ def holds_rows(name: str) -> Rows:
             "MiB the slots moved/token", "RssAnon MiB", "RssFile MiB"], rows
 
 
+def refusal_rows(name: str) -> Rows:
+    """Per cap: refused or run, the seconds it took, and what the run decoded."""
+    return ["cap (MiB)", "exit", "killed", "seconds", "decode tokens/s", "major faults/token", "last line"], [
+        [str(r["cap_mib"]), str(r["exit"]), "yes" if r["killed"] else "no", num(r["seconds"], 1),
+         num(r.get("tokens_per_s"), 1), num(r.get("decode_major_faults_per_token"), 2), r["last_line"][-90:]]
+        for r in load(name)["runs"]]
+
+
 def code_pages_rows(name: str) -> Rows:
     """Per run: the file-backed pages a decoded token touched, and the largest files among them."""
     result = load(name)
@@ -166,9 +174,11 @@ when major faults climb. In every run of the tables below but two (of 192 on run
 tables) the process took at most 0.12 major page faults per decoded token and read from disk no more
 than the slots moved (the two, the first or second run of a bench, took 6 per token). At the plain model's own need (1100 MiB,
 where plain itself was killed in 1 of 3 runs) `--memory` runs the plain model, 1.04x plain; at
-0.85 GB 0.80x and at 660 MiB 0.67x the plain model's uncapped speed. Not yet held: in a cgroup, a
-cap within about 50 MiB above the smallest the plan names is killed while the store derives the
-checkpoint's layout (a transient of about 115 MiB on runs/tb) instead of being refused.
+0.85 GB 0.80x and at 660 MiB 0.67x the plain model's uncapped speed. A cap too small is refused
+before the expert store opens, counting the peak while it derives the checkpoint's layout (about 118
+MiB on runs/tb): in a cgroup 400 and 435 MiB exit 2 in about 5 s naming 489 MiB, which decodes; they
+were killed by the kernel at 3.8 s before. Not met: at 660 MiB on the holds table's prompt the
+predictor's run is 0.92x the run without it (a paused predictor still runs its thread and shadows).
 
 Each system decodes the same prompt greedily in a fresh process inside a memory cgroup capped at the
 size, which counts the page cache as a real machine does; the page cache is dropped before every run,
@@ -247,6 +257,8 @@ def page() -> Page:
               "repeats (medians and ranges): major page faults and bytes read from disk per decoded token beside "
               "what the slots moved, and the process's anonymous and file-backed memory at its end",
               (HOLDS,), holds_cmd, partial(holds_rows, HOLDS)),
+        Table("A cap too small, in a memory cgroup: runs/tb with the predictor, the page cache dropped before each "
+              "run", ("refusal-tb.json",), load("refusal-tb.json")["command"], partial(refusal_rows, "refusal-tb.json")),
         Table("The file-backed pages a decoded token of runs/tb touches under `--memory` (referenced bits cleared "
               "after the prefill and 4 tokens, read after 32 more): what the plan's 96 MiB of library pages covers",
               ("code-pages-tb.json",), load("code-pages-tb.json")["command"], partial(code_pages_rows, "code-pages-tb.json")),
