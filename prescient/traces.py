@@ -133,7 +133,8 @@ def read_manifest(trace_dir: str | Path) -> TraceManifest | None:
         return None
     try:
         return TraceManifest.from_dict(json.loads(path.read_text()))
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError,
+            TraceError) as exc:  # TraceError: a damaged "format" field; name the file either way
         raise TraceError(f"{path} is not a valid trace manifest ({type(exc).__name__}: {exc}); delete the folder "
                          "and trace again") from exc
 

@@ -174,3 +174,15 @@ def test_damaged_predictor_json_is_refused_or_loads(artifact, choice, value, del
             assert "sida" in str(exc)
     finally:
         shutil.rmtree(folder.parent)
+
+
+def test_a_manifest_without_its_format_is_refused_naming_the_file(tmp_path):
+    """A damaged `format` field (found by the byte-damage property test) names the manifest too."""
+    from prescient.traces import TraceError, load_trace
+
+    trace = tmp_path / "t"
+    trace.mkdir()
+    (trace / "manifest.json").write_text(json.dumps({"shards": []}))
+    with pytest.raises(TraceError, match="unknown trace format") as refused:
+        load_trace(trace)
+    assert str(trace) in str(refused.value)
