@@ -24,6 +24,7 @@ TRACE_CAPPED_WIDE = "trace-capped-tw.json"  # runs/tw at 1.09 GB: its experts 2.
 # the runtime without a predictor, with it and with an oracle, over 8 held-out prompts (issue 50)
 PREDICTION, PREDICTION_WIDE = "bench-prediction-tb.json", "bench-prediction-tw.json"
 PREDICTION_PAUSED = "bench-prediction-tb-paused-first.json"  # the guard starting paused: measured, not kept
+PREDICTION_WIDE_17 = "bench-prediction-tw-1.7.json"  # runs/tw at 1.7 GB, without and with the predictor
 HOLDS = "bench-memory-holds-tb.json"  # --memory from plain's need down: faults, RSS, reads per token (issue 53)
 RUNTIMES = ("no-predictor", "prescient", "oracle")
 GB = 1e9
@@ -86,12 +87,14 @@ def prediction_rows(name: str) -> Rows:
         medians = cap["median_over_no_predictor"]
         counters = [(by.get((cap["cap_bytes"], system)) or {}).get("runtime") or {} for system in RUNTIMES]
         rows.append([num(cap["cap_bytes"] / GB, 2), "median",
-                     *(_speed(by[(cap["cap_bytes"], system)]) for system in RUNTIMES),
+                     *(_speed(by[(cap["cap_bytes"], system)]) if (cap["cap_bytes"], system) in by else "–"
+                       for system in RUNTIMES),
                      *(spread(m["median"], [m["min"], m["max"]]) if (m := medians.get(system)) else "–"
                        for system in ("prescient", "oracle")),
                      " / ".join(num(c.get("hit_rate"), 2) for c in counters),
                      " / ".join(num(c.get("loads_per_token"), 2) for c in counters),
-                     " / ".join(num((c.get("wasted_bytes_per_token") or 0) / 2**20, 1) for c in counters[1:]),
+                     " / ".join(num(c["wasted_bytes_per_token"] / 2**20, 1) if c.get("wasted_bytes_per_token") is not None
+                                else "–" for c in counters[1:]),
                      " / ".join(num(c.get("tables_on_time"), 2) for c in counters[1:])])
     return ["cap (GB)", "prompt", "no predictor tokens/s", "predictor tokens/s", "oracle tokens/s",
             "predictor / none", "oracle / none", "hit rate (none / predictor / oracle)",
@@ -166,7 +169,8 @@ prefetches' gain (1.08x and 0.89x): the guard acts first and judges after.
 On runs/tw (2.2 GB of experts) at 1.1 GB, one run per prompt and system: the predictor 1.08x the
 runtime without it in the median (0.86x to 1.96x), the oracle 1.60x (1.12x to 2.93x); the predictor
 moved 119 MiB per token against 136 without it (9.4 MiB of it wasted prefetches, 8%) and the oracle
-84. On both models every run computed the plain model's tokens.
+84. At 1.7 GB the predictor decoded 1.15x the runtime without it in the median (0.98x to 1.32x).
+On both models every run computed the plain model's tokens.
 
 **`--memory` holds.** Under a cap the expert store now drops each read's pages in a cgroup too, the
 plan books what the predictor holds at work and 96 MiB of library pages, and a guard gives slots back
@@ -253,6 +257,10 @@ def page() -> Page:
         Table("The same on runs/tw (2.2 GB of experts) at 1.1 GB, 64 new tokens, one run per prompt and system, "
               "interleaved",
               (PREDICTION_WIDE,), prediction_wide_cmd, partial(prediction_rows, PREDICTION_WIDE)),
+        Table("runs/tw at 1.7 GB, without and with the predictor (no oracle), 64 new tokens, one run per prompt and "
+              "system, interleaved", (PREDICTION_WIDE_17,),
+              prediction_wide_cmd.replace("--memory 1.1GB", "--memory 1.7GB").replace(",oracle", ""),
+              partial(prediction_rows, PREDICTION_WIDE_17)),
         Table("`--memory` holds: runs/tb from the plain model's need (1100 MiB) down, one prompt, 3 interleaved "
               "repeats (medians and ranges): major page faults and bytes read from disk per decoded token beside "
               "what the slots moved, and the process's anonymous and file-backed memory at its end",
