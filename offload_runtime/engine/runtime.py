@@ -94,7 +94,7 @@ class RuntimeStats:
     where_it_lives: int = 0  # routed experts computed without a slot (`RuntimeOptions.hybrid_schedule`)
     slots_given_back: int = 0  # by the memory guard (`memory_guard`): the process re-read its own pages
     prediction_paused_forwards: int = 0  # forwards run without acting on predictions (`prediction_guard`)
-    prediction_lost_windows: int = 0  # windows where predictions loaded more experts than LRU would have
+    prediction_lost_windows: int = 0  # times predictions were paused: their loads passed a shadow LRU's by the slack
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -50,24 +50,25 @@ def test_released_pages_leave_the_process():
     assert float(block[len(block) // 2]) == 0.0  # whole pages read back as zeros
 
 
-def _slot_cap(path, directory, slots: int) -> int:
-    """A cap that buys `slots` slots beside FOOTPRINT (one transfer worker)."""
-    probe = load_offloaded(path, budget=1.0)
+def _slot_cap(path, directory, slots: int, dtype: str = "float32") -> int:
+    """A cap that buys `slots` slots of `dtype` beside FOOTPRINT (one transfer worker)."""
+    probe = load_offloaded(path, budget=1.0, dtype=dtype)
     expert_bytes = probe.offload_runtime.pool.spec.nbytes
     probe.offload_runtime.close()
-    return FOOTPRINT + reserve_bytes(directory.config, 4, expert_bytes) + slots * expert_bytes
+    return FOOTPRINT + reserve_bytes(directory.config, getattr(torch, dtype).itemsize, expert_bytes) + slots * expert_bytes
 
 
-def test_the_guard_gives_slots_back_while_faults_climb_and_the_tokens_stay_the_same(tiny_moe_dir, monkeypatch):
-    path, directory, _ = _model(tiny_moe_dir)
-    reference = generate(load_model(path)[0], encode(path, False), 24)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_guard_gives_slots_back_while_faults_climb_and_the_tokens_stay_the_same(tiny_moe_dir, monkeypatch, dtype):
+    path, directory, _ = _model(tiny_moe_dir, dtype)
+    reference = generate(load_model(path, dtype=getattr(torch, dtype))[0], encode(path, False), 24)
     monkeypatch.setattr(loader, "process_footprint", lambda reads=True: FOOTPRINT)
-    cap = _slot_cap(path, directory, 12)
+    cap = _slot_cap(path, directory, 12, dtype)
     faults = itertools.count(step=5)  # five major faults per forward: a process re-reading its own pages
     monkeypatch.setattr(memory_guard, "major_faults", lambda: next(faults))
-    model = load_offloaded(path, memory=cap)
+    model = load_offloaded(path, memory=cap, dtype=dtype)
     with model.offload_runtime as runtime:
-        out = generate(model, encode(path, False), 24)  # 24 forwards: the guard trips twice
+        out = generate(model, encode(path, False), 24)  # 24 forwards: the guard trips after the cold window
         stats = runtime.stats()
     assert torch.equal(out, reference)
     assert stats.slots_given_back > 0 and stats.slots == 12 - stats.slots_given_back >= runtime.top_k

@@ -46,15 +46,15 @@ def _steering(predictor, favoured: torch.Tensor):
     return predictor
 
 
-@pytest.fixture(scope="module")
-def case(tiny_moe_dir):
-    path = tiny_moe_dir("mixtral")
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def case(tiny_moe_dir, request):
+    path, dtype = tiny_moe_dir("mixtral"), request.param
     inputs = dict(load_tokenizer(path)(PROMPT, return_tensors="pt"))
     with torch.inference_mode():
-        want = load_model(path)[0].generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                             do_sample=False)
-    _, lru, accessed = _run(path, inputs, policy="lru")
-    return path, inputs, want, lru, accessed
+        want = load_model(path, dtype=getattr(torch, dtype))[0].generate(
+            **inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    _, lru, accessed = _run(path, inputs, policy="lru", dtype=dtype)
+    return path, inputs, want, lru, accessed, dtype
 
 
 def _least_used(accessed: Counter, n_layers: int, n_experts: int, count: int) -> torch.Tensor:
@@ -66,13 +66,14 @@ def _least_used(accessed: Counter, n_layers: int, n_experts: int, count: int) ->
 
 
 def test_wrong_forecasts_are_dropped_and_the_run_loads_no_more_than_lru(case):
-    path, inputs, want, lru, accessed = case
+    path, inputs, want, lru, accessed, dtype = case
     n_layers, n_experts = len({key[0] for key in accessed}), 1 + max(key[1] for key in accessed)
     wrong = _least_used(accessed, n_layers, n_experts, 2)
     runs = {}
     for guarded in (False, True):
         predictor = _steering(forecasting_sida(path), wrong)
-        out, stats, _ = _run(path, inputs, predictor, policy="learned-belady", prediction_guard=guarded)
+        out, stats, _ = _run(path, inputs, predictor, policy="learned-belady", prediction_guard=guarded,
+                                dtype=dtype)
         assert torch.equal(out, want)
         runs[guarded] = stats
     assert runs[False].loads > 1.2 * lru.loads  # acting on the wrong forecasts loses
@@ -85,9 +86,10 @@ def test_wrong_forecasts_are_dropped_and_the_run_loads_no_more_than_lru(case):
 
 def test_right_forecasts_keep_their_gain(case):
     """Forecasts of the most-used experts: acting on them beats LRU, and the guard keeps the gain."""
-    path, inputs, want, lru, accessed = case
+    path, inputs, want, lru, accessed, dtype = case
     n_layers, n_experts = len({key[0] for key in accessed}), 1 + max(key[1] for key in accessed)
     right = _least_used(Counter({k: -v for k, v in accessed.items()}), n_layers, n_experts, 2)  # the most used
-    out, stats, _ = _run(path, inputs, _steering(forecasting_sida(path), right), policy="learned-belady")
+    out, stats, _ = _run(path, inputs, _steering(forecasting_sida(path), right), policy="learned-belady",
+                              dtype=dtype)
     assert torch.equal(out, want)
     assert stats.hit_rate > lru.hit_rate and stats.loads <= lru.loads
