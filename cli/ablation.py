@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 
 from cli.args import names, output_file, positive_int, seed
+from cli.commands import add_command
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("ablation", help="SiDA loss-variant ablation on a trace (JSON)")
+    p = add_command(subparsers, "ablation")
     p.add_argument("trace", help="training trace")
     p.add_argument("out", type=output_file, help="JSON file to write")
     p.add_argument("--model", help="the traced model (default: the one the trace manifest records)")

@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 
 from cli.args import output_file
+from cli.commands import add_command
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("archs", help="list the MoE architectures of this transformers and whether each is "
-                                            "served exactly or refused (builds and runs each tiny)")
+    p = add_command(subparsers, "archs")
     p.add_argument("--family", action="append", default=None, metavar="MODEL_TYPE",
                    help="check only this family (config.model_type; repeat for more)")
     p.add_argument("--json", type=output_file, default=None, metavar="OUT", help="also write the rows as JSON here")

@@ -7,7 +7,7 @@ import argparse
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import TypeVar
 
 from cache.tiered import PRECISION_RULES
 from offload_runtime.engine.expert_kernels import EXPERT_KERNELS
@@ -21,13 +21,6 @@ from prescient.errors import PrescientError
 
 T = TypeVar("T")
 log = logging.getLogger("prescient")
-
-
-class Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line: what is wrong, and where help is."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
 def _checked(check: Callable[[str], T], text: str) -> T:

@@ -10,12 +10,13 @@ import argparse
 
 from cli.args import (add_next_token_min_chance, add_results_args, add_runtime_args, budgets, list_of, memory, names,
                       positive_int, predictor_specs, runtime_options, seed, threads)
+from cli.commands import add_command
 
 BASELINES = "all_resident,accelerate_disk"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench", help="decode tokens/s and memory of the offloading runtime (JSON + PNG)")
+    p = add_command(subparsers, "bench")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     add_results_args(p, "results file (rewritten after every run)")
     p.add_argument("--budgets", type=budgets, default="0.25,0.5,1.0", help="expert memory, as fractions of all experts")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from cli.args import add_results_args, add_runtime_args, non_negative_int, positive_int, runtime_options, share, threads
+from cli.commands import add_command
 from experiments.bench_batch import ACCELERATE_RUNS, DEFAULT_GRID
 
 
@@ -55,8 +56,7 @@ def prompt_range(text: str) -> tuple[int, int]:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench-batch", help="Klotski, CGOPipe and FlexGen's zig-zag batch decoding at one budget; "
-                                                  "Klotski's planner; HRM check")
+    p = add_command(subparsers, "bench-batch")
     p.add_argument("--model", required=True, help="Hugging Face model directory (e.g. the bench reference model)")
     add_results_args(p, "results file (rewritten after every run)")
     p.add_argument("--policy", type=batch_policies, default="64:16:0.5",

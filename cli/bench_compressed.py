@@ -7,11 +7,11 @@ import argparse
 
 from cli.args import (add_results_args, add_runtime_args, budgets, named_paths, names, positive_int, seed, serving_policy,
                       threads)
+from cli.commands import add_command
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench-compressed", help="decode tokens/s of a model at several stored precisions, "
-                                                       "beside their quality (JSON + PNG)")
+    p = add_command(subparsers, "bench-compressed")
     p.add_argument("--models", type=named_paths, required=True,
                    help="NAME=DIR,... in the order compared; the first is the uncompressed one speeds are "
                         "divided by (e.g. bf16=runs/bench-w16,int4=runs/bench-w4; a directory may appear twice)")

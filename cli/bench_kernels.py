@@ -10,6 +10,7 @@ import sys
 
 from cli.args import add_results_args, positive_int, runtime_options
 from cli.bench_batch import add_batch_run_args, batch_policies
+from cli.commands import add_command
 from experiments.bench_kernels import ARMS, DEFAULT_POLICIES
 
 
@@ -23,8 +24,7 @@ def arms(text: str) -> tuple[str, ...]:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench-kernels", help="load-aware expert kernels (EPS-MoE) against the model's own, "
-                                                    "in Klotski's batch decoder")
+    p = add_command(subparsers, "bench-kernels")
     p.add_argument("--model", required=True, help="Hugging Face model directory (e.g. the bench reference model)")
     add_results_args(p, "results file (rewritten after every run; holds the crossover table --expert-kernel-table "
                         "reads)", plot=None)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 
 from cli.args import output_file, positive_int, threads
+from cli.commands import add_command
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench-predictor-latency", help="SiDA hash function: ms per decoded token (JSON)")
+    p = add_command(subparsers, "bench-predictor-latency")
     p.add_argument("--artifact", help="a saved sida predictor (default: random weights of the default sizes)")
     p.add_argument("--n-layers", type=positive_int, default=32, help="MoE layers (no artifact)")
     p.add_argument("--n-experts", type=positive_int, default=8, help="experts per layer (no artifact)")

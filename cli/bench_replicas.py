@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from cli.args import add_runtime_args, memory, output_file, port, positive_int, runtime_options
+from cli.commands import add_command
 
 
 def settings(text: str) -> tuple[str, ...]:
@@ -22,8 +23,7 @@ def settings(text: str) -> tuple[str, ...]:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench-replicas", help="expert hit rate of serving replicas by routing, "
-                                                     "multi-turn chats (Ray Serve or in process)")
+    p = add_command(subparsers, "bench-replicas")
     p.add_argument("--model", required=True, help="Hugging Face model directory (decoder-only)")
     p.add_argument("--predictor", default=None, help="predictor artifact (NAME, NAME.json or NAME.safetensors)")
     add_runtime_args(p, "policy", "budget", "dtype")

@@ -8,6 +8,7 @@ import argparse
 
 from cli.args import (add_runtime_args, output_file, positive_int, positive_ints, predictor_specs, runtime_options,
                       seconds, threads)
+from cli.commands import add_command
 
 
 def served_predictors(text: str) -> dict[str, str | None]:
@@ -21,8 +22,7 @@ def served_predictors(text: str) -> dict[str, str | None]:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench-serve", help="load test of prescient serve: concurrent clients, "
-                                                  "throughput, latency, time to first token")
+    p = add_command(subparsers, "bench-serve")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--predictors", type=served_predictors, default={"none": None},
                    help="server settings to compare: none (no predictor) and NAME=ARTIFACT, e.g. "

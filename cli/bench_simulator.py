@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 
 from cli.args import Renamed, chance, output_file, positive_int, seed
+from cli.commands import add_command
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench-simulator", help="cache simulator throughput on a synthetic trace (JSON)")
+    p = add_command(subparsers, "bench-simulator")
     p.add_argument("out", type=output_file, help="JSON file to write")
     p.add_argument("--tokens", type=positive_int, default=50_000)
     p.add_argument("--layers", type=positive_int, default=8)

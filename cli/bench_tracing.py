@@ -7,12 +7,13 @@ import argparse
 import logging
 
 from cli.args import add_results_args, positive_int, threads
+from cli.commands import add_command
 
 log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench-tracing", help="tracing overhead against plain forwards (JSON)")
+    p = add_command(subparsers, "bench-tracing")
     p.add_argument("--model", required=True, help="Hugging Face MoE model directory")
     add_results_args(p, plot=None)
     p.add_argument("--dataset", default="stdlib-code")

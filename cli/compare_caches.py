@@ -7,6 +7,7 @@ import argparse
 
 from cli.args import (Renamed, add_next_token_min_chance, add_results_args, budgets, names, positive_int,
                       positive_ints)
+from cli.commands import add_command
 from predictor.registry import NAMES_HELP
 from prescient.errors import TraceError
 
@@ -19,8 +20,7 @@ def layers_ahead(text: str) -> int | None:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("compare-caches", help="replay a trace through cache policies, with and without "
-                                                     "predictor prefetch (JSON + PNG)")
+    p = add_command(subparsers, "compare-caches")
     p.add_argument("--trace", required=True, help="router trace to replay (held-out split)")
     p.add_argument("--predictor", help=f"prefetch with a predictor artifact PATH or one of {NAMES_HELP}")
     p.add_argument("--train-trace", help="trace the named predictors and static-hot are fit on (default: --trace)")

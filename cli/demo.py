@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 
 from cli.args import output_dir
+from cli.commands import add_command
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("demo", help="run the whole pipeline on the tiny reference model")
+    p = add_command(subparsers, "demo")
     p.add_argument("--out", type=output_dir, default="runs/demo",
                    help="folder of every result; a second run reuses what is there")
     return p

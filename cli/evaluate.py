@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from cli.args import add_results_args, positive_int, positive_ints, predictor_specs
+from cli.commands import add_command
 from predictor.registry import NAMES_HELP
 
 
@@ -24,7 +25,7 @@ def cross_spec(text: str) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("evaluate", help="compare expert predictors on a router trace (JSON + PNG)")
+    p = add_command(subparsers, "evaluate")
     p.add_argument("--trace", help="trace to evaluate on (held-out split)")
     p.add_argument("--train-trace", help="trace the freq/token/corr baselines are fit on (default: --trace)")
     p.add_argument("--model", help="model directory; needed by lookahead and checked by --cross")

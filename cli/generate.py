@@ -7,24 +7,26 @@ import argparse
 import logging
 
 from cli.args import add_runtime_args, output_file, positive_int, runtime_options, seed
+from cli.commands import add_command
 
 log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("generate", help="generate text with experts offloaded (greedy, or seeded sampling), "
-                                               "print runtime stats")
+    p = add_command(subparsers, "generate")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--predictor", default=None, help="predictor artifact (NAME, NAME.json or NAME.safetensors)")
-    add_runtime_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
-    p.add_argument("--sample", type=seed, default=None, metavar="SEED",
-                   help="sampled decoding seeded by SEED (default: greedy)")
-    p.add_argument("--temperature", type=float, default=None, help="with --sample: the temperature (default 1.0)")
-    p.add_argument("--top-p", type=float, default=None, help="with --sample: nucleus sampling's mass (default 1.0)")
     p.add_argument("--json", type=output_file, default=None, metavar="OUT",
                    help="write ids, text, stats and settings here")
+    sampling = p.add_argument_group("sampling", "greedy unless --sample is given")
+    sampling.add_argument("--sample", type=seed, default=None, metavar="SEED",
+                          help="sampled decoding seeded by SEED (default: greedy)")
+    sampling.add_argument("--temperature", type=float, default=None,
+                          help="with --sample: the temperature (default 1.0)")
+    sampling.add_argument("--top-p", type=float, default=None, help="with --sample: nucleus sampling's mass (default 1.0)")
+    add_runtime_args(p)
     return p
 
 

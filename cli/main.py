@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from cli.args import Parser
+from cli.commands import COMMANDS, Parser, add_command
 from prescient.atomic import cannot_write
 from prescient.errors import PrescientError, StoppedBySignal
 
@@ -28,46 +28,19 @@ log = logging.getLogger("prescient")
 
 NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # a write fails for want of room, not by a bug
 
-# command -> module of this package, in the order `prescient --help` lists them
-COMMANDS = {
-    "demo": "demo",
-    "reference-model": "reference_model",
-    "quantize": "quantize",
-    "trace": "trace",
-    "train": "train",
-    "evaluate": "evaluate",
-    "routing-stats": "routing_stats",
-    "quality": "quality",
-    "compare-caches": "compare_caches",
-    "generate": "generate",
-    "bench": "bench",
-    "bench-compressed": "bench_compressed",
-    "bench-batch": "bench_batch",
-    "bench-kernels": "bench_kernels",
-    "serve": "serve",
-    "bench-serve": "bench_serve",
-    "bench-replicas": "bench_replicas",
-    "tune": "tune",
-    "plan": "plan",
-    "profile-hw": "profile_hw",
-    "bench-simulator": "bench_simulator",
-    "bench-tracing": "bench_tracing",
-    "bench-predictor-latency": "bench_predictor_latency",
-    "ablation": "ablation",
-    "archs": "archs",
-    "report": "report",
-}
-
-
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
-    """The parser of every command, and each command's module."""
+def build_parser(command: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, object]]:
+    """The parser of every command, and each command's module; with `command`, the module of that
+    command alone is imported and the others are listed by their line in `COMMANDS` (what
+    `prescient --help` shows), so that a command loads only what it needs."""
     parser = Parser(prog="prescient", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     modules = {}
-    for name, module_name in COMMANDS.items():
-        module = importlib.import_module(f"cli.{module_name}")
-        module.add_parser(sub)
-        modules[name] = module
+    for name, (module_name, _line) in COMMANDS.items():
+        if command is None or name == command:
+            modules[name] = importlib.import_module(f"cli.{module_name}")
+            modules[name].add_parser(sub)
+        else:
+            add_command(sub, name)
     return parser, modules
 
 
@@ -78,7 +51,8 @@ def run_command(argv: list[str]) -> None:
 
         run_train(argv[1:])
         return
-    parser, modules = build_parser()
+    named = argv[0] if argv and argv[0] in COMMANDS else ""  # "": no command named (`prescient --help`)
+    parser, modules = build_parser(named)
     args = parser.parse_args(argv)
     modules[args.command].run(args)
 

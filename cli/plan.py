@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from cli.args import non_negative_int, output_file, positive_int, share
+from cli.commands import add_command
 from prescient.errors import PrescientError
 
 
@@ -17,7 +18,7 @@ class PlanArgumentError(PrescientError):
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("plan", help="choose an offloading policy with the HRM performance model")
+    p = add_command(subparsers, "plan")
     p.add_argument("--schedule", choices=("cgopipe", "klotski"), default="cgopipe",
                    help="cgopipe: MoE-Lightning's policy search with the HRM (needs --hardware); klotski: Klotski's "
                         "group size from times measured with the model's weights on this machine")

@@ -12,6 +12,7 @@ import logging
 import os
 
 from cli.args import list_of, output_file, positive_int
+from cli.commands import add_command
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ def queue_depth(text: str) -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("profile-hw", help="measure this machine as a hardware profile for `prescient plan`")
+    p = add_command(subparsers, "profile-hw")
     p.add_argument("--dir", default=None, help="where to write the temporary disk probe files (default: temp dir)")
     p.add_argument("--disk-mib", type=positive_int, default=256, help="size of the disk probe file")
     p.add_argument("--model", metavar="DIR", default=None,

@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 
 from cli.args import add_runtime_args, names, output_file, positive_int, runtime_options
+from cli.commands import add_command
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("quality", help="perplexity, KL and top-1 agreement of a model against its reference")
+    p = add_command(subparsers, "quality")
     p.add_argument("--model", required=True, help="model directory measured (e.g. the output of prescient quantize)")
     p.add_argument("--reference", required=True, help="the uncompressed model directory it is compared with")
     p.add_argument("--dataset", type=names, default=("stdlib-code", "stdlib-docs"),

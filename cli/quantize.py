@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from cli.args import output_dir, positive_int
+from cli.commands import add_command
 
 CALIBRATION_SEQ_LEN = 256  # tokens per calibration window
 
@@ -17,8 +18,7 @@ def group_size(text: str) -> int | str:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("quantize", help="store a model's routed experts at 2, 4 or 8 bits (compressed-tensors "
-                                               "pack-quantized) or in bfloat16")
+    p = add_command(subparsers, "quantize")
     p.add_argument("--model", required=True, help="Hugging Face model directory (uncompressed)")
     p.add_argument("--bits", type=int, required=True, choices=(2, 4, 8, 16),
                    help="2, 4 or 8: group-wise symmetric integers (2: packed slots run them in int4 after the "

@@ -73,6 +73,8 @@ def default(action: argparse.Action) -> str:
     """What the command uses when the flag is not given, in words."""
     if action.required:
         return "required"
+    if isinstance(action, argparse.BooleanOptionalAction) and action.default is None:
+        return "–"  # three states: named on, named off, or left to --memory (its help says how)
     if isinstance(action, argparse.BooleanOptionalAction):
         return "on" if action.default else "off"
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
@@ -89,7 +91,8 @@ def default(action: argparse.Action) -> str:
 
 def help_text(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
     """The flag's help with argparse's `%` formatting applied, and its choices when it has some."""
-    text = parser._get_formatter()._expand_help(action) if action.help and action.help is not argparse.SUPPRESS else ""
+    plain = argparse.HelpFormatter(parser.prog)  # the help as written: the page has its own default column
+    text = plain._expand_help(action) if action.help and action.help is not argparse.SUPPRESS else ""
     text = " ".join(text.split())
     if action.choices and not isinstance(action, argparse._SubParsersAction):
         choices = "one of " + ", ".join(f"`{c}`" for c in action.choices)
@@ -299,8 +302,8 @@ def render() -> str:
     cmds = commands(parser)
     lines = [HEADER, "", "# Command reference", "",
              "Every `prescient` command and flag, generated from the argument parser in `cli/` (`prescient COMMAND "
-             "--help` prints the same). *group* is the flag's group in `--help`. Budgets, predictor names and lists "
-             "are read the same way in every command: [commands and arguments](../commands.md).",
+             "--help` prints the same, each flag's default at the end of its help). *group* is the flag's group in "
+             "`--help`. Budgets, predictor names and lists are read the same way in every command: [commands and arguments](../commands.md).",
              "", *effective_defaults(), "", "## Commands", "",
              " · ".join(f"[`{name}`](#prescient-{name})" for name, _, _ in cmds)]
     for name, summary, sub in cmds:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 
 from cli.args import output_dir
+from cli.commands import add_command
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("reference-model", help="build the project's reference MoE (tiny, base or bench)")
+    p = add_command(subparsers, "reference-model")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--size", choices=("tiny", "base", "bench"), default="tiny",
                         help="a shipped recipe (configs/reference/SIZE.yaml): tiny for the demo, base for "

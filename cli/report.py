@@ -7,10 +7,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cli.commands import add_command
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("report", help="render the results pages, the README's headline table and the command "
-                                             "reference (docs/)")
+    p = add_command(subparsers, "report")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a committed page differs")
     return p
 

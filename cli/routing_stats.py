@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 
 from cli.args import add_results_args, positive_int
+from cli.commands import add_command
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("routing-stats", help="expert load, top-1 repeats, router entropy, gate-lookahead and "
-                                                    "token-table recall per layer (JSON + PNG)")
+    p = add_command(subparsers, "routing-stats")
     p.add_argument("--model", required=True, help="Hugging Face model directory (or hub name), decoder-only")
     p.add_argument("--dataset", default="stdlib-code", help="stdlib-code, stdlib-docs, json:PATH, ... or a hub name")
     p.add_argument("--split", default="validation", choices=("train", "validation", "test"))

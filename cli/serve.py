@@ -11,6 +11,7 @@ import argparse
 import os
 
 from cli.args import add_runtime_args, memory, port, positive_int, runtime_options, seconds, threads
+from cli.commands import add_command
 
 API_KEY_ENV = "PRESCIENT_API_KEY"
 
@@ -27,42 +28,45 @@ def api_keys(text: str) -> tuple[str, ...]:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="OpenAI-compatible server (completions, chat, streaming, /metrics) "
-                                            "over the offloading runtime")
+    p = add_command(subparsers, "serve")
     p.add_argument("--model", required=True, help="Hugging Face model directory (decoder-only)")
     p.add_argument("--predictor", default=None, help="predictor artifact (NAME, NAME.json or NAME.safetensors)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=8000)
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model directory's name)")
-    p.add_argument("--max-batch", type=positive_int, default=16, help="requests decoded together")
-    p.add_argument("--max-queue", type=positive_int, default=64,
-                   help="requests waiting for the batch; more are refused with 429 and Retry-After")
-    p.add_argument("--shutdown-timeout", type=seconds, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C")
-    p.add_argument("--api-key", type=api_keys, default=os.environ.get(API_KEY_ENV) or None, metavar="KEY[,KEY...]",
-                   help="answer /v1 routes only to clients sending `Authorization: Bearer KEY` (others get 401); "
-                        f"default: ${API_KEY_ENV}, which keeps the keys out of the process list")
-    p.add_argument("--metrics-need-key", action="store_true",
-                   help="put /metrics behind the API key too (default: open, as /health)")
-    p.add_argument("--ssl-keyfile", default=None, metavar="KEY.pem",
-                   help="serve HTTPS: the PEM private key (with --ssl-certfile)")
-    p.add_argument("--ssl-certfile", default=None, metavar="CERT.pem",
-                   help="serve HTTPS: the PEM certificate (chain) of the key")
-    p.add_argument("--replicas", type=positive_int, default=None, metavar="N",
-                   help="serve N replicas on Ray Serve, each loading the model (needs the extra [ray])")
-    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
-                   help="with --replicas: the Ray cluster to join (auto: the one `ray start` runs here); "
-                        "default: start a local one")
-    p.add_argument("--routing", choices=("cache", "random", "least-loaded"), default="cache",
-                   help="with --replicas: keep a conversation (X-Session-ID or its prompt's start) on one replica "
-                        "unless it is busy (cache), or route at random or to the least loaded")
-    p.add_argument("--prefix-cache", type=memory, default=None, metavar="SIZE",
-                   help="keep finished sequences' KV (up to SIZE, e.g. 64MiB; per replica) so that a prompt "
-                        "resuming one (a chat's next turn) prefills only its new tokens; default: off")
-    add_runtime_args(p)
     p.add_argument("--threads", type=threads, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    requests = p.add_argument_group("requests", "how many are decoded together, wait, and how they end")
+    requests.add_argument("--max-batch", type=positive_int, default=16, help="requests decoded together")
+    requests.add_argument("--max-queue", type=positive_int, default=64,
+                          help="requests waiting for the batch; more are refused with 429 and Retry-After")
+    requests.add_argument("--shutdown-timeout", type=seconds, default=30.0,
+                          help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C")
+    requests.add_argument("--prefix-cache", type=memory, default=None, metavar="SIZE",
+                          help="keep finished sequences' KV (up to SIZE, e.g. 64MiB; per replica) so that a prompt "
+                               "resuming one (a chat's next turn) prefills only its new tokens; default: off")
+    access = p.add_argument_group("access", "who may call, and over what (beyond loopback)")
+    access.add_argument("--api-key", type=api_keys, default=os.environ.get(API_KEY_ENV) or None,
+                        metavar="KEY[,KEY...]",
+                        help="answer /v1 routes only to clients sending `Authorization: Bearer KEY` (others get 401); "
+                             f"default: ${API_KEY_ENV}, which keeps the keys out of the process list")
+    access.add_argument("--metrics-need-key", action="store_true",
+                        help="put /metrics behind the API key too (default: open, as /health)")
+    access.add_argument("--ssl-keyfile", default=None, metavar="KEY.pem",
+                        help="serve HTTPS: the PEM private key (with --ssl-certfile)")
+    access.add_argument("--ssl-certfile", default=None, metavar="CERT.pem",
+                        help="serve HTTPS: the PEM certificate (chain) of the key")
+    replicas = p.add_argument_group("replicas", "several copies of the model on Ray Serve (the extra [ray])")
+    replicas.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                          help="serve N replicas on Ray Serve, each loading the model (needs the extra [ray])")
+    replicas.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                          help="with --replicas: the Ray cluster to join (auto: the one `ray start` runs here); "
+                               "default: start a local one")
+    replicas.add_argument("--routing", choices=("cache", "random", "least-loaded"), default="cache",
+                          help="with --replicas: keep a conversation (X-Session-ID or its prompt's start) on one "
+                               "replica unless it is busy (cache), or route at random or to the least loaded")
+    add_runtime_args(p)
     return p
 
 

@@ -8,12 +8,13 @@ import logging
 from contextlib import nullcontext
 
 from cli.args import add_runtime_args, output_dir, positive_int, runtime_options
+from cli.commands import add_command
 
 log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("trace", help="record router traces of an MoE model over a dataset")
+    p = add_command(subparsers, "trace")
     p.add_argument("--model", required=True, help="Hugging Face model directory (or hub name)")
     p.add_argument("--dataset", required=True, help="stdlib-code, stdlib-docs, json:PATH, text:PATH, or a hub name")
     p.add_argument("--split", default="validation", choices=("train", "validation", "test"))

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import argparse
 
+from cli.commands import add_command
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     # listed for `prescient --help`; `cli.main` hands train's arguments to LightningCLI unparsed
-    return subparsers.add_parser("train", add_help=False,
-                                 help="train a predictor with LightningCLI (see configs/predictor/)")
+    return add_command(subparsers, "train", add_help=False)
 
 
 def run_train(argv: list[str]) -> None:

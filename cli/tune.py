@@ -7,12 +7,12 @@ from __future__ import annotations
 import argparse
 
 from cli.args import list_of, memory, output_file, positive_int
+from cli.commands import add_command
 from prescient.errors import CapacityError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("tune", help="measure the fastest configuration per memory size on this machine and "
-                                           "keep it as the default")
+    p = add_command(subparsers, "tune")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--predictor", default=None, help="the predictor artifact generate and serve will use")
     p.add_argument("--memory", type=list_of(memory), default=None, metavar="SIZE,...",
