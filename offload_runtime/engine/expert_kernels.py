@@ -61,6 +61,15 @@ LOADS = (1, 2, 4, 8, 16, 32, 64)  # tokens per activated expert
 LOAD_TIME_LOADS = (1, 4, 16, 64)  # measured at load (no table given): fewer, a layer of wide experts takes seconds
 MARGIN = 0.10  # another kernel replaces the model's own only where it is this much faster
 GIVE_UP = 3.0  # a kernel this many times slower than the fastest at a load is not timed at larger loads
+# "gemv": a matrix smaller than this (one core's L2 on this project's AMD CPU) is read from the cache,
+# where oneDNN's per-call work costs more than streaming gains (the demo model's 256 and 128 KiB
+# matrices: 36 and 28 us a row through oneDNN against 19 and 11 us through torch's `linear`, 1 thread),
+# so its one row runs torch's `linear`, bit for bit grouped_mm's, without timing the two
+MATVEC_LEAST_BYTES = 2**20
+# "gemv"'s memory beyond the activations: oneDNN's JIT code and primitive cache, 5.0-6.8 MiB of peak
+# resident memory at the first call and 0.6 MiB more after it whatever the matrix (22 MiB to 256 MiB
+# matrices, 1 and 2 threads); the memory plan books it (`kernel_workspace_bytes`)
+ONEDNN_WORKSPACE = 8 * 2**20
 
 
 class KernelTableError(PrescientError):
@@ -245,9 +254,20 @@ def crossover_for(module: nn.Module, experts: int, top_k: int) -> CrossoverTable
 
 
 def matvec_wins(weights: torch.Tensor | Sequence[torch.Tensor]) -> bool:
-    """Whether a single float32 row against `weights` (see `onednn_wins`) runs oneDNN's product."""
+    """Whether a single float32 row against `weights` (see `onednn_wins`) runs oneDNN's product: not
+    for a matrix under `MATVEC_LEAST_BYTES`, which comes from the cache rather than memory."""
     first = weights[0]
-    return ONEDNN and first.dtype == torch.float32 and first.device.type == "cpu" and onednn_wins(weights)
+    return (ONEDNN and first.dtype == torch.float32 and first.device.type == "cpu"
+            and first.numel() * first.element_size() >= MATVEC_LEAST_BYTES and onednn_wins(weights))
+
+
+def kernel_workspace_bytes(kernel: str, dtype: torch.dtype, device: str | torch.device, largest_matrix: int) -> int:
+    """What `kernel` holds beyond the model's own activations while it decodes: oneDNN's code and
+    primitive cache for "gemv" on float32 CPU weights where an expert matrix may reach
+    `MATVEC_LEAST_BYTES` (`largest_matrix`: at most one's bytes), `ONEDNN_WORKSPACE`; else nothing."""
+    uses_onednn = (kernel == GEMV and ONEDNN and dtype == torch.float32 and torch.device(device).type == "cpu"
+                   and largest_matrix >= MATVEC_LEAST_BYTES)
+    return ONEDNN_WORKSPACE if uses_onednn else 0
 
 
 def onednn_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

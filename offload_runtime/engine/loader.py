@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from cache import make_serving_policy
+from offload_runtime.engine.expert_kernels import kernel_workspace_bytes
 from offload_runtime.engine.expert_layout import LAYOUT_BYTES_PER_ELEMENT, expert_spec
 from offload_runtime.engine.hash_builder import warm_up
 from offload_runtime.engine.mapped import load_mmap_model
-from offload_runtime.engine.memory_plan import (MAPPED_SHARE, MemoryPlan, plan_mapped, plan_offloaded,
-                                                plan_resident, reserve_bytes)
+from offload_runtime.engine.memory_plan import (MAPPED_SHARE, MemoryPlan, largest_matrix_bytes, plan_mapped,
+                                                plan_offloaded, plan_resident, reserve_bytes)
 from offload_runtime.engine.options import RuntimeOptions
+from offload_runtime.engine.resolve import options_for
 from offload_runtime.engine.resident import ResidentRuntime
 from offload_runtime.engine.runtime import OffloadRuntime
 from offload_runtime.engine.slots import SlotPool, TieredSlotPool
@@ -51,7 +53,7 @@ def load_offloaded(model_dir: str | Path | ModelDirectory, predictor: str | Path
     `close()`, which stops its threads; or run the model inside `with model.offload_runtime:`. A
     model dropped without either stops them once garbage-collected.
     """
-    options = RuntimeOptions.of(options, **settings)  # every option checked before any file is read
+    options = options_for(model_dir, predictor, options, settings)  # every option checked before any file is read
     model_dir = ModelDirectory.of(model_dir)
     if options.memory is not None and options.fine_model is None:
         whole = _load_whole(model_dir, options)
@@ -156,7 +158,7 @@ class WholeModelNeed:
 def whole_model_memory(model_dir: str | Path | ModelDirectory, options: RuntimeOptions | None = None) -> int:
     """The memory cap at and above which `--memory` loads every expert (this process now, the whole
     model's weights in the compute dtype, the reserve): the plain model's need, as estimated here."""
-    return _whole_model_need(ModelDirectory.of(model_dir), RuntimeOptions.of(options)).total
+    return _whole_model_need(ModelDirectory.of(model_dir), options or RuntimeOptions()).total
 
 
 def _whole_model_need(model_dir: ModelDirectory, options: RuntimeOptions) -> WholeModelNeed:
@@ -220,7 +222,11 @@ def _refuse_before_opening(model_dir: ModelDirectory, options: RuntimeOptions, l
 
 
 def _reserve(model_dir: ModelDirectory, options: RuntimeOptions, copy_buffers: int) -> int:
-    return reserve_bytes(model_dir.config, options.torch_dtype.itemsize, copy_buffers, options.context_tokens)
+    """`reserve_bytes` with what the expert kernel holds while it decodes (`kernel_workspace_bytes`)."""
+    dtype_bytes = options.torch_dtype.itemsize
+    return (reserve_bytes(model_dir.config, dtype_bytes, copy_buffers, options.context_tokens)
+            + kernel_workspace_bytes(options.expert_kernel, options.torch_dtype, options.device,
+                                     largest_matrix_bytes(model_dir.config, dtype_bytes)))
 
 
 def _fine_store(options: RuntimeOptions, fingerprint: ModelFingerprint, model, layers,

@@ -87,16 +87,28 @@ def kv_bytes_per_token(config, dtype_bytes: int) -> int:
     return 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
-def workspace_bytes(config, dtype_bytes: int, prefill_tokens: int = PREFILL_TOKENS) -> int:
-    """Activations of a `prefill_tokens` prefill through the widest FFN (an expert's gate, up and
-    product) for each of the top-k rows a token sends to the experts (the experts' kernels take a
-    layer's rows at once), and the residual stream, plus `SLACK`."""
+def _ffn_shape(config) -> tuple[int, int, int]:
+    """The hidden size, the widest FFN's width and the experts a token is routed to."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = getattr(text, "hidden_size", 0) or 0
     widest = max(getattr(text, name, 0) or 0 for name in ("intermediate_size", "moe_intermediate_size",
                                                            "expert_intermediate_size", "ffn_dim"))
     top_k = max((getattr(text, name, 0) or 0 for name in ("num_experts_per_tok", "moe_topk", "top_k")), default=1)
-    return prefill_tokens * (3 * widest * max(top_k, 1) + 4 * hidden) * dtype_bytes + SLACK
+    return hidden, widest, max(top_k, 1)
+
+
+def workspace_bytes(config, dtype_bytes: int, prefill_tokens: int = PREFILL_TOKENS) -> int:
+    """Activations of a `prefill_tokens` prefill through the widest FFN (an expert's gate, up and
+    product) for each of the top-k rows a token sends to the experts (the experts' kernels take a
+    layer's rows at once), and the residual stream, plus `SLACK`."""
+    hidden, widest, top_k = _ffn_shape(config)
+    return prefill_tokens * (3 * widest * top_k + 4 * hidden) * dtype_bytes + SLACK
+
+
+def largest_matrix_bytes(config, dtype_bytes: int) -> int:
+    """At most one expert matrix's bytes: the widest FFN's gate and up fused, [2I, H]."""
+    hidden, widest, _ = _ffn_shape(config)
+    return 2 * widest * hidden * dtype_bytes
 
 
 def reserve_bytes(config, dtype_bytes: int, copy_buffers: int, context_tokens: int | None = None) -> int:

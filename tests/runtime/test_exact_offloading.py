@@ -62,9 +62,11 @@ def routed_per_layer(model, ids: torch.Tensor) -> int:
 
 
 def check_exact(path: Path, dtype: str, slot_counts: list[int], reference=None, experts_implementation=None,
-                **options) -> None:
+                expert_kernel: str = "model", **options) -> None:
     """Prompt logits, greedy and sampled generations through the runtime equal `reference`'s (the
-    plain model of `dtype` unless given) bit for bit at each slot count, grouped and per expert."""
+    plain model of `dtype` unless given) bit for bit at each slot count, grouped and per expert;
+    with transformers' own expert kernel unless `expert_kernel` names one of ours that is exact too
+    (the default, "gemv", is within 1e-5: `test_streamed_kernel`)."""
     ids = load_tokenizer(path)(PROMPT, return_tensors="pt").input_ids
     if reference is None:
         reference, _ = plain_model(path, dtype)
@@ -74,7 +76,7 @@ def check_exact(path: Path, dtype: str, slot_counts: list[int], reference=None, 
     for slots in slot_counts:
         for schedule in SCHEDULES:
             model = load_offloaded(path, options=RuntimeOptions(budget=f"{slots}slots", dtype=dtype, **schedule,
-                                                                **options))
+                                                                expert_kernel=expert_kernel, **options))
             if experts_implementation is not None:
                 model.set_experts_implementation(experts_implementation)
             with model.offload_runtime:
@@ -121,7 +123,8 @@ def test_offloaded_logits_equal_the_resident_model(model_dir, arch, dtype):
 def test_packed_slots_are_exact_at_every_slot_count(int4_model, arch, bits):
     """Packed int4 / int8 slots compute with the eager loop: offloaded equals all resident."""
     path = int4_model(arch, bits)
-    resident = load_offloaded(path, options=RuntimeOptions(budget=1.0, dtype="bfloat16", slot_format="packed"))
+    resident = load_offloaded(path, options=RuntimeOptions(budget=1.0, dtype="bfloat16", slot_format="packed",
+                                                           expert_kernel="model"))
     with resident.offload_runtime:
         check_exact(path, "bfloat16", [2, 3, 5], reference=resident, slot_format="packed")
 
@@ -150,7 +153,7 @@ def test_grouped_mm_on_a_window_of_the_slots_is_exact(model_dir, dtype):
     want = decode(reference, ids, sample=False)
     total = len(layers) * layers[0].num_experts
     for slots in (total // 4, total):
-        model = load_offloaded(path, options=RuntimeOptions(budget=f"{slots}slots", dtype=dtype))
+        model = load_offloaded(path, options=RuntimeOptions(budget=f"{slots}slots", dtype=dtype, expert_kernel="model"))
         with model.offload_runtime as runtime:
             got = decode(model, ids, sample=False)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), slots

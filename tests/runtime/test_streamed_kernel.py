@@ -16,9 +16,9 @@ from transformers import GptOssConfig, MixtralConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-from offload_runtime.engine import expert_kernels
+from offload_runtime.engine import expert_kernels, loader
 from offload_runtime.engine.expert_kernels import GEMV, STREAMED, onednn_wins, register_streamed, stands_in
-from offload_runtime.engine.loader import load_offloaded
+from offload_runtime.engine.loader import load_offloaded, whole_model_memory
 from offload_runtime.engine.options import RuntimeOptions
 from prescient.loading import load_tokenizer
 from tests.runtime.test_exact_offloading import PROMPT, check_exact, decode, model_dir, plain_model  # noqa: F401
@@ -104,6 +104,9 @@ def test_streamed_runtime_keeps_the_plain_models_logits(tiny_moe_dir, load):
 
 
 def test_gemv_keeps_greedy_tokens_and_logits_within_1e_5(tiny_moe_dir, monkeypatch):
+    """The default kernel ("gemv") with oneDNN forced on the tiny model's small matrices."""
+    assert RuntimeOptions().expert_kernel == GEMV
+    monkeypatch.setattr(expert_kernels, "MATVEC_LEAST_BYTES", 0)
     monkeypatch.setattr(expert_kernels, "onednn_wins", lambda weights: True)  # also the mapped model's (`mapped`)
     calls = []
     matvec = expert_kernels.onednn_matvec
@@ -115,7 +118,7 @@ def test_gemv_keeps_greedy_tokens_and_logits_within_1e_5(tiny_moe_dir, monkeypat
         want_prefill = reference(ids).logits
     want_tokens, want_logits = decode(reference, ids, sample=False)
     for settings in ({"budget": "5slots"}, {"memory": "90%"}, {"memory": "90%", "map_experts": True}):
-        model = load_offloaded(path, options=RuntimeOptions(expert_kernel=GEMV, **settings))
+        model = load_offloaded(path, options=RuntimeOptions(**settings))
         with model.offload_runtime:
             with torch.inference_mode():
                 assert torch.equal(model(ids).logits, want_prefill), settings
@@ -132,3 +135,44 @@ def test_onednn_wins_is_measured_once_per_shape():
     assert isinstance(first, bool) and onednn_wins(weights) is first
     key = (len(weights), tuple(weights.shape[1:]), weights.dtype, torch.get_num_threads())
     assert expert_kernels._ONEDNN_WINS[key] is first
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_gemv_in_half_precision_is_streamed_bit_for_bit(tiny_moe_dir, dtype):
+    """The default kernel in bfloat16 (the runtime's other dtype) runs no oneDNN product: each
+    routed expert's GEMM through torch's `linear`, the plain model's logits bit for bit."""
+    path = tiny_moe_dir("mixtral")
+    ids = load_tokenizer(path)(PROMPT, return_tensors="pt").input_ids
+    reference, _ = plain_model(path, dtype)
+    want_tokens, want_logits = decode(reference, ids, sample=False)
+    for settings in ({"budget": "5slots"}, {"memory": "90%"}):
+        model = load_offloaded(path, options=RuntimeOptions(dtype=dtype, **settings))
+        with model.offload_runtime:
+            tokens, logits = decode(model, ids, sample=False)
+        assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits), settings
+    for half in (torch.bfloat16, torch.float16):  # float16: the plain model's dtype where a user loads it so
+        assert not expert_kernels.matvec_wins(torch.zeros(2, 1024, 1024, dtype=half))
+
+
+def test_gemv_reads_small_matrices_with_torch_linear_unmeasured(monkeypatch):
+    """A matrix under `MATVEC_LEAST_BYTES` comes from the cache: torch's `linear`, nothing timed."""
+    monkeypatch.setattr(expert_kernels, "onednn_wins", lambda weights: pytest.fail("timed a small matrix"))
+    small = torch.zeros(2, 256, 256)  # 256 KiB each
+    assert small[0].numel() * 4 < expert_kernels.MATVEC_LEAST_BYTES
+    assert not expert_kernels.matvec_wins(small)
+
+
+def test_the_memory_plan_books_onednns_workspace_for_gemv_only(tiny_moe_dir, monkeypatch):
+    """Where an expert matrix may reach `MATVEC_LEAST_BYTES` (here: the floor lowered under the tiny
+    model's), float32 "gemv" books oneDNN's workspace; bfloat16, our other kernels and smaller
+    matrices book nothing."""
+    path = tiny_moe_dir("mixtral")
+    monkeypatch.setattr(loader, "process_footprint", lambda reads=True: 2**28)  # the same process in each estimate
+    need = {kernel: whole_model_memory(path, RuntimeOptions(expert_kernel=kernel)) for kernel in (GEMV, "model")}
+    assert need[GEMV] == need["model"]  # the tiny model's matrices stay under the floor: no oneDNN
+    monkeypatch.setattr(expert_kernels, "MATVEC_LEAST_BYTES", 1)
+    gemv, model = (whole_model_memory(path, RuntimeOptions(expert_kernel=kernel)) for kernel in (GEMV, "model"))
+    assert gemv - model == (expert_kernels.ONEDNN_WORKSPACE if expert_kernels.ONEDNN else 0)
+    book = expert_kernels.kernel_workspace_bytes
+    assert book(GEMV, torch.bfloat16, "cpu", 2**30) == book(STREAMED, torch.float32, "cpu", 2**30) == 0
+    assert book("model", torch.float32, "cpu", 2**30) == book(GEMV, torch.float32, "cuda", 2**30) == 0
