@@ -12,8 +12,8 @@ from typing import TypeVar
 from cache.tiered import PRECISION_RULES
 from offload_runtime.engine.expert_kernels import EXPERT_KERNELS
 from offload_runtime.engine.options import (DTYPES, MAX_LOOKAHEAD_LAYERS, MAX_TRANSFER_WORKERS, SLOT_FORMATS,
-                                            STORES, RuntimeOptions, best_policy)
-from offload_runtime.planning.tuned import tuned_settings
+                                            STORES, RuntimeOptions)
+from offload_runtime.engine.resolve import resolve_options
 from prescient.atomic import check_folder, resolve_output
 from prescient.budget import MEMORY_HELP, Budget, parse_memory
 from prescient.devices import check_device
@@ -345,9 +345,10 @@ def add_next_token_min_chance(p: argparse.ArgumentParser, applies: str) -> None:
 
 
 def runtime_options(args: argparse.Namespace, **fields: object) -> RuntimeOptions:
-    """The one `RuntimeOptions` of a command: its flags from `add_runtime_args`, over (with
-    `--memory`) the configuration `prescient tune` measured best for the model on this machine,
-    over the built-in defaults; and `fields` the command sets itself."""
+    """The one `RuntimeOptions` of a command: its flags from `add_runtime_args` turned into values,
+    and `fields` the command sets itself, resolved by `resolve_options` (over, with `--memory`, the
+    configuration `prescient tune` measured best for the model on this machine, the best measured
+    policy and the built-in defaults)."""
     names = set(args.runtime_flags)
     flags = {name: getattr(args, name) for name in names & RuntimeOptions.names()}
     flags = {name: value for name, value in flags.items() if value is not None}  # None: not named
@@ -363,26 +364,4 @@ def runtime_options(args: argparse.Namespace, **fields: object) -> RuntimeOption
         flags["expert_kernel_table"] = args.expert_kernel_table
     if "next_token" in names and args.next_token is not None:
         flags["next_token_min_chance"] = args.next_token_min_chance if args.next_token else None
-    tuned = tuned_settings(args.model, flags["memory"]) if flags.get("memory") is not None else {}  # says which
-    if getattr(args, "predictor", None) is None:
-        tuned = _without_forecasts(tuned)
-    settings = {**tuned, **flags, **fields}
-    if "policy" in names and "policy" not in settings:
-        settings["policy"] = best_policy(getattr(args, "predictor", None))
-    if settings.get("lookahead_probe") and not settings.get("lookahead_layers"):
-        settings["lookahead_layers"] = 1  # a probe given is a probe used: one layer ahead unless --lookahead says
-    return RuntimeOptions(**settings)
-
-
-def _without_forecasts(tuned: dict[str, object]) -> dict[str, object]:
-    """The tuned settings a run without a predictor can use: a learned policy and cross-token
-    prefetch (tuned with a predictor) need its forecasts, so they fall back to the defaults."""
-    from cache import make_serving_policy
-
-    learned = "policy" in tuned and make_serving_policy(str(tuned["policy"]), top_k=1).uses_forecasts
-    dropped = {name for name, needs in (("policy", learned),
-                                        ("next_token_min_chance", tuned.get("next_token_min_chance") is not None))
-               if needs}
-    if dropped:
-        log.info("configuration: without a predictor, %s from the defaults", " and ".join(sorted(dropped)))
-    return {name: value for name, value in tuned.items() if name not in dropped}
+    return resolve_options(args.model, getattr(args, "predictor", None), {**flags, **fields})

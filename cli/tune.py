@@ -26,7 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> dict:
     from offload_runtime.planning.tune import tune
-    from offload_runtime.planning.tuned import save_tuned, tuned_path
+    from offload_runtime.engine.tuned import save_tuned, tuned_path
     from prescient.atomic import write_results
 
     def keep(record: dict) -> None:  # after each size: a stopped tuning keeps what it measured

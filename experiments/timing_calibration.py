@@ -35,15 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from cache.timing import LinkTiming, TimingError
+from offload_runtime.engine.options import STORES
 from offload_runtime.planning.hardware import HardwareProfile, load_profile
 from offload_runtime.planning.hrm import ModelSpec, Policy, Workload, estimate
 from prescient.errors import PrescientError
 from prescient.fingerprint import ModelFingerprint
 
 log = logging.getLogger(__name__)
-
-STORES = ("disk", "host")
-
 
 class TimingCalibrationError(PrescientError):
     """A calibration source is unreadable, lacks what the timing needs, or is of another model."""

@@ -20,9 +20,9 @@ import pytest
 
 from cli import args as cli_args
 from cli.main import main
+from offload_runtime.engine import tuned as tuned_module
+from offload_runtime.engine.tuned import load_tuned, save_tuned, tuned_path, tuned_settings
 from offload_runtime.planning import tune as tune_module
-from offload_runtime.planning import tuned as tuned_module
-from offload_runtime.planning.tuned import load_tuned, save_tuned, tuned_path, tuned_settings
 from offload_runtime.server.app import serve_config
 from offload_runtime.server.service import _load_within
 from prescient import capped_run

@@ -7,7 +7,7 @@ prompt's put and each new token; prefill runs to the first new token, decode fro
   (`offload_runtime.engine.mapped`): the kernel's page cache is the expert cache.
 - `no-predictor`: the runtime as `--memory CAP` runs it without a predictor (LRU, demand loads).
 - `prescient`: `generate_offloaded` with what `--memory CAP --predictor P` runs by default
-  (`tuned.memory_options`: the configuration `prescient tune` measured best on this machine, else
+  (`engine.resolve.resolve_options`: the configuration `prescient tune` measured best on this machine, else
   the built-in defaults).
 - `oracle`: the runtime with a predictor that knows the run's true routing (`OraclePredictor` over
   the reference run's own trace: the prompt and the plain model's tokens): learned eviction on
@@ -83,11 +83,11 @@ def run_prescient(spec: dict[str, Any], predictor=None, oracle: bool = False) ->
     from dataclasses import replace
 
     from offload_runtime.engine.options import RuntimeOptions
-    from offload_runtime.planning.tuned import memory_options
+    from offload_runtime.engine.resolve import resolve_options
 
     predictor = spec.get("predictor") if predictor is None else predictor
     options = RuntimeOptions() if spec["memory"] is None else \
-        memory_options(spec["model"], spec["memory"], None if oracle else predictor)
+        resolve_options(spec["model"], None if oracle else predictor, {"memory": spec["memory"]})
     if oracle:
         options = replace(options, **ORACLE_OPTIONS)
     out = generate_offloaded(spec["model"], spec["prompt"], spec["new_tokens"], predictor=predictor, options=options)

@@ -11,6 +11,7 @@ from typing import Any
 
 from offload_runtime.engine.memory_guard import major_faults
 from offload_runtime.engine.options import RuntimeOptions
+from offload_runtime.engine.resolve import options_for
 from prescient.errors import PrescientError
 from prescient.model_dir import ModelDirectory
 
@@ -104,7 +105,7 @@ def generate_offloaded(model_dir: str | Path | ModelDirectory, prompt: str, max_
     new token ids and text, the runtime's statistics, prefill seconds and decode tokens/s."""
     from offload_runtime.engine.loader import load_offloaded
 
-    options = RuntimeOptions.of(options, **settings)
+    options = options_for(model_dir, predictor, options, settings)
     directory = ModelDirectory.of(model_dir)
     tokenizer = directory.tokenizer()
     inputs = tokenizer(prompt, return_tensors="pt")

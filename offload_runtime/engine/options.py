@@ -3,11 +3,12 @@
     options = RuntimeOptions(policy="mrs", budget="50%", next_token_min_chance=0.5)
     model = load_offloaded("runs/demo/model", "runs/demo/predictor/sida", options)
 
-The command line builds one from its flags (`cli.args.runtime_options`); the server, the bench
-and `generate_offloaded` pass it whole, and every result JSON records `to_json()`. A value of the
-wrong type or out of range fails here, before any file is read, with the error class of what it
-configures (`CapacityError` for the budget, `PolicyError` for the policy, `DeviceError` for the
-device, `PredictorError` for the next-token chance, `OptionsError` for the rest).
+`engine.resolve.resolve_options` makes the one a run uses, from the settings a user named (the
+command line's flags, the Python API's keywords) over the tuned and measured defaults; every result
+JSON records `to_json()`. A value of the wrong type or out of range fails here, before any file is
+read, with the error class of what it configures (`CapacityError` for the budget, `PolicyError` for
+the policy, `DeviceError` for the device, `PredictorError` for the next-token chance,
+`OptionsError` for the rest).
 """
 
 from __future__ import annotations
@@ -34,18 +35,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MAX_TRANSFER_WORKERS = 64  # reads in flight; storage queues gain nothing past a few dozen
 MAX_LOOKAHEAD_LAYERS = 3  # HybriMoE's reach; the residual stream drifts farther out
 MAX_TABLE_WAIT = 1.0  # seconds: a predictor slower than that per token costs more than it can win
-
-
-def best_policy(predictor: str | os.PathLike | None) -> str:
-    """The serving policy that measured best with `predictor` (an artifact path, or None): with
-    forecast heads, learned-belady (1.33x on-demand LRU at 50% on the bench model, sampled decoding,
-    results/bench-runtime-base-sampled.json; no other policy within its spread); else LRU (no policy
-    measured beyond LRU's spread there)."""
-    if predictor is None:
-        return "lru"
-    from predictor.artifact import read_predictor_meta
-
-    return "learned-belady" if int(read_predictor_meta(predictor).hparams.get("horizon", 0)) > 0 else "lru"
 
 
 class OptionsError(PrescientError, ValueError):
@@ -253,15 +242,6 @@ class RuntimeOptions:
             raise OptionsError(f"{name} must be {what}, got {value!r}")
         object.__setattr__(self, name, str(value))
 
-    @classmethod
-    def of(cls, options: RuntimeOptions | None = None, **settings: Any) -> RuntimeOptions:
-        """`options`, or (the keyword shorthand of the Python API) `RuntimeOptions(**settings)`."""
-        if options is None:
-            return cls(**settings)
-        if settings:
-            raise TypeError(f"give the runtime options whole or as keywords, not both ({', '.join(settings)})")
-        return options
-
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
@@ -271,18 +251,7 @@ class RuntimeOptions:
         return frozenset(field.name for field in fields(cls))
 
     def to_json(self) -> dict[str, Any]:
-        """Every option, as a results JSON records it."""
-        return {"policy": self.policy, "memory": self.memory,
-                "budget": self.budget.as_json() if self.budget is not None else None, "store": self.store,
-                "drop_page_cache": self.drop_page_cache, "device": self.device,
-                "transfer_workers": self.transfer_workers, "read_depth": self.read_depth,
-                "prefetch_per_layer": self.prefetch_per_layer,
-                "link_timing": self.link_timing.to_dict() if self.link_timing is not None else None,
-                "next_token_min_chance": self.next_token_min_chance, "dtype": self.dtype,
-                "slot_format": self.slot_format, "fine_model": self.fine_model, "fine_share": self.fine_share,
-                "precision_rule": self.precision_rule, "expert_pipeline": self.expert_pipeline,
-                "lookahead_layers": self.lookahead_layers, "lookahead_probe": self.lookahead_probe,
-                "expert_kernel": self.expert_kernel, "expert_kernel_table": self.expert_kernel_table,
-                "hybrid_schedule": self.hybrid_schedule,
-                "map_experts": self.map_experts, "context_tokens": self.context_tokens,
-                "prediction_guard": self.prediction_guard, "table_wait": self.table_wait}
+        """Every option, as a results JSON records it (the budget and the link timing as their own JSON)."""
+        record = {field.name: getattr(self, field.name) for field in fields(self)}
+        return {**record, "budget": self.budget.as_json() if self.budget is not None else None,
+                "link_timing": self.link_timing.to_dict() if self.link_timing is not None else None}

@@ -47,9 +47,10 @@ from tqdm import tqdm
 
 from offload_runtime.engine.generate import generate_offloaded
 from offload_runtime.engine.loader import whole_model_memory
-from offload_runtime.engine.options import RuntimeOptions, best_policy
+from offload_runtime.engine.options import RuntimeOptions
+from offload_runtime.engine.resolve import best_policy
 from offload_runtime.planning.link_profile import measure_random_reads, model_read_file
-from offload_runtime.planning.tuned import TUNED_SETTINGS, machine_key
+from offload_runtime.engine.tuned import TUNED_SETTINGS, machine_key
 from offload_runtime.planning.tune_child import decode as decode_here
 from prescient.capped_run import cgroup_kind, drop_page_cache, run_capped
 from prescient.errors import CapacityError, PrescientError

@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.authentication import AuthenticationMiddleware
 
 from offload_runtime.engine.options import RuntimeOptions
+from offload_runtime.engine.resolve import options_for
 from offload_runtime.server import schemas
 from offload_runtime.server.auth import APIKeys, unauthorized
 from offload_runtime.server.handlers import serve_request
@@ -131,7 +132,7 @@ def serve_config(model_dir: str | Path, predictor: str | Path | ExpertPredictor 
     """The `ServeConfig` of `create_app`'s arguments, checked (ServerSettingsError where they cannot
     serve together)."""
     runtime = {name: settings.pop(name) for name in RuntimeOptions.names() & settings.keys()}
-    return ServeConfig(Path(model_dir), predictor, RuntimeOptions.of(options, **runtime), **settings)
+    return ServeConfig(Path(model_dir), predictor, options_for(model_dir, predictor, options, runtime), **settings)
 
 
 def run_server(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", ssl_keyfile: str | None = None,

@@ -11,6 +11,7 @@ import torch
 from cache.timing import LinkTiming
 from offload_runtime.engine.generate import GenerationError, Sampling, generate_offloaded
 from offload_runtime.engine.options import OptionsError, RuntimeOptions
+from offload_runtime.engine.resolve import options_for
 from predictor.base import PredictorError
 from prescient.budget import Budget
 from prescient.errors import CapacityError, PrescientError
@@ -51,11 +52,13 @@ def test_options_are_normalised_frozen_and_recorded_whole():
     assert record["budget"] == 0.5 and record["link_timing"] == link.to_dict()
 
 
-def test_options_come_whole_or_as_keywords_never_both():
+def test_options_come_whole_or_as_keywords_never_both(tiny_moe_dir):
+    model_dir = tiny_moe_dir("mixtral")
     options = RuntimeOptions(budget=0.25)
-    assert RuntimeOptions.of(options) is options and RuntimeOptions.of(budget=0.25) == options
+    assert options_for(model_dir, None, options, {}) is options
+    assert options_for(model_dir, None, None, {"budget": 0.25}) == options
     with pytest.raises(TypeError, match="not both"):
-        RuntimeOptions.of(options, policy="lfu")
+        options_for(model_dir, None, options, {"policy": "lfu"})
 
 
 def test_generate_records_every_option(tiny_moe_dir):

@@ -12,10 +12,10 @@ from cli import args as cli_args
 from cli.main import main
 from offload_runtime.engine import loader
 from offload_runtime.engine.memory_plan import MiB, reserve_bytes
+from offload_runtime.engine import tuned as tuned_module
 from offload_runtime.engine.options import RuntimeOptions
+from offload_runtime.engine.tuned import load_tuned, save_tuned
 from offload_runtime.planning import tune as tune_module
-from offload_runtime.planning import tuned as tuned_module
-from offload_runtime.planning.tuned import load_tuned, save_tuned
 from prescient.capped_run import cgroup_kind
 from prescient.errors import CapacityError
 from prescient.model_dir import ModelDirectory

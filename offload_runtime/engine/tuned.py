@@ -1,5 +1,5 @@
 """The configurations `prescient tune` measured best, kept per model and machine, and read back
-as the defaults of `generate`, `serve` and `bench --memory`.
+as defaults by `engine.resolve.resolve_options` (`generate`, `serve`, `bench --memory`, the Python API).
 
 A tuned file holds, per memory size measured, the settings that decode fastest there (transfer
 workers, parallel reads, policy, cross-token prefetch, in-token lookahead, the expert pipeline, mapped experts). It is keyed by the
@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from offload_runtime.engine.options import RuntimeOptions, best_policy
+from offload_runtime.engine.options import RuntimeOptions
 from prescient.atomic import write_results
 from prescient.budget import MAX_BYTES
 from prescient.errors import PrescientError
@@ -167,9 +167,3 @@ def tuned_settings(model_dir: str | Path | ModelDirectory, memory: int) -> dict[
              ", ".join(f"{k}={v}" for k, v in settings.items()))
     return settings
 
-
-def memory_options(model_dir: str | Path | ModelDirectory, memory: int,
-                   predictor: str | Path | None = None) -> RuntimeOptions:
-    """What `--model M --memory SIZE [--predictor P]` runs when nothing else is named: the tuned
-    settings nearest `memory`, over the built-in defaults and the best measured policy."""
-    return RuntimeOptions(memory=memory, **{"policy": best_policy(predictor), **tuned_settings(model_dir, memory)})
