@@ -43,7 +43,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--predictor", metavar="ARTIFACT", help="--memory: the runtime's predictor (default: none)")
     p.add_argument("--systems", type=names, default=None, metavar="NAMES",
                    help="--memory: comma list of plain, mmap, no-predictor, prescient (the runtime with --predictor), "
-                        "oracle (default: all; prescient only with --predictor)")
+                        "oracle, llama.cpp (with --llama-cpp and --gguf) (default: all; prescient only with --predictor, "
+                        "llama.cpp only with --llama-cpp)")
+    p.add_argument("--llama-cpp", metavar="BIN_DIR",
+                   help="--memory: a llama.cpp build's bin folder (llama-completion): llama.cpp runs beside the other "
+                        "systems, in the same cgroups, on --gguf (docs/memory.md; default: not run)")
+    p.add_argument("--gguf", metavar="MODEL.gguf", help="--memory: the model converted to GGUF, for --llama-cpp")
     p.add_argument("--run-timeout", type=positive_int, default=1800, metavar="S",
                    help="--memory: seconds before a run is stopped and recorded as timed out")
     p.add_argument("--new-tokens", type=positive_int, default=None,
@@ -88,7 +93,7 @@ def run_memory(args: argparse.Namespace) -> dict:
     result = bench_memory(directory.path, args.memory, prompts, json_path=args.json, plot_path=args.plot,
                           new_tokens=args.new_tokens or 128, repeats=args.repeats, threads=args.threads or 1,
                           predictor=args.predictor, systems=tuple(args.systems) if args.systems else None,
-                          timeout_s=args.run_timeout)
+                          timeout_s=args.run_timeout, llama_cpp=args.llama_cpp, gguf=args.gguf)
     print(summary_text(result))
     return result
 

@@ -2,8 +2,9 @@
 
     python -m experiments.bench_memory.child SPEC.json OUT.json
 
-SPEC: {"system": "floor" | "plain" | "mmap" | "prescient", "model", "prompt", "new_tokens",
-"threads", "memory" (the cap in bytes, or null), "predictor" (prescient's artifact, or null)}.
+SPEC: {"system": "floor" | "plain" | "mmap" | "prescient" | "llama.cpp" | ..., "model", "prompt", "new_tokens",
+"threads", "memory" (the cap in bytes, or null), "predictor" (prescient's artifact, or null),
+"llama_cpp" and "gguf" (llama.cpp's bin folder and the model's GGUF, or null)}.
 OUT: the system's record (token ids, prefill seconds, decode tokens/s, ...), or {"refused": why}
 where the runtime refuses the cap (a `CapacityError`: too small for it, by its own account), and
 this process's memory at the end (`proc_status`). `floor` imports torch, transformers and the runtime and loads
@@ -34,6 +35,10 @@ def proc_status() -> dict[str, int]:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
+    if spec["system"] == "llama.cpp":  # its own process beside this one, which loads nothing of torch
+        from experiments.bench_memory.llama_cpp import run_llama_cpp
+
+        return run_llama_cpp(spec)
     import torch
     import transformers  # noqa: F401  (the floor holds it)
 

@@ -37,7 +37,12 @@ METHOD = {
                   "no-predictor per prompt, and their median over the prompts (the paired statistic)",
     "decoding": "greedy, up to new_tokens after the prompt, batch 1; a streamer notes each token: prefill to the "
                 "first new token, tokens/s over the rest (decode only)",
-    "exact": "a run is exact when its token ids equal the uncapped plain model's",
+    "exact": "a run is exact when its token ids equal the uncapped plain model's (llama.cpp, whose ids are not "
+             "ours: when its text and the plain model's decoded text are the same as far as both go; text_equal: "
+             "the same whole)",
+    "llama.cpp": "llama-completion greedy on a GGUF of the model, memory-mapped, run from the child process (the same "
+                 "cgroup and cap); tokens/s from its 'eval time = X ms / N runs' line (decode only), bytes read per "
+                 "token from its /proc/<pid>/io read_bytes between its first and last printed token, over N",
     "killed": "the kernel killed the run for want of memory under the cap (the cgroup's oom_kill count, or SIGKILL)",
     "refused": "the runtime refused the cap before loading (too small by its own account; the message names the "
                "smallest it takes)",
@@ -151,15 +156,18 @@ def _over(speeds: dict[str, float | None], base: str) -> dict[str, float | None]
 
 
 def ratios(summary: list[dict[str, Any]], caps: list[int]) -> list[dict[str, Any]]:
-    """prescient's median tokens/s over plain's, mmap's and no-predictor's at each cap."""
+    """prescient's median tokens/s over plain's, mmap's and no-predictor's at each cap, and the
+    runtime's (with and without its predictor) over llama.cpp's where it ran."""
     median = {(s["cap_bytes"], s["system"]): (s["tokens_per_s"] or {}).get("median") for s in summary}
+    pairs = [("prescient", other) for other in ("plain", "mmap", "no-predictor")]
+    if any(system == "llama.cpp" for _, system in median):
+        pairs += [("prescient", "llama.cpp"), ("no-predictor", "llama.cpp")]
     out = []
     for cap in caps:
-        mine = median.get((cap, "prescient"))
-        entry = {"cap_bytes": cap}
-        for other in ("plain", "mmap", "no-predictor"):
-            theirs = median.get((cap, other))
-            entry[f"prescient/{other}"] = mine / theirs if mine and theirs else None
+        entry: dict[str, Any] = {"cap_bytes": cap}
+        for mine, other in pairs:
+            ours, theirs = median.get((cap, mine)), median.get((cap, other))
+            entry[f"{mine}/{other}"] = ours / theirs if ours and theirs else None
         out.append(entry)
     return out
 
@@ -187,20 +195,23 @@ def _write(result: dict[str, Any], caps: list[int], json_path: str | Path) -> No
 def bench_memory(model_dir: str | Path, caps: list[int], prompts: list[str], *, json_path: str | Path,
                  plot_path: str | Path | None = None, new_tokens: int = 128, repeats: int = 3, threads: int = 1,
                  predictor: str | None = None, systems: tuple[str, ...] | None = None, timeout_s: float = 1800.0,
-                 runner: Runner = run_capped) -> dict[str, Any]:
+                 runner: Runner = run_capped, llama_cpp: str | Path | None = None,
+                 gguf: str | Path | None = None) -> dict[str, Any]:
     """Measure the curve (see the module doc); the JSON is rewritten after every run, the PNG at
-    the end. `systems` defaults to every one (`prescient` only with a predictor). MemoryBenchError
-    when an uncapped plain run, a reference, does not finish."""
+    the end. `systems` defaults to every one (`prescient` only with a predictor, `llama.cpp` only
+    with `llama_cpp`, its bin folder, and `gguf`). MemoryBenchError when an uncapped plain run, a
+    reference, does not finish."""
     from experiments.machine import machine_info
 
-    systems = tuple(s for s in SYSTEMS if predictor or s != "prescient") if systems is None else systems
+    systems = default_systems(predictor, llama_cpp) if systems is None else systems
     if not caps or any(cap <= 0 for cap in caps) or unknown(systems) or not prompts:
         raise MemoryBenchError(f"give at least one positive cap, one prompt and systems among {', '.join(SYSTEMS)}")
     if "prescient" in systems and not predictor:
         raise MemoryBenchError("the prescient system is the runtime with its predictor: give --predictor")
+    llama = check_llama_cpp(llama_cpp, gguf, "llama.cpp" in systems)
     kind = cgroup_kind()
     spec = {"model": str(model_dir), "new_tokens": new_tokens, "threads": threads,
-            "predictor": predictor and str(predictor)}
+            "predictor": predictor and str(predictor), **llama}
     result: dict[str, Any] = {
         "what": "decode tokens/s against a memory cap: plain transformers, the model memory-mapped, the runtime "
                 "without a predictor, with it, and with an oracle",
@@ -223,12 +234,48 @@ def bench_memory(model_dir: str | Path, caps: list[int], prompts: list[str], *, 
                         record = child_run({**prompt_spec, "system": system}, cap, runner, timeout_s)
                         record.update(repeat=repeat, prompt_index=prompt_spec["prompt_index"])
                         if record["status"] == "ok":
-                            record["exact"] = record["token_ids"] == reference["token_ids"]
+                            record["exact"] = same_greedy(record, reference)
+                            if "text" in record and "token_ids" not in record:
+                                record["text_equal"] = record["text"] == reference.get("text")
                         result["runs"].append(record)
                         _write(result, caps, json_path)
     if plot_path:
         plot_memory_curve(result, plot_path)
     return result
+
+
+def default_systems(predictor: str | None, llama_cpp: str | Path | None) -> tuple[str, ...]:
+    """Every system, but `prescient` only with a predictor and `llama.cpp` only with its binary."""
+    return tuple(s for s in SYSTEMS if (predictor or s != "prescient") and (llama_cpp or s != "llama.cpp"))
+
+
+def check_llama_cpp(llama_cpp: str | Path | None, gguf: str | Path | None, wanted: bool) -> dict[str, str | None]:
+    """The spec's llama.cpp settings (absolute paths, checked now: a missing binary or GGUF is one
+    line before any run), or None for both where the llama.cpp system is not run."""
+    from experiments.bench_memory.llama_cpp import LlamaCppError, binary_path, check_gguf
+
+    if not wanted:
+        return {"llama_cpp": None, "gguf": None}
+    if not llama_cpp or not gguf:
+        raise MemoryBenchError("the llama.cpp system needs --llama-cpp (its build's bin folder) and --gguf (the model "
+                               "converted to GGUF); see docs/memory.md")
+    try:
+        return {"llama_cpp": str(binary_path(llama_cpp).parent.resolve()), "gguf": str(check_gguf(gguf).resolve())}
+    except LlamaCppError as exc:
+        raise MemoryBenchError(str(exc)) from None
+
+
+def same_greedy(record: dict[str, Any], reference: dict[str, Any]) -> bool:
+    """Whether a run's greedy output is the uncapped plain model's: its token ids; for llama.cpp
+    (whose ids are not ours) its text, the same as far as both go: the same text may end on another
+    token boundary (llama.cpp's 96 tokens of runs/tw printed the plain model's 390 characters and a
+    "\\n\\n" more), and llama.cpp ignores EOS where the plain model may stop."""
+    if "token_ids" in record:
+        return record["token_ids"] == reference["token_ids"]
+    mine, theirs = record.get("text"), reference.get("text")
+    if mine is None or theirs is None:
+        return False
+    return mine.startswith(theirs) or theirs.startswith(mine)
 
 
 def _reference(spec: dict[str, Any], runner: Runner, timeout_s: float) -> dict[str, Any]:

@@ -13,6 +13,8 @@ prompt's put and each new token; prefill runs to the first new token, decode fro
   the reference run's own trace: the prompt and the plain model's tokens): learned eviction on
   certain forecasts (Belady's rule over the next 8 tokens), prefetch of every layer's experts and of
   the next token's, SiDA's wait for each table. What prediction could win at that cap.
+- `llama.cpp`: llama.cpp's `llama-completion` on a GGUF of the model, memory-mapped (`llama_cpp`;
+  optional: only where its binary and the GGUF are given).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import nn
 
 from offload_runtime.engine.generate import generate_offloaded, timed_generate
 
-SYSTEMS = ("plain", "mmap", "no-predictor", "prescient", "oracle")
+SYSTEMS = ("plain", "mmap", "no-predictor", "prescient", "oracle", "llama.cpp")  # llama.cpp: `llama_cpp`, run by `child`
 ORACLE_OPTIONS = {"policy": "learned-belady", "next_token_min_chance": 0.5, "table_wait": 0.05,
                   "prediction_guard": False}  # the oracle is the bound: nothing guards it
 
@@ -41,7 +43,9 @@ def run_plain(spec: dict[str, Any]) -> dict[str, Any]:
 
     directory = ModelDirectory.open(spec["model"])
     model = model_class(directory.config).from_pretrained(directory.path).eval()
-    record = greedy(model, directory.tokenizer(), spec)
+    tokenizer = directory.tokenizer()
+    record = greedy(model, tokenizer, spec)
+    record["text"] = tokenizer.decode(record["token_ids"])  # what llama.cpp's text is compared with
     if spec.get("oracle_trace"):
         trace_own_sequence(model, directory, spec, record["token_ids"])
     return record
