@@ -1,11 +1,39 @@
-"""Running a model whose experts do not fit in fast memory, in four rooms:
+"""Running a model whose experts do not fit in fast memory. The Python API is these names:
 
-- `engine/`: the serving runtime — its options (`RuntimeOptions`), expert store (slow tier),
-  slot pool (fast tier), transfer engine, hash-building thread and prefetch, the module that
-  replaces a model's experts, `load_offloaded`; its `__init__` walks one miss through them.
+    from offload_runtime import load_offloaded
+
+    model = load_offloaded("runs/demo/model", "runs/demo/predictor/sida", memory="2GiB")
+    with model.offload_runtime as runtime:   # stops its threads at the end
+        ...                                  # model.generate(...) as with any transformers model
+        print(runtime.stats(), runtime.memory_plan)
+
+- `load_offloaded`: a transformers model whose experts are offloaded, its runtime attached;
+- `generate_offloaded`: load, generate and measure in one call (what `prescient generate` runs);
+- `RuntimeOptions`: every setting of the runtime, checked when made;
+- `resolve_options`: the options a run uses, from the settings named over the tuned and measured
+  defaults (the command line and `load_offloaded` both call it);
+- `MemoryPlan`: what a memory cap buys (resident, mapped, or so many expert slots);
+- `OffloadRuntime`: the runtime of an offloaded model (`model.offload_runtime`).
+
+The package's rooms:
+
+- `engine/`: the serving runtime — its options (`RuntimeOptions`, resolved by `resolve.py`), expert
+  store (slow tier), slot pool (fast tier), transfer engine, hash-building thread and prefetch, the
+  module that replaces a model's experts, `load_offloaded`; its `__init__` walks one miss through them.
 - `cgopipe/`: MoE-Lightning's batch decoding (CGOPipe) over the engine, and request batching.
 - `server/`: the OpenAI-compatible HTTP server over the engine (routes, per-endpoint handling,
   typed bodies, the batching scheduler, Prometheus metrics).
-- `planning/`: the HRM performance model, hardware profiles and the policy search; it imports
-  nothing of the engine.
+- `planning/`: the HRM performance model, hardware profiles and the policy search, which import
+  nothing of the engine; `tune` measures configurations by decoding through the engine, and
+  `link_profile` reads the engine's disk store to measure it.
 """
+
+from offload_runtime.engine.generate import generate_offloaded
+from offload_runtime.engine.loader import load_offloaded
+from offload_runtime.engine.memory_plan import MemoryPlan
+from offload_runtime.engine.options import RuntimeOptions
+from offload_runtime.engine.resolve import resolve_options
+from offload_runtime.engine.runtime import OffloadRuntime
+
+__all__ = ["MemoryPlan", "OffloadRuntime", "RuntimeOptions", "generate_offloaded", "load_offloaded",
+           "resolve_options"]

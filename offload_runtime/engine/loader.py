@@ -38,8 +38,10 @@ log = logging.getLogger(__name__)
 def load_offloaded(model_dir: str | Path | ModelDirectory, predictor: str | Path | ExpertPredictor | None = None,
                    options: RuntimeOptions | None = None, **settings: Any):
     """A transformers model whose routed experts live in `options.store` and are loaded into
-    `options.budget` worth of slots on `options.device` (see `RuntimeOptions`; `settings`, its
-    fields as keywords, are a shorthand for `options=RuntimeOptions(**settings)`). `predictor`
+    `options.budget` worth of slots on `options.device` (see `RuntimeOptions`). `options` given
+    whole is used as it is; else `settings`, its fields as keywords, are resolved as the command
+    line resolves its flags (`resolve_options`: with `memory`, the settings `prescient tune`
+    measured best; the policy that measured best with `predictor`). `predictor`
     (an artifact path, or a predictor) drives SiDA-style prefetching; one built for another
     model is a `FingerprintMismatchError`. `transfer_workers` copies run at once (on our CPU
     machine two made no measurable difference to decode speed from disk; see docs/results). With

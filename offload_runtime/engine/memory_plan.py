@@ -34,7 +34,9 @@ RESERVED_CONTEXT = 4096  # tokens of KV cache kept free (the model's context, or
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """What a cap buys; every figure in bytes."""
+    """What a memory cap buys, decided before the weights load: every expert resident (the plain
+    model), every weight mapped from the checkpoint, or `slots` expert slots beside the rest; every
+    figure in bytes. `line()` says it in one line, as `generate` and `serve` print it."""
 
     cap: int
     footprint: int  # the process with its non-expert weights loaded (estimated before loading)

@@ -101,6 +101,12 @@ class RuntimeStats:
 
 
 class OffloadRuntime:
+    """The runtime of an offloaded model (`model.offload_runtime`, made by `load_offloaded`): the
+    expert cache over its slots, the transfer engine that fills them, the hash-building thread that
+    predicts ahead. `stats()` counts hits, misses, prefetches and stalls (`RuntimeStats`);
+    `memory_plan` is what the memory cap bought (None under a budget); `close()`, or leaving
+    `with model.offload_runtime:`, stops its threads."""
+
     def __init__(self, model: nn.Module, layers: list[MoELayer], store: ExpertStore, pool: SlotPool | TieredSlotPool,
                  fingerprint: ModelFingerprint, policy: EvictionPolicy, options: RuntimeOptions,
                  predictor: ExpertPredictor | None = None, fine_store: ExpertStore | None = None) -> None:
@@ -372,6 +378,7 @@ class OffloadRuntime:
     # -- reporting and shutdown -------------------------------------------------------------
 
     def stats(self) -> RuntimeStats:
+        """Everything counted since the model loaded: hits, misses, prefetches, bytes moved, stalls."""
         c, t = self.cache.stats, self.engine.stats
         h = self.hybrid.counts if self.hybrid is not None else HybridCounts()
         # an expert computed where it lives is an access the cache did not see: a miss unless it held a slot
