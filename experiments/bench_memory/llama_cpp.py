@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -93,13 +94,16 @@ def read_bytes(pid: int) -> int | None:
 
 def run_llama_cpp(spec: dict[str, Any]) -> dict[str, Any]:
     """One greedy run (see the module doc): text, decode tokens/s, bytes read per decoded token."""
-    process = subprocess.Popen(command(spec), stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
-    pieces, reads = [], []
-    while chunk := process.stdout.read(4096):
-        reads.append(read_bytes(process.pid))
-        pieces.append(chunk)
-    log = process.stderr.read().decode("utf-8", "replace")
-    if process.wait() != 0:
+    with tempfile.TemporaryFile() as errors:  # a file, not a pipe: its log thread must never block on a full pipe
+        process = subprocess.Popen(command(spec), stdout=subprocess.PIPE, stderr=errors, bufsize=0)
+        pieces, reads = [], []
+        while chunk := process.stdout.read(4096):
+            reads.append(read_bytes(process.pid))
+            pieces.append(chunk)
+        process.wait()
+        errors.seek(0)
+        log = errors.read().decode("utf-8", "replace")
+    if process.returncode != 0:
         raise LlamaCppError(f"llama-completion exited {process.returncode}: "
                             + " | ".join(log.strip().splitlines()[-3:]))
     timings = parse_timings(log)
