@@ -368,4 +368,4 @@ def runtime_options(args: argparse.Namespace, **fields: object) -> RuntimeOption
         flags["expert_kernel_table"] = args.expert_kernel_table
     if "next_token" in names and args.next_token is not None:
         flags["next_token_min_chance"] = args.next_token_min_chance if args.next_token else None
-    return resolve_options(args.model, getattr(args, "predictor", None), {**flags, **fields})
+    return resolve_options(getattr(args, "model", None), getattr(args, "predictor", None), {**flags, **fields})

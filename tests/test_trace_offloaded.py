@@ -88,7 +88,7 @@ def test_trace_command_with_a_budget(resident, tmp_path):
 
 def test_a_run_without_a_predictor_drops_the_tuned_settings_that_need_one():
     """`prescient tune` measured with a predictor; `trace --memory` (no predictor) takes the rest."""
-    from cli.args import _without_forecasts
+    from offload_runtime.engine.resolve import _without_forecasts
 
     tuned = {"policy": "learned-belady", "next_token_min_chance": 0.5, "transfer_workers": 2, "expert_pipeline": True}
     assert _without_forecasts(tuned) == {"transfer_workers": 2, "expert_pipeline": True}

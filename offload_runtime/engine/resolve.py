@@ -57,11 +57,12 @@ def best_policy(predictor: Predictor) -> str:
     return "learned-belady" if has_forecasts(predictor) else "lru"
 
 
-def resolve_options(model_dir: str | Path | ModelDirectory, predictor: Predictor = None,
+def resolve_options(model_dir: str | Path | ModelDirectory | None, predictor: Predictor = None,
                     overrides: Mapping[str, Any] | None = None) -> RuntimeOptions:
     """The `RuntimeOptions` of a run of `model_dir` with `predictor`: `overrides` (the fields a user
     named) over the tuned settings at their `memory`, the best measured policy and the defaults (see
-    the module's docstring). Checked as `RuntimeOptions` checks every option."""
+    the module's docstring; `model_dir` is read only with a memory cap). Checked as `RuntimeOptions`
+    checks every option."""
     named = dict(overrides or {})
     memory = named.get("memory")
     if isinstance(memory, str):
