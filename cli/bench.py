@@ -66,7 +66,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--hash-cost", default="auto",
                    help="predictor of hash_thread_cost; auto: sida if given, else skipped; off: skipped")
     p.add_argument("--threads", type=threads, default=None,
-                   help="torch threads per run (default: torch's; with --memory, 1)")
+                   help="torch threads per run (default: torch's; with --memory, what generate and serve use: the "
+                        "CPUs this process may use, capped by its cgroup's CPU quota)")
     add_runtime_args(p, "store", "transfer_workers", "dtype", "slot_format", "lookahead_probe")  # each run names its policy, budget and prefetch modes
     p.add_argument("--keep-page-cache", action="store_true", help="disk store: leave read pages in the page cache")
     p.add_argument("--in-process", action="store_true", help="every run in this process (quick checks)")
@@ -84,6 +85,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run_memory(args: argparse.Namespace) -> dict:
     """The memory curve (`experiments.bench_memory`)."""
     from experiments.bench_memory.orchestrate import bench_memory, corpus_prompts, summary_text
+    from offload_runtime.engine.threads import decode_threads
     from prescient.model_dir import ModelDirectory
     from training.corpora import load_corpus
 
@@ -91,7 +93,7 @@ def run_memory(args: argparse.Namespace) -> dict:
     texts = list(load_corpus(args.dataset, args.split)["text"][:200])
     prompts = corpus_prompts(directory.tokenizer(), texts, args.prompt_tokens, args.prompts)
     result = bench_memory(directory.path, args.memory, prompts, json_path=args.json, plot_path=args.plot,
-                          new_tokens=args.new_tokens or 128, repeats=args.repeats, threads=args.threads or 1,
+                          new_tokens=args.new_tokens or 128, repeats=args.repeats, threads=args.threads or decode_threads(),
                           predictor=args.predictor, systems=tuple(args.systems) if args.systems else None,
                           timeout_s=args.run_timeout, llama_cpp=args.llama_cpp, gguf=args.gguf)
     print(summary_text(result))

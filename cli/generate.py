@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> dict:
     """Generate, print, write `--json`; returns the JSON record."""
     from offload_runtime.engine.generate import GenerationError, Sampling, generate_offloaded
     from offload_runtime.engine.memory_plan import MemoryPlan
+    from offload_runtime.engine.threads import use_decode_threads
     from prescient.atomic import write_results
 
     shape = {name: value for name, value in (("temperature", args.temperature), ("top_p", args.top_p))
@@ -41,6 +42,7 @@ def run(args: argparse.Namespace) -> dict:
     if shape and args.sample is None:
         raise GenerationError("--temperature and --top-p shape sampled decoding: give --sample SEED too")
     sampling = None if args.sample is None else Sampling(args.sample, **shape)
+    use_decode_threads()
     record = generate_offloaded(args.model, args.prompt, args.max_new_tokens, predictor=args.predictor,
                                 options=runtime_options(args), sampling=sampling)
     print(record["text"])

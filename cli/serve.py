@@ -35,7 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--port", type=port, default=8000)
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model directory's name)")
-    p.add_argument("--threads", type=threads, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=threads, default=None,
+                   help="torch threads (default: the CPUs this process may use, capped by its cgroup's CPU quota)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     requests = p.add_argument_group("requests", "how many are decoded together, wait, and how they end")
     requests.add_argument("--max-batch", type=positive_int, default=16, help="requests decoded together")
@@ -71,7 +72,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> None:
-    import torch
+    from offload_runtime.engine.threads import use_decode_threads
 
     from offload_runtime.server import run_server
 
@@ -86,7 +87,6 @@ def run(args: argparse.Namespace) -> None:
                      routing=args.routing, threads=args.threads, ssl_keyfile=args.ssl_keyfile,
                      ssl_certfile=args.ssl_certfile)
         return
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    use_decode_threads(args.threads)
     run_server(host=args.host, port=args.port, log_level=args.log_level, ssl_keyfile=args.ssl_keyfile,
                ssl_certfile=args.ssl_certfile, **app_args)
