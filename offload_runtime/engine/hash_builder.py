@@ -19,6 +19,16 @@ behind and its tables arrive late. `wait(step, timeout)` is SiDA's own rule inst
 thread idles until the batch's table is popped): block until the table lands, at most `timeout`.
 A failure of the predictor stops the thread and is raised, as `HashBuilderError`, by every later
 `submit`, `poll` or `wait`.
+
+Inline (`threaded=False`, the runtime's choice where the slots are on the CPU) there is no thread:
+`submit` predicts at once and the table is ready when it returns. On a CPU machine the thread's
+work is small (0.3 ms a token for the demo's SiDA predictor with its forecast heads) but it runs
+Python, and its turns at the GIL delayed the inference thread by more than that; inline, the cost
+is the work itself, and the runtime can time it (`OffloadRuntime.predictor_seconds`).
+
+`sleep(True)` (the prediction guard pausing predictions) keeps what is submitted without
+predicting; after `sleep(False)` the next `submit` first steps the states over what was kept
+(without forecasts: those tables are moot), so a woken predictor has seen every token.
 """
 
 from __future__ import annotations
@@ -65,7 +75,7 @@ class HashBuilder:
     """Owns the predictor's decode state; only its thread touches the predictor."""
 
     def __init__(self, predictor: Any, keep: int = 4, join_timeout: float = 10.0, forecasts: bool = False,
-                 next_token: bool = False) -> None:
+                 next_token: bool = False, threaded: bool = True) -> None:
         self.predictor = predictor
         self.forecasts = forecasts  # tables also carry chances of use from the forecast heads
         self.next_token = next_token  # tables also carry the next forward's chances (forecast head t+1)
@@ -78,8 +88,13 @@ class HashBuilder:
         self._error: BaseException | None = None
         self._closed = False
         self._states: dict[int, Any] = {}  # per stream, the predictor's decode state (None is a valid state)
+        # inline (threaded=False): `submit` predicts at once, on the caller's thread
+        self.threaded = threaded
+        self._asleep = False  # see `sleep`
+        self._held: list = []  # requests submitted while asleep, in order
         self._thread = threading.Thread(target=self._run, name="hash-builder", daemon=True)
-        self._thread.start()
+        if threaded:
+            self._thread.start()
 
     def submit(self, step: int, input_ids: torch.Tensor, new_sequence: bool,
                attention_mask: torch.Tensor | None = None, stream: int = 0,
@@ -94,12 +109,40 @@ class HashBuilder:
             raise HashBuilderError("the hash-building thread is closed")
         mask = None if attention_mask is None else attention_mask.detach().to("cpu")
         rows = None if rows is None else list(rows)
-        self._requests.put((step, input_ids.detach().to("cpu"), new_sequence, mask, stream, rows))
+        request = (step, input_ids.detach().to("cpu"), new_sequence, mask, stream, rows, True)
+        if self._asleep:
+            if new_sequence and rows is None:  # the stream starts afresh: what it held before is moot
+                self._held = [r for r in self._held if isinstance(r, _Forget) or r[4] != stream or r[5] is not None]
+            self._held.append(request)
+            return
+        if self._held:  # woken: catch the predictor's states up first (their tables are moot: no forecasts)
+            held, self._held = self._held, []
+            for earlier in held:
+                self._serve(earlier if isinstance(earlier, _Forget) else (*earlier[:-1], False))
+        self._serve(request)
+
+    def _serve(self, request: Any) -> None:
+        if self.threaded:
+            self._requests.put(request)
+        elif not self._handle(request):
+            if not isinstance(self._error, Exception):
+                raise self._error  # inline: a Ctrl-C stays a Ctrl-C
+            self._raise_pending()
 
     def forget(self, rows: list[Hashable]) -> None:
         """Drop the per-sequence states of `rows` (queued: only the thread touches states)."""
-        if not self._closed:
-            self._requests.put(_Forget(frozenset(rows)))
+        if self._closed:
+            return
+        if self._asleep:
+            self._held.append(_Forget(frozenset(rows)))
+        else:
+            self._serve(_Forget(frozenset(rows)))
+
+    def sleep(self, asleep: bool = True) -> None:
+        """Stop predicting (`asleep`) or go on (False). Asleep, `submit` and `forget` only keep
+        what they are handed: no table lands and the predictor costs nothing; the first `submit`
+        after waking runs what was kept, in order, so every state steps over every token."""
+        self._asleep = asleep
 
     def poll(self, step: int) -> HashTable | None:
         """The table of forward `step` if it is ready now, else None; never waits."""
@@ -113,7 +156,7 @@ class HashBuilder:
         self._raise_pending()
         with self._landed:
             self._landed.wait_for(lambda: step in self._tables or self._error is not None or self._closed
-                                  or not self._thread.is_alive(), timeout)
+                                  or not self._thread.is_alive(), timeout if self.threaded else 0)
             table = self._tables.get(step)
         self._raise_pending()
         return table
@@ -124,6 +167,8 @@ class HashBuilder:
         self._closed = True
         with self._landed:
             self._landed.notify_all()
+        if not self.threaded:
+            return
         self._requests.put(None)
         self._thread.join(self.join_timeout)
         if self._thread.is_alive():
@@ -136,7 +181,7 @@ class HashBuilder:
 
     @torch.inference_mode()
     def _predict(self, input_ids: torch.Tensor, new_sequence: bool, mask: torch.Tensor | None,
-                 stream: int) -> tuple[torch.Tensor, int, _Forecasts]:
+                 stream: int, forecast: bool = True) -> tuple[torch.Tensor, int, _Forecasts]:
         if new_sequence or stream not in self._states:
             self._states[stream] = self.predictor.start(input_ids.shape[0])
         state = self._states[stream]
@@ -150,11 +195,11 @@ class HashBuilder:
             summed = step_scores.sum(0)
             scores = summed if scores is None else scores + summed
         tokens = int(mask.sum()) if mask is not None else input_ids.numel()
-        return scores, tokens, self._forecasts(state, step_scores)
+        return scores, tokens, self._forecasts(state, step_scores) if forecast else (None, None, None)
 
     @torch.inference_mode()
     def _predict_rows(self, input_ids: torch.Tensor, mask: torch.Tensor | None, stream: int,
-                      rows: list[Hashable]) -> tuple[torch.Tensor, int, _Forecasts]:
+                      rows: list[Hashable], forecast: bool = True) -> tuple[torch.Tensor, int, _Forecasts]:
         """Each row with its own sequence's batch-1 state, over the row's real tokens only."""
         scores, tokens, forecasts = None, 0, (None, None, None)
         for row, sequence in enumerate(rows):
@@ -168,7 +213,7 @@ class HashBuilder:
                 step_scores = self.predictor.step(state, input_ids[row:row + 1, position]).float()
                 scores = step_scores.sum(0) if scores is None else scores + step_scores.sum(0)
                 tokens += 1
-            if real:
+            if real and forecast:
                 forecasts = tuple(row if seen is None else torch.maximum(seen, row)
                                   for seen, row in zip(forecasts, self._forecasts(state, step_scores)))
         if scores is None:  # no real token at all
@@ -192,28 +237,32 @@ class HashBuilder:
     def _run(self) -> None:
         while True:
             request = self._requests.get()
-            if request is None or self._closed:
+            if request is None or self._closed or not self._handle(request):
                 return
-            if isinstance(request, _Forget):
-                self._states = {k: v for k, v in self._states.items()
-                                if not (isinstance(k, tuple) and k[1] in request.rows)}
-                continue
-            step, input_ids, new_sequence, mask, stream, rows = request
-            try:
-                if rows is None:
-                    scores, tokens, forecasts = self._predict(input_ids, new_sequence, mask, stream)
-                else:
-                    scores, tokens, forecasts = self._predict_rows(input_ids, mask, stream, rows)
-            except BaseException as exc:  # raised in the inference thread by submit() / poll()
-                log.error("hash-building thread failed at forward %d: %r", step, exc)
-                with self._landed:
-                    self._error = exc
-                    self._landed.notify_all()
-                return
+
+    def _handle(self, request: Any) -> bool:
+        """Serve one request (a forward's ids, or sequences to forget); False once the predictor failed."""
+        if isinstance(request, _Forget):
+            self._states = {k: v for k, v in self._states.items()
+                            if not (isinstance(k, tuple) and k[1] in request.rows)}
+            return True
+        step, input_ids, new_sequence, mask, stream, rows, forecast = request
+        try:
+            if rows is None:
+                scores, tokens, forecasts = self._predict(input_ids, new_sequence, mask, stream, forecast)
+            else:
+                scores, tokens, forecasts = self._predict_rows(input_ids, mask, stream, rows, forecast)
+        except BaseException as exc:  # raised in the inference thread by submit() / poll()
+            log.error("hash-building thread failed at forward %d: %r", step, exc)
             with self._landed:
-                self._tables = {s: t for s, t in self._tables.items() if s > step - self.keep}
-                self._tables[step] = HashTable(step, scores, tokens, *forecasts)
+                self._error = exc
                 self._landed.notify_all()
+            return False
+        with self._landed:
+            self._tables = {s: t for s, t in self._tables.items() if s > step - self.keep}
+            self._tables[step] = HashTable(step, scores, tokens, *forecasts)
+            self._landed.notify_all()
+        return True
 
 
 def warm_up(predictor: Any, forecasts: bool, next_token: bool, tokens: int = 16) -> int:

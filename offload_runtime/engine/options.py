@@ -100,7 +100,11 @@ class RuntimeOptions:
     than LRU would, see `prediction_guard`; not with mixed precision or `hybrid_schedule`, whose rules
     decide on the forecasts themselves), `table_wait` (SiDA's rule: seconds a forward's first
     MoE layer waits for its hash table; 0: never wait; default 10 ms: the wait hands the GIL to the
-    hash-building thread, which otherwise waits up to the interpreter's 5 ms switch interval)."""
+    hash-building thread, which otherwise waits up to the interpreter's 5 ms switch interval),
+    `hash_thread` (SiDA's hash-building thread beside the inference thread; False: the predictor runs
+    inline at each forward's start, its table always on time; None, the default: the thread where the
+    slots are on a GPU, inline on the CPU, where the thread's turns at the GIL cost the inference
+    thread more than the predictor's own work, see `hash_builder`)."""
 
     policy: str = "lru"
     memory: int | None = None
@@ -128,6 +132,7 @@ class RuntimeOptions:
     context_tokens: int | None = None
     prediction_guard: bool = True
     table_wait: float = 0.01  # a SiDA step takes 0.2 ms; without the wait the GIL's 5 ms switch interval made tables late
+    hash_thread: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str):
@@ -143,6 +148,8 @@ class RuntimeOptions:
         for flag in ("drop_page_cache", "expert_pipeline", "hybrid_schedule", "prediction_guard"):
             if not isinstance(getattr(self, flag), bool):
                 raise OptionsError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.hash_thread is not None and not isinstance(self.hash_thread, bool):
+            raise OptionsError(f"hash_thread must be True, False or None (the device decides), got {self.hash_thread!r}")
         object.__setattr__(self, "device", str(check_device(self.device)))
         self._memory_settings()
         for name in ("transfer_workers", "read_depth"):

@@ -1,110 +1,140 @@
-"""The prediction guard: the runtime acts on its predictor only while that moves fewer experts
-than plain LRU would.
+"""The prediction guard: the runtime acts on its predictor only while that pays, in experts loaded
+and in time.
 
 A learned policy and its prefetches pay only where the forecasts are right: where they are
 wrong, learned eviction drops what LRU would have kept and the prefetches read experts nobody
 uses, so the run moves more bytes than it would without a predictor (on runs/tw at 1.1 GB, 357
-loads against LRU's 96 for one prompt). The guard keeps two shadows of the live cache, each the
-same `ExpertCache` over the same accesses and capacity (bookkeeping only: nothing is copied): LRU,
-and the live policy fed the predictor's forecasts. At each forward it adds up, as a moving sum over
-about `WINDOW` forwards, how many experts more than LRU's misses the live cache loaded (demand loads
-and prefetches: on one link a prefetch is a load too), and the learned shadow missed:
-- acting on predictions, an excess above `SLACK` pauses them: the live cache's learned ranks are
-  cleared (with no forecast, learned eviction is LRU by its tiebreak), nothing is prefetched, and
-  the forecasts reach the learned shadow alone;
-- paused, predictions resume once the learned shadow's excess is below -`SLACK` (it would have
-  missed fewer than LRU). A policy without forecasts (predictions drive prefetches alone) has no
-  learned shadow: it tries again after `PROBE_AFTER` windows.
-So a wrong predictor costs one window, and a predictor that is right again is followed again, as
-the robust learned-caching literature asks of a learned policy (never far below its classic twin).
+loads against LRU's 96 for one prompt). And where LRU already hits well, right forecasts save a
+few loads that cost less than running the predictor does (on runs/tb at 0.85 GB, 60 loads against
+LRU's 64 in 96 tokens, at 0.9 ms of prediction a token). The guard keeps a shadow of the live
+cache, the same `ExpertCache` over the same accesses and capacity with LRU's policy (bookkeeping
+only: nothing is copied), and at each forward adds up, as moving sums over about `WINDOW` forwards:
+- experts: how many more the live cache loaded (demand loads and prefetches) than LRU missed;
+- time: what the live run spent waiting for loads and predicting, less what LRU's misses would have
+  cost it at the run's own measured wait per demand load.
+Either sum above `SLACK` experts (or their time) pauses predictions: the live cache's learned ranks
+are cleared (with no forecast, learned eviction is LRU by its tiebreak), nothing is prefetched,
+and the predictor sleeps, costing nothing (`HashBuilder.sleep`: the ids it is handed are kept,
+and it catches up when woken). After `PROBE_AFTER` windows it wakes and the runtime acts again for
+a probe, judged the same way; each probe that loses doubles the next sleep. So a wrong (or too
+costly) predictor costs a window, then one probe in ever longer sleeps: never far below its
+classic twin, as the robust learned-caching literature asks of a learned policy.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
 from cache import ExpertCache, Key, make_policy
-from cache.policy import EvictionPolicy
 
 log = logging.getLogger(__name__)
 
 WINDOW = 16  # forwards the comparison remembers (an exponential moving sum with this time constant)
-SLACK = 4.0  # experts more than LRU's within the window before predictions count as losing (or winning)
-PROBE_AFTER = 4  # windows paused before a policy without forecasts (prefetch alone) tries predictions again
-WARMUP = 8  # forwards before the first judgement
+SLACK = 4.0  # experts (or their wait) more than LRU's within the window before predictions count as losing
+PROBE_AFTER = 4  # windows asleep before the first probe; each lost probe doubles it
+WARMUP = 8  # forwards acting before a judgement (at the start, and after each wake)
+
+
+class Spent(NamedTuple):
+    """What the live run has spent so far: seconds waiting for copies, demand loads (copies it
+    waited for), seconds of prediction on the inference thread, and seconds copying over loads."""
+
+    stall_seconds: float
+    demand_loads: int
+    predictor_seconds: float
+    copy_seconds: float
+    loads: int
+
+    def per_miss(self) -> float:
+        """What a miss costs this run: its wait per demand load; before any, a copy's time."""
+        if self.demand_loads:
+            return self.stall_seconds / self.demand_loads
+        return self.copy_seconds / self.loads if self.loads else 0.0
 
 
 class PredictionGuard:
-    """LRU's and the learned policy's shadows of the live cache, and whether the runtime acts on
-    predictions now (`acting`). `on_forecast` and `in` stand in for the live cache where the
-    prefetcher feeds forecasts."""
+    """The LRU shadow of the live cache and whether the runtime acts on predictions now
+    (`acting`). `spent` reads the live run's costs; `sleep(True/False)` puts the predictor to
+    sleep or wakes it. `on_forecast` and `in` stand in for the live cache where the prefetcher
+    feeds forecasts."""
 
-    def __init__(self, cache: ExpertCache, policy: EvictionPolicy, n_layers: int, n_experts: int, top_k: int) -> None:
-        self.cache = cache
-        shadow = {"n_layers": n_layers, "top_k": top_k, "n_experts": n_experts}
-        self.lru = ExpertCache(cache.capacity, make_policy("lru"), **shadow)
-        self.learned = ExpertCache(cache.capacity, type(policy)(), **shadow) if policy.uses_forecasts else None
+    def __init__(self, cache: ExpertCache, n_layers: int, n_experts: int, top_k: int,
+                 spent: Callable[[], Spent], sleep: Callable[[bool], None]) -> None:
+        self.cache, self.spent, self.sleep = cache, spent, sleep
+        self.lru = ExpertCache(cache.capacity, make_policy("lru"), n_layers=n_layers, top_k=top_k,
+                               n_experts=n_experts)
         self.n_layers, self.n_experts = n_layers, n_experts
-        # acting from the start, then judged: starting paused until the learned shadow (eviction alone)
-        # beat LRU lost the prefetches' gain: on runs/tb over 8 prompts the median ratio over no predictor
-        # was 1.08 and 0.89 at 0.66 and 0.85 GB, against 1.11 and 1.11 acting first
+        # acting from the start, then judged: starting paused lost the prefetches' gain (on runs/tb over
+        # 8 prompts the median ratio over no predictor was 1.08 and 0.89 at 0.66 and 0.85 GB, against 1.11
+        # and 1.11 acting first)
         self.acting = True
         self.paused_forwards = 0  # forwards run without acting on predictions, in all
         self.lost_windows = 0  # times predictions were paused
-        self.excess = self.learned_excess = 0.0  # loads beyond LRU's: the live cache's, the learned shadow's
-        self._seen = 0
-        self._last = self._counts()
+        self.excess = 0.0  # experts the live cache loaded beyond LRU's misses (moving sum)
+        self.excess_seconds = 0.0  # seconds the live run spent beyond LRU's estimated wait (moving sum)
+        self._acted = self._asleep_for = 0  # forwards since acting resumed; since it paused
+        self._sleep_length = PROBE_AFTER * WINDOW
+        self._last = self._counts(spent())
 
     def __contains__(self, key: Key) -> bool:
         return key in self.cache
 
     def on_forecast(self, chances: np.ndarray, layer: int | None = None) -> None:
-        """The prefetcher's forecasts: to the learned shadow, and to the live cache while acting."""
-        if self.learned is not None:
-            self.learned.on_forecast(chances, layer=layer)
+        """The prefetcher's forecasts reach the live cache while acting (a late table of a forward
+        run before a pause reaches nothing)."""
         if self.acting:
             self.cache.on_forecast(chances, layer=layer)
 
     def access(self, keys: list[Key]) -> None:
-        """The live cache is accessed with `keys`: so are the shadows."""
+        """The live cache is accessed with `keys`: so is the shadow."""
         self.lru.access_many(keys)
-        if self.learned is not None:
-            self.learned.access_many(keys)
 
     def shrink(self, capacity: int) -> None:
-        """The live cache holds `capacity` keys from now on (the memory guard): so do the shadows."""
-        for shadow in (self.lru, self.learned):
-            if shadow is not None:
-                shadow.shrink(capacity)
+        """The live cache holds `capacity` keys from now on (the memory guard): so does the shadow."""
+        self.lru.shrink(capacity)
 
     def on_forward(self) -> None:
-        """A forward starts: weigh the last one's loads and pause or resume predictions."""
-        counts = self._counts()
-        live, lru, learned = (now - then for now, then in zip(counts, self._last))
+        """A forward starts: weigh the last one's loads and time, and pause or resume predictions."""
+        spent = self.spent()
+        counts = self._counts(spent)
+        live, lru, stall, predicting = (now - then for now, then in zip(counts, self._last))
         self._last = counts
+        per_miss = spent.per_miss()  # an LRU miss would have cost as much as this run's
         keep = 1 - 1 / WINDOW
-        self.excess = keep * self.excess + live - lru  # what acting on predictions loaded beyond LRU
-        self.learned_excess = keep * self.learned_excess + learned - lru
-        self._seen += 1
+        self.excess = keep * self.excess + live - lru
+        self.excess_seconds = keep * self.excess_seconds + stall + predicting - lru * per_miss
         if not self.acting:
             self.paused_forwards += 1
-        if self._seen < WARMUP:
+            self._asleep_for += 1
+            if self._asleep_for >= self._sleep_length:  # a probe: act again, judged afresh
+                self.acting, self._acted, self.excess, self.excess_seconds = True, 0, 0.0, 0.0
+                self.sleep(False)
             return
-        if self.acting and self.excess > SLACK:
-            self.lost_windows += 1
-            if self.lost_windows == 1:
-                log.info("prediction guard: acting on the predictor loaded %.0f experts more than LRU would have over "
-                         "the last %d tokens; predictions paused until they would load fewer", self.excess, WINDOW)
-            self.acting = False
-            self.cache.on_forecast(np.zeros((self.n_layers, self.n_experts)))  # learned ranks cleared: LRU
-        elif not self.acting and (self.learned_excess < -SLACK if self.learned is not None
-                                  else self.paused_forwards % (PROBE_AFTER * WINDOW) == 0):
-            self.acting, self.excess = True, 0.0
+        self._acted += 1
+        if self._acted == WARMUP:  # judged from here: the prefill's (or the catch-up's) cost is not the run's
+            self.excess, self.excess_seconds = 0.0, 0.0
+        if self._acted == 2 * WINDOW:  # a probe that held: the next loss sleeps the first length again
+            self._sleep_length = PROBE_AFTER * WINDOW
+        if self._acted > WARMUP and (self.excess > SLACK or self.excess_seconds > SLACK * per_miss):
+            self._pause()
 
-    def _counts(self) -> tuple[int, int, int]:
-        """(experts the live cache inserted, LRU's misses, the learned shadow's misses) so far."""
+    def _pause(self) -> None:
+        if self.lost_windows:  # a probe lost (or a long run of gains ended): sleep longer
+            self._sleep_length *= 2 if self._acted < 2 * WINDOW else 1
+        self.lost_windows += 1
+        if self.lost_windows == 1:
+            log.info("prediction guard: acting on the predictor cost %.0f experts (%.0f ms) more than LRU would have "
+                     "over the last %d tokens; predictions paused, probed again after %d tokens", self.excess,
+                     self.excess_seconds * 1e3, WINDOW, self._sleep_length)
+        self.acting, self._asleep_for = False, 0
+        self.cache.on_forecast(np.zeros((self.n_layers, self.n_experts)))  # learned ranks cleared: LRU
+        self.sleep(True)
+
+    def _counts(self, spent: Spent) -> tuple[int, int, float, float]:
+        """(experts the live cache inserted, LRU's misses, seconds waited, seconds predicting) so far."""
         live = self.cache.stats
-        learned = self.learned.stats.misses if self.learned is not None else 0
-        return live.misses + live.prefetch_inserts, self.lru.stats.misses, learned
+        return live.misses + live.prefetch_inserts, self.lru.stats.misses, spent.stall_seconds, spent.predictor_seconds

@@ -2,7 +2,9 @@
 
 Per forward of a stack (the model; an encoder-decoder's encoder and decoder apart, see
 `prescient.arch.moe_stacks`), a pre-hook hands its new input ids, as that stack's token stream,
-to the hash-building thread. Per MoE layer (inference thread), `use(layer, experts)` serves the
+to the hash builder (SiDA's hash-building thread on a GPU host; inline on the CPU, see
+`hash_builder`), and the prediction guard (`prediction_guard`) decides whether this forward acts on
+predictions at all. Per MoE layer (inference thread), `use(layer, experts)` serves the
 layer's selected experts: the cache decides hits and misses, each miss gets a slot and a demand
 load, the forward's prefetches are topped up (`prefetch.Prefetcher`; with in-token lookahead,
 `lookahead.InTokenLookahead`, the next layers' guesses from this block's input too), and the
@@ -24,7 +26,7 @@ keeps one state per sequence, and calls `end_sequences` when they finish. With
 
 Threads: the cache, slot map and this object are touched only by the inference thread (hooks
 and experts modules run there); the transfer workers touch the pool and store, the
-hash-building thread only the predictor. `close()` (or `with runtime:`) stops them all; a runtime
+hash-building thread (if any) only the predictor. `close()` (or `with runtime:`) stops them all; a runtime
 garbage-collected unclosed stops them then.
 """
 
@@ -50,7 +52,7 @@ from offload_runtime.engine.offloaded_experts import offload_experts
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.lookahead import InTokenLookahead
 from offload_runtime.engine.memory_guard import MemoryGuard
-from offload_runtime.engine.prediction_guard import PredictionGuard
+from offload_runtime.engine.prediction_guard import PredictionGuard, Spent
 from offload_runtime.engine.prefetch import STEP_PRIORITY, Prefetcher
 from offload_runtime.engine.slots import SlotPool, TieredSlotPool
 from offload_runtime.engine.store import ExpertStore
@@ -94,7 +96,8 @@ class RuntimeStats:
     where_it_lives: int = 0  # routed experts computed without a slot (`RuntimeOptions.hybrid_schedule`)
     slots_given_back: int = 0  # by the memory guard (`memory_guard`): the process re-read its own pages
     prediction_paused_forwards: int = 0  # forwards run without acting on predictions (`prediction_guard`)
-    prediction_lost_windows: int = 0  # times predictions were paused: their loads passed a shadow LRU's by the slack
+    prediction_lost_windows: int = 0  # times predictions were paused: their loads or time passed a shadow LRU's
+    predictor_seconds: float = 0.0  # the inference thread's time on predictions (inline on the CPU: all of it)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -155,9 +158,14 @@ class OffloadRuntime:
             options.prefetch_per_layer or self.top_k, STEP_PRIORITY, _probe(options, fingerprint))
         self.builder = None if predictor is None else HashBuilder(
             predictor, forecasts=policy.uses_forecasts or (tiered and self.cache.uses_forecasts),
-            next_token=options.next_token_min_chance is not None)
-        # acts on predictions only while they load fewer experts than LRU would
-        self.prediction_guard = PredictionGuard(self.cache, policy, len(layers), self.n_experts, self.top_k) \
+            next_token=options.next_token_min_chance is not None,
+            # on the CPU the predictor runs inline: a thread beside the inference thread took its turns at the
+            # GIL, and its 0.3 ms of work a token cost the inference thread 1-2 ms (runs/tb at 0.85 GB)
+            threaded=options.hash_thread if options.hash_thread is not None else pool.device.type == "cuda")
+        self.predictor_seconds = 0.0  # the inference thread's time on predictions (see `_predicting`)
+        # acts on predictions only while they load fewer experts than LRU would, in less time
+        self.prediction_guard = PredictionGuard(self.cache, len(layers), self.n_experts, self.top_k, self._spent,
+                                                self.builder.sleep) \
             if predictor is not None and options.prediction_guard and fine_store is None \
             and not options.hybrid_schedule else None  # HybriMoE's scheduler decides on the forecasts itself
         self.prefetcher = Prefetcher(self.prediction_guard or self.cache, self.engine, len(layers), self.n_experts,
@@ -193,11 +201,25 @@ class OffloadRuntime:
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
             new_sequence = cache is None or cache.get_seq_length() == 0
             try:
-                self.builder.submit(self._step, input_ids, new_sequence, kwargs.get("attention_mask"), stream,
-                                    rows=self.sequence_ids)
+                with self._predicting():
+                    self.builder.submit(self._step, input_ids, new_sequence, kwargs.get("attention_mask"), stream,
+                                        rows=self.sequence_ids)
             except HashBuilderError as exc:
                 self._predictor_failed(exc)
         return hook
+
+    @contextmanager
+    def _predicting(self) -> Iterator[None]:
+        """Time the inference thread spends on predictions (the prediction guard weighs it)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.predictor_seconds += time.perf_counter() - start
+
+    def _spent(self) -> Spent:
+        t = self.engine.stats
+        return Spent(t.stall_seconds, t.demand_loads, self.predictor_seconds, t.copy_seconds, t.loads)
 
     def _predictor_failed(self, exc: HashBuilderError) -> None:
         if self.on_predictor_error != "demand":
@@ -257,8 +279,9 @@ class OffloadRuntime:
                 self._load(key, demand=True)
             if self.lookahead is not None:  # the next layers' routers on this block's input
                 self.lookahead.issue(layer)
-            if self.builder is not None:  # meanwhile, the predicted experts of the layers ahead
-                self._prefetch_after(layer, len(missing))
+            if self.builder is not None and (self.prediction_guard is None or self.prediction_guard.acting):
+                with self._predicting():  # meanwhile, the predicted experts of the layers ahead
+                    self._prefetch_after(layer, len(missing))
             for key in keys if wait else ():  # the layer computes once its experts are in
                 if not self._landed(key):  # a copy done (the common case) needs no engine call
                     self.engine.wait(key)
@@ -349,9 +372,7 @@ class OffloadRuntime:
         plan = self.prefetcher
         if plan.wanted is None and not self._take_table(layer):
             return
-        keys = plan.keys_after(layer, demand_loads)  # the forecasts reach the cache (or the guard's shadow)
-        if self.prediction_guard is not None and not self.prediction_guard.acting:
-            return  # predictions paused: nothing is prefetched
+        keys = plan.keys_after(layer, demand_loads)  # the forecasts reach the cache (through the guard)
         rows = self.pool.map.rows
         if keys and any(rows[key] < 0 for key in keys):  # all resident: the call would insert nothing
             plan.issued(self.prefetch(keys, priority=plan.priority))
@@ -361,8 +382,7 @@ class OffloadRuntime:
         the hash-building thread failed (and serving goes on without it)."""
         try:
             table = self.builder.poll(self._step)
-            acting = self.prediction_guard is None or self.prediction_guard.acting  # paused: no wait for it
-            if table is None and self.table_wait > 0 and layer == self.prefetcher.layers.start and acting:
+            if table is None and self.table_wait > 0 and layer == self.prefetcher.layers.start:
                 start = time.perf_counter()
                 table = self.builder.wait(self._step, self.table_wait)
                 self.table_wait_seconds += time.perf_counter() - start
@@ -396,6 +416,7 @@ class OffloadRuntime:
             slots_given_back=self.guard.given_back if self.guard is not None else 0,
             prediction_paused_forwards=self.prediction_guard.paused_forwards if self.prediction_guard else 0,
             prediction_lost_windows=self.prediction_guard.lost_windows if self.prediction_guard else 0,
+            predictor_seconds=round(self.predictor_seconds, 4),
             predictor_failures=self.predictor_failures,
             fine_accesses=self.cache.fine_accesses if self.fine_store is not None else 0,
             lookahead_prefetches=self.lookahead.issued if self.lookahead is not None else 0,

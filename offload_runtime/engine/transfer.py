@@ -70,6 +70,7 @@ class TransferStats:
     cancelled: int = 0
     failed: int = 0
     stall_seconds: float = 0.0  # time callers spent blocked in `wait`
+    copy_seconds: float = 0.0  # time the workers spent copying (on CUDA: enqueueing), over every load
 
 
 @dataclass(eq=False)
@@ -339,6 +340,7 @@ class TransferEngine:
                 ticket = self._next()
             if ticket is None:
                 return
+            start = time.perf_counter()
             try:
                 copy(ticket)
                 error = None
@@ -346,6 +348,7 @@ class TransferEngine:
                 log.debug("loading expert %s failed", ticket.key, exc_info=True)
                 error = exc
             with self._cond:
+                self._stats.copy_seconds += time.perf_counter() - start
                 self._finish(ticket, error)
 
     def _source(self, ticket: Ticket) -> ExpertSource:

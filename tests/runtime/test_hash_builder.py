@@ -158,7 +158,7 @@ def test_runtime_counts_late_tables_and_output_is_unchanged(tiny_moe_dir):
     predictor = SlowFrequencyPredictor(torch.ones(fingerprint.n_moe_layers, fingerprint.n_experts),
                                        PredictorMeta("frequency", fingerprint))
     inputs = dict(load_tokenizer(path)("def cache(key, value):", return_tensors="pt"))
-    model = load_offloaded(path, prediction_guard=False, predictor=predictor, budget=0.5)
+    model = load_offloaded(path, prediction_guard=False, predictor=predictor, budget=0.5, hash_thread=True)
     with model.offload_runtime as runtime, torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False)
         assert torch.equal(out, plain.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False))
@@ -193,7 +193,7 @@ def test_waiting_for_tables_puts_every_later_layer_on_time_and_output_is_unchang
     for wait in (0.0, 5.0):
         predictor = SlowFrequencyPredictor(torch.ones(fingerprint.n_moe_layers, fingerprint.n_experts),
                                            PredictorMeta("frequency", fingerprint))
-        model = load_offloaded(path, prediction_guard=False, predictor=predictor, budget=0.5)
+        model = load_offloaded(path, prediction_guard=False, predictor=predictor, budget=0.5, hash_thread=True)
         model.offload_runtime.table_wait = wait
         with model.offload_runtime as runtime, torch.inference_mode():
             assert torch.equal(model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False), want)
@@ -204,3 +204,44 @@ def test_waiting_for_tables_puts_every_later_layer_on_time_and_output_is_unchang
             assert stats.table_wait_seconds > 0.03 * 3  # each step sleeps 0.03 s a token
         else:
             assert stats.table_layers_late >= 1 and stats.table_wait_seconds == 0
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_asleep_it_predicts_nothing_and_woken_it_catches_up(threaded):
+    """Asleep (the prediction guard paused predictions), submitted forwards are kept and the
+    predictor does not run; the first forward after waking gets the table it would have got
+    awake throughout, its state having stepped over every token; a stream that starts afresh
+    while asleep drops what it kept. Inline (`threaded=False`) the same, with no thread."""
+    predictor = CountingPredictor()
+    builder = HashBuilder(predictor, threaded=threaded)
+    try:
+        assert bool(builder_threads()) == threaded
+        builder.submit(0, torch.tensor([[0, 0]]), new_sequence=True)
+        wait_table(builder, 0)
+        builder.sleep(True)
+        for step in (1, 2, 3):
+            builder.submit(step, torch.tensor([[0]]), new_sequence=False)
+        time.sleep(0.05)
+        assert predictor.steps == 2 and builder.poll(3) is None
+        builder.sleep(False)
+        builder.submit(4, torch.tensor([[7]]), new_sequence=False)
+        # seen 5 tokens before this one: expert 5 mod 4 = 1; token 7 adds at expert 0
+        assert wait_table(builder, 4).scores[0].tolist() == [7.0, 1.0, 0.0, 0.0] and predictor.steps == 6
+        builder.sleep(True)
+        builder.submit(5, torch.tensor([[0]]), new_sequence=False)
+        builder.submit(6, torch.tensor([[0, 0]]), new_sequence=True)  # a new sequence: step 5 is moot
+        builder.sleep(False)
+        builder.submit(7, torch.tensor([[0]]), new_sequence=False)
+        assert wait_table(builder, 7).scores[0].tolist() == [0.0, 0.0, 1.0, 0.0] and predictor.steps == 9
+    finally:
+        builder.close()
+
+
+def test_inline_a_failure_is_raised_by_the_submit_that_met_it():
+    builder = HashBuilder(CountingPredictor(fail_at=2), threaded=False)
+    builder.submit(0, torch.tensor([[0, 0]]), new_sequence=True)
+    with pytest.raises(HashBuilderError, match="diverged"):
+        builder.submit(1, torch.tensor([[0]]), new_sequence=False)
+    with pytest.raises(HashBuilderError):
+        builder.poll(1)
+    builder.close()

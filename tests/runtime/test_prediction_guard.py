@@ -1,10 +1,13 @@
 """The prediction guard: with forecasts that are wrong, the runtime stops acting on them and loads
 no more experts than LRU would (but for the window that judged them); with forecasts that are
-right, it keeps their gain; either way it computes the plain model's tokens."""
+right, it keeps their gain where loads are slow, and sleeps the predictor where they are so fast
+that predicting costs more than it saves; either way it computes the plain model's tokens."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,9 +22,19 @@ NEW_TOKENS = 96
 PROMPT = "def read_config(path):\n    with open(path) as f:"
 
 
-def _run(path, inputs, predictor=None, **options):
-    """(generated ids, runtime statistics, keys accessed in order) of one greedy generation."""
+def _run(path, inputs, predictor=None, read_seconds=0.0, **options):
+    """(generated ids, runtime statistics, keys accessed in order) of one greedy generation; each
+    expert read takes `read_seconds` more (a tiny model's experts load in microseconds, a real
+    model's in milliseconds)."""
     model = load_offloaded(path, predictor, budget=0.25, **options)
+    store = model.offload_runtime.store
+    read = store.read
+
+    def slow_read(*args, **kwargs):
+        time.sleep(read_seconds)
+        return read(*args, **kwargs)
+
+    store.read = slow_read
     accessed = Counter()
     access_many = model.offload_runtime.cache.access_many
 
@@ -84,12 +97,72 @@ def test_wrong_forecasts_are_dropped_and_the_run_loads_no_more_than_lru(case):
     assert runs[True].loads <= lru.loads + 4 * prediction_guard.WINDOW
 
 
-def test_right_forecasts_keep_their_gain(case):
-    """Forecasts of the most-used experts: acting on them beats LRU, and the guard keeps the gain."""
-    path, inputs, want, lru, accessed, dtype = case
+def _most_used(path, accessed: Counter) -> torch.Tensor:
     n_layers, n_experts = len({key[0] for key in accessed}), 1 + max(key[1] for key in accessed)
-    right = _least_used(Counter({k: -v for k, v in accessed.items()}), n_layers, n_experts, 2)  # the most used
-    out, stats, _ = _run(path, inputs, _steering(forecasting_sida(path), right), policy="learned-belady",
-                              dtype=dtype)
-    assert torch.equal(out, want)
-    assert stats.hit_rate > lru.hit_rate and stats.loads <= lru.loads
+    return _least_used(Counter({k: -v for k, v in accessed.items()}), n_layers, n_experts, 2)
+
+
+class _Live:
+    """The live cache as the guard sees it: counts the test sets, forecasts it counts."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.stats, self.forecasts = capacity, SimpleNamespace(misses=0, prefetch_inserts=0), 0
+
+    def on_forecast(self, chances, layer=None) -> None:
+        self.forecasts += 1
+
+
+def _judge(forwards: int, saved_per_forward: int, seconds_per_miss: float, predictor_seconds: float):
+    """A guard over `forwards` forwards of one access each, cycling over one expert more than the 4
+    slots hold (LRU misses every one); while it acts, the live run prefetches `saved_per_forward`
+    (0 or 1) of those in time and misses the rest; a copy takes `seconds_per_miss`, all of it
+    waited for on a miss, and predicting takes `predictor_seconds` a forward while awake. Returns
+    the guard and its sleep/wake calls in order."""
+    live, calls = _Live(4), []
+    spent = {"stall": 0.0, "demand": 0, "predicting": 0.0, "copying": 0.0, "loads": 0}
+    forward = 0
+    guard = prediction_guard.PredictionGuard(live, 1, 8, 1, lambda: prediction_guard.Spent(*spent.values()),
+                                             lambda asleep: calls.append((forward, asleep)))
+    for forward in range(forwards):
+        guard.on_forward()
+        guard.access([(0, forward % 5)])
+        prefetched = saved_per_forward if guard.acting else 0
+        live.stats.misses += 1 - prefetched
+        live.stats.prefetch_inserts += prefetched
+        spent["demand"] += 1 - prefetched
+        spent["stall"] += (1 - prefetched) * seconds_per_miss
+        spent["loads"] += 1
+        spent["copying"] += seconds_per_miss
+        spent["predicting"] += predictor_seconds if guard.acting else 0.0
+    return guard, calls
+
+
+def test_a_predictor_that_saves_more_time_than_it_costs_keeps_acting():
+    # every miss hidden by a prefetch, at 3 ms a copy, for 1 ms of prediction a forward
+    guard, calls = _judge(96, 1, 0.003, 0.001)
+    assert guard.acting and guard.lost_windows == 0 and calls == []
+
+
+def test_a_predictor_that_costs_more_than_it_saves_sleeps_and_is_probed_less_often():
+    # the same misses hidden at 0.1 ms a copy, for 1 ms of prediction
+    forwards = 7 * prediction_guard.PROBE_AFTER * prediction_guard.WINDOW
+    guard, calls = _judge(forwards, 1, 0.0001, 0.001)
+    assert [asleep for _, asleep in calls] == [True, False, True, False, True]  # paused, probed, paused again...
+    (paused, _), (probed, _), (again, _), (probed_again, _), _ = calls
+    assert paused <= prediction_guard.WARMUP + 4 and again - probed <= prediction_guard.WARMUP + 4  # judged fast
+    assert probed - paused == prediction_guard.PROBE_AFTER * prediction_guard.WINDOW  # slept, then probed
+    assert probed_again - again == 2 * (probed - paused)  # a probe that lost: twice as long a sleep
+    assert guard.paused_forwards > 0.8 * forwards
+
+
+def test_right_forecasts_that_cost_more_than_they_save_sleep(case):
+    """The same forecasts where loads take microseconds: the misses they save are worth less than the
+    time predicting takes, so the predictor sleeps most of the run and costs a fraction of its time."""
+    path, inputs, want, _, accessed, dtype = case
+    runs = {}
+    for guarded in (False, True):
+        out, runs[guarded], _ = _run(path, inputs, _steering(forecasting_sida(path), _most_used(path, accessed)),
+                                     policy="learned-belady", prediction_guard=guarded, dtype=dtype)
+        assert torch.equal(out, want)
+    assert runs[True].prediction_lost_windows >= 1 and runs[True].prediction_paused_forwards > NEW_TOKENS / 2
+    assert runs[True].predictor_seconds < 0.6 * runs[False].predictor_seconds
