@@ -68,7 +68,8 @@ def experts_ms(layer, calls: int) -> float:
     experts, k = layer.num_experts, layer.top_k
     hidden = torch.randn(1, layer.experts.hidden_dim if hasattr(layer.experts, "hidden_dim") else
                          layer.experts.gate_up_proj.shape[-1])
-    weights = torch.full((1, k), 1.0 / k)
+    dtype = next(layer.experts.parameters()).dtype
+    hidden, weights = hidden.to(dtype), torch.full((1, k), 1.0 / k, dtype=dtype)
     ids = [torch.tensor([[(i * k + j) % experts for j in range(k)]]) for i in range(max(calls, experts))]
     for index in ids[:experts]:
         layer.experts(hidden, index, weights)
