@@ -25,6 +25,8 @@ TRACE_CAPPED_WIDE = "trace-capped-tw.json"  # runs/tw at 1.09 GB: its experts 2.
 PREDICTION, PREDICTION_WIDE = "bench-prediction-tb.json", "bench-prediction-tw.json"
 PREDICTION_PAUSED = "bench-prediction-tb-paused-first.json"  # the guard starting paused: measured, not kept
 PREDICTION_WIDE_17 = "bench-prediction-tw-1.7.json"  # runs/tw at 1.7 GB, without and with the predictor
+LLAMA = "bench-memory-tw-llama.json"  # runs/tw beside llama.cpp at 1.7 and 1.1 GB (issue 52)
+ONE_THREAD = "bench-memory-tw-1.1-threads1.json"  # the runtime at 1.1 GB with one thread
 HOLDS = "bench-memory-holds-tb.json"  # --memory from plain's need down: faults, RSS, reads per token (issue 53)
 RUNTIMES = ("no-predictor", "prescient", "oracle")
 GB = 1e9
@@ -70,6 +72,31 @@ def curve_rows(name: str) -> Rows:
     return ["cap (GB)", "plain tokens/s", "mmap tokens/s", "prescient tokens/s", "prescient / plain",
             "prescient / mmap", "prescient's plan", "hit rate", "stall ms/token", "MiB moved/token",
             "mmap: MiB read from disk/token", "prescient: MiB read from disk/token"], rows
+
+
+def systems_rows(name: str) -> Rows:
+    """Per cap and system of a `bench --memory` run: tokens/s (median, range), MiB read from storage
+    per decoded token, the cgroup's peak, and the runtime without a predictor over llama.cpp."""
+    result = load(name)
+    ratios = {r["cap_bytes"]: r for r in result["ratios"]}
+    rows = []
+    for entry in result["summary"]:
+        peak = entry.get("peak_bytes")
+        ratio = ratios[entry["cap_bytes"]].get("no-predictor/llama.cpp") if entry["system"] == "no-predictor" else None
+        rows.append([num(entry["cap_bytes"] / GB, 2), entry["system"], _speed(entry), _read_mib(entry),
+                     num(peak["median"] / 2**30, 2) if peak else "–", num(ratio) if ratio else "–"])
+    return ["cap (GB)", "system", "decode tokens/s", "MiB read from disk/token", "peak GiB (cgroup)",
+            "over llama.cpp"], rows
+
+
+def _one_thread_note() -> str:
+    """The runtime at 1.1 GB with one thread, against the table's two (the default)."""
+    (entry,) = load(ONE_THREAD)["summary"]
+    t = entry["tokens_per_s"]
+    return (f"With `--threads 1` at {num(entry['cap_bytes'] / GB, 2)} GB the runtime without a predictor decoded "
+            f"{spread(t['median'], [t['min'], t['max']], 1)} tokens/s (3 runs, {ONE_THREAD}): its misses, not its "
+            "threads, set its speed there. Load average 1.1-1.7 through ../shared/bin/quiet (other sessions' light "
+            "jobs ran); a plain run under either cap thrashed for 60-355 s before the kernel killed it.")
 
 
 def prediction_rows(name: str) -> Rows:
@@ -270,6 +297,15 @@ def page() -> Page:
         Table("The file-backed pages a decoded token of runs/tb touches under `--memory` (referenced bits cleared "
               "after the prefill and 4 tokens, read after 32 more): what the plan's 96 MiB of library pages covers",
               ("code-pages-tb.json",), load("code-pages-tb.json")["command"], partial(code_pages_rows, "code-pages-tb.json")),
+        Table("runs/tw beside llama.cpp under the same caps: plain transformers, the model memory-mapped, the runtime "
+              "without a predictor (`--memory`'s defaults: gemv, 2 threads) and llama.cpp's `llama-completion` on an "
+              "f32 GGUF, memory-mapped, each run a fresh process in a memory cgroup, the page cache dropped before it; "
+              "one prompt, 96 new tokens, 3 interleaved repeats (medians and ranges); llama.cpp is exact when its "
+              "greedy text is the plain model's as far as both go", (LLAMA, ONE_THREAD),
+              "prescient bench --model runs/tw --memory 1.7GB,1.1GB --systems plain,mmap,no-predictor,llama.cpp "
+              "--llama-cpp /work/llama/llama.cpp/build/bin --gguf runs/gguf/tw-f32.gguf --new-tokens 96 --prompts 1 "
+              "--repeats 3 --json results/bench-memory-tw-llama.json", partial(systems_rows, LLAMA),
+              note=_one_thread_note()),
         Table(f"Decode tokens/s against the memory cap ({setup}; 96 new tokens, 3 interleaved repeats, medians "
               "and ranges)", (CURVE,), curve_cmd, partial(curve_rows, CURVE)),
         Table(f"The same, with the experts three times wider ({wide_setup}; 96 new tokens, 3 interleaved repeats, "

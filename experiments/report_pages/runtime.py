@@ -47,20 +47,42 @@ def decode_kernel_rows(name: str) -> Rows:
     for threads, kernels in result["summary"].items():
         bus = result["bus"][threads.split()[0]]["read_gb_s"]
         for kernel, m in kernels.items():
-            exact = result["exactness"].get(kernel)
-            speed, rate = m["decode_tokens_per_s"], m["experts_gb_s"]
+            speed, rate = m["decode_tokens_per_s"], m.get("experts_gb_s")
             rows.append([threads, kernel, spread(speed["median"], [speed["min"], speed["max"]], 1),
-                         spread(rate["median"], [rate["min"], rate["max"]], 1), num(bus, 1),
-                         "reference" if exact is None else
-                         f"tokens {'equal' if exact['tokens_equal'] else 'DIFFER'}, logits within "
-                         f"{exact['max_logit_difference']:.1e}"])
+                         spread(rate["median"], [rate["min"], rate["max"]], 1) if rate else "–", num(bus, 1),
+                         _against(result["exactness"].get(kernel))])
     return ["threads", "expert kernel", "decode tokens/s", "experts GB/s", "bus read GB/s", "against the model's own"], rows
+
+
+def llama_note(name: str) -> str:
+    """The default kernel's median decode over llama.cpp's, and over transformers' kernel, per thread count."""
+    summary = load(name)["summary"]
+    parts = [f"{threads}: gemv {num(m['gemv']['decode_tokens_per_s']['median'] / m['llama.cpp']['decode_tokens_per_s']['median'])}"
+             f"x llama.cpp, {num(m['gemv']['decode_tokens_per_s']['median'] / m['model']['decode_tokens_per_s']['median'])}"
+             "x transformers' kernel" for threads, m in summary.items()]
+    return "Medians: " + "; ".join(parts) + "."
+
+
+def _against(exact: dict | None) -> str:
+    """A kernel's check against transformers' own: tokens and logits; llama.cpp's, its greedy text."""
+    if exact is None:
+        return "reference"
+    if "same_text" in exact:
+        return (f"greedy text {'the same' if exact['same_text'] else 'DIFFERS'} as far as both go "
+                f"({'whole' if exact['text_equal'] else 'one runs on past the other'}), {exact['runs']} runs")
+    return (f"tokens {'equal' if exact['tokens_equal'] else 'DIFFER'}, logits within "
+            f"{exact['max_logit_difference']:.1e}")
 
 
 def page() -> Page:
     runs = "R (G): the run labels of the table, in order. "
     bench = ("prescient bench --model runs/reference-bench --predictors {p} --runs {r} --new-tokens 24 --prompts 3 "
              "--threads 1 --baselines all_resident,accelerate_disk {x}")
+    llama = ("The per-token path on {model}, every expert in memory, beside llama.cpp: transformers' own experts "
+             "kernel (`model`), `streamed` and `gemv` (the default since issue 52) in the plain model, and llama.cpp's "
+             "`llama-completion` on the model converted to an f32 GGUF, memory-mapped (its own 'eval time' line), the "
+             "same prompt, 96 greedy tokens, thread counts and kernels interleaved in each of 3 repeats (medians and "
+             "ranges; through ../shared/bin/quiet, load average {load} at the start)")
     return Page("runtime", "The offloading runtime", """
 With half of the bench model's experts in memory and the rest read from disk, loads dominate a
 decode step, so what pays is fewer bytes: learned eviction with SiDA-h8's forecasts is about a third
@@ -79,10 +101,15 @@ this machine's noise, and with 8 slots double the bytes moved for a longer stall
 expert run faster with several in flight than with one. The first three tables were measured
 before the expert pipeline existed: their runs are `+serial` runs in today's terms.
 """, (
-        *(Table(f"The per-token path on {model}, every expert in memory: transformers' own experts kernel "
+        *(Table(llama.format(model=model, load=num(load(name)["machine"]["load_average_at_start"][0], 2)), (name,),
+                load(name)["command"], partial(decode_kernel_rows, name), note=llama_note(name))
+          for name, model in (("bench-decode-tw-llama.json", "runs/tw (2.2 GB of float32 experts)"),
+                              ("bench-decode-tb-llama.json", "runs/tb (733 MB of float32 experts)"),
+                              ("bench-decode-demo-llama.json", "the demo's tiny model"))),
+        *(Table(f"Earlier: the per-token path on {model}, every expert in memory: transformers' own experts kernel "
                 "(`model`, grouped_mm on the CPU), `streamed` (its steps without its per-call work, bit for bit) and "
                 "`gemv` (a decode row's matrix-vector products through oneDNN where measured faster for the shape), "
-                "96 greedy tokens, 3 interleaved repeats (medians and ranges); opt-in with `--expert-kernel`; "
+                "96 greedy tokens, 3 interleaved repeats (medians and ranges); opt-in with `--expert-kernel` then; "
                 "2-thread figures were taken while other jobs ran and are unsteady", (name,), load(name)["command"],
                 partial(decode_kernel_rows, name))
           for name, model in (("bench-decode-tw.json", "runs/tw (2.2 GB of float32 experts)"),
