@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 WINDOW = 16  # forwards the comparison remembers (an exponential moving sum with this time constant)
 SLACK = 4.0  # experts (or their wait) more than LRU's within the window before predictions count as losing
-PROBE_AFTER = 4  # windows asleep before the first probe; each lost probe doubles it
-WARMUP = 8  # forwards acting before a judgement (at the start, and after each wake)
+PROBE_AFTER = 8  # windows asleep before the first probe; each lost probe doubles it
+WARMUP = 4  # forwards acting before a judgement (at the start, and after each wake)
 
 
 class Spent(NamedTuple):
@@ -115,8 +115,8 @@ class PredictionGuard:
                 self.sleep(False)
             return
         self._acted += 1
-        if self._acted == WARMUP:  # judged from here: the prefill's (or the catch-up's) cost is not the run's
-            self.excess, self.excess_seconds = 0.0, 0.0
+        if self._acted == WARMUP:  # timed from here: the prefill's (or the catch-up's) prediction is not the run's
+            self.excess_seconds = 0.0
         if self._acted == 2 * WINDOW:  # a probe that held: the next loss sleeps the first length again
             self._sleep_length = PROBE_AFTER * WINDOW
         if self._acted > WARMUP and (self.excess > SLACK or self.excess_seconds > SLACK * per_miss):
