@@ -106,6 +106,11 @@ before the expert pipeline existed: their runs are `+serial` runs in today's ter
           for name, model in (("bench-decode-tw-llama.json", "runs/tw (2.2 GB of float32 experts)"),
                               ("bench-decode-tb-llama.json", "runs/tb (733 MB of float32 experts)"),
                               ("bench-decode-demo-llama.json", "the demo's tiny model"))),
+        Table("bfloat16 on runs/tb, every expert in memory, 2 threads: the default kernel (`gemv`) runs no oneDNN "
+              "product in bfloat16, so it is `streamed`, transformers' grouped_mm numbers bit for bit; 96 greedy "
+              "tokens, kernels interleaved in 3 repeats (medians and ranges; through ../shared/bin/quiet, load "
+              f"average {num(load(BF16)['machine']['load_average_at_start'][0], 2)} at the start)", (BF16,),
+              load(BF16)["command"], partial(decode_kernel_rows, BF16)),
         *(Table(f"Earlier: the per-token path on {model}, every expert in memory: transformers' own experts kernel "
                 "(`model`, grouped_mm on the CPU), `streamed` (its steps without its per-call work, bit for bit) and "
                 "`gemv` (a decode row's matrix-vector products through oneDNN where measured faster for the shape), "
@@ -160,6 +165,7 @@ def _bench(name: str, label: str) -> float:
 
 
 SAMPLED = "bench-runtime-base-sampled.json"
+BF16 = "bench-decode-tb-bf16.json"  # the default kernel in bfloat16 (issue 52)
 HEADLINES: tuple[Headline, ...] = (
     Headline("Learned eviction (SiDA-h8 forecasts) against on-demand LRU, half the experts in memory, measured",
              lambda: f"{num(_bench(SAMPLED, 'sida8+learned-belady@0.5') / _bench(SAMPLED, 'none+lru@0.5'))}×",
