@@ -24,7 +24,7 @@ PRELOAD = ["torch", "transformers.modeling_utils", "transformers.generation.util
            "offload_runtime.engine.loader", __name__]
 _DELTAS = ("forwards", "accesses", "hits", "misses", "prefetch_inserts", "prefetch_hits", "wasted_prefetches",
            "evictions", "bytes_moved", "loads", "demand_loads", "prefetch_loads", "stall_seconds", "late_tables",
-           "tables_on_time", "fine_accesses", "where_it_lives")
+           "tables_on_time", "fine_accesses", "where_it_lives", "prediction_paused_forwards", "predictor_seconds")
 
 
 class _DecodeClock:

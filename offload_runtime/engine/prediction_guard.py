@@ -108,9 +108,10 @@ class PredictionGuard:
         self.excess = keep * self.excess + live - lru
         self.excess_seconds = keep * self.excess_seconds + stall + predicting - lru * per_miss
         if not self.acting:
-            self.paused_forwards += 1
             self._asleep_for += 1
-            if self._asleep_for >= self._sleep_length:  # a probe: act again, judged afresh
+            if self._asleep_for < self._sleep_length:
+                self.paused_forwards += 1
+            else:  # a probe: this forward acts again, judged afresh
                 self.acting, self._acted, self.excess, self.excess_seconds = True, 0, 0.0, 0.0
                 self.sleep(False)
             return
@@ -131,6 +132,7 @@ class PredictionGuard:
                      "over the last %d tokens; predictions paused, probed again after %d tokens", self.excess,
                      self.excess_seconds * 1e3, WINDOW, self._sleep_length)
         self.acting, self._asleep_for = False, 0
+        self.paused_forwards += 1  # this forward runs paused
         self.cache.on_forecast(np.zeros((self.n_layers, self.n_experts)))  # learned ranks cleared: LRU
         self.sleep(True)
 

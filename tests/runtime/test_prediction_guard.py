@@ -91,6 +91,8 @@ def test_wrong_forecasts_are_dropped_and_the_run_loads_no_more_than_lru(case):
         runs[guarded] = stats
     assert runs[False].loads > 1.2 * lru.loads  # acting on the wrong forecasts loses
     assert runs[True].prediction_lost_windows >= 1 and runs[True].prediction_paused_forwards > NEW_TOKENS / 2
+    guarded = runs[True]  # each forward acted on its table (on time or late) or ran paused
+    assert guarded.late_tables + guarded.tables_on_time + guarded.prediction_paused_forwards == guarded.forwards
     # what it lost is what the moving sum needed to judge the forecasts: a few hits, not the unguarded
     # run's (here 0.05 against LRU's 0.22)
     assert runs[True].hit_rate >= lru.hit_rate - 0.03 > runs[False].hit_rate + 0.1
