@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from offload_runtime.engine.generate import storage_reads
 from prescient.errors import PrescientError
 
 BINARY = "llama-completion"
@@ -80,25 +81,13 @@ def command(spec: dict[str, Any]) -> list[str]:
             "--no-display-prompt", "-lm", "mmap"]
 
 
-def read_bytes(pid: int) -> int | None:
-    """Bytes process `pid` has had read from storage (/proc/<pid>/io), None where unreadable."""
-    try:
-        with open(f"/proc/{pid}/io", "rb") as io:
-            for line in io:
-                if line.startswith(b"read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 def run_llama_cpp(spec: dict[str, Any]) -> dict[str, Any]:
     """One greedy run (see the module doc): text, decode tokens/s, bytes read per decoded token."""
     with tempfile.TemporaryFile() as errors:  # a file, not a pipe: its log thread must never block on a full pipe
         process = subprocess.Popen(command(spec), stdout=subprocess.PIPE, stderr=errors, bufsize=0)
         pieces, reads = [], []
         while chunk := process.stdout.read(4096):
-            reads.append(read_bytes(process.pid))
+            reads.append(storage_reads(process.pid))
             pieces.append(chunk)
         process.wait()
         errors.seek(0)

@@ -48,11 +48,12 @@ class TokenClock:
         return (self.reads[new_tokens] - self.reads[1]) / (new_tokens - 1)
 
 
-def storage_reads() -> int | None:
-    """Bytes this process has had read from storage so far, by its reads, faults and read-ahead
-    alike (Linux's /proc/self/io `read_bytes`); None where the system does not count them."""
+def storage_reads(pid: int | str = "self") -> int | None:
+    """Bytes process `pid` (this one by default) has had read from storage so far, by its reads,
+    faults and read-ahead alike (Linux's /proc/<pid>/io `read_bytes`); None where the system does
+    not count them or the process is not readable."""
     try:
-        with open("/proc/self/io", "rb") as io:
+        with open(f"/proc/{pid}/io", "rb") as io:
             for line in io:
                 if line.startswith(b"read_bytes:"):
                     return int(line.split()[1])
