@@ -177,8 +177,8 @@ def tune_rows(name: str) -> Rows:
 CONCLUSION = """
 **The prediction guard weighing time, with every baseline in the same run.** The first tables run
 runs/tb at 0.66 GB, 8 held-out prompts, 2 interleaved repeats, with `--memory`'s defaults of today
-(gemv, 2 threads, the hash builder inline: a thread beside the inference thread cost it 1-2 ms a
-token in its turns at the GIL), plain transformers, the model memory-mapped, and the runtime without
+(gemv, 2 threads, the hash builder inline: in a profile, a thread beside the inference thread
+cost it more than the predictor's own work in its turns at the GIL), plain transformers, the model memory-mapped, and the runtime without
 a predictor, with it and with the oracle, in the same cgroups. The guard now pauses predictions when
 acting costs more time than LRU's misses would have (the wait for loads and the time predicting,
 against LRU's misses at the run's own wait per demand load) as well as when it loads more experts,

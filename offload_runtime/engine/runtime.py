@@ -160,7 +160,7 @@ class OffloadRuntime:
             predictor, forecasts=policy.uses_forecasts or (tiered and self.cache.uses_forecasts),
             next_token=options.next_token_min_chance is not None,
             # on the CPU the predictor runs inline: a thread beside the inference thread took its turns at the
-            # GIL, and its 0.3 ms of work a token cost the inference thread 1-2 ms (runs/tb at 0.85 GB)
+            # GIL, and cost the inference thread more than its own work (a profile of runs/tb at 0.85 GB)
             threaded=options.hash_thread if options.hash_thread is not None else pool.device.type == "cuda")
         self.predictor_seconds = 0.0  # the inference thread's time on predictions (see `_predicting`)
         # acts on predictions only while they load fewer experts than LRU would, in less time
