@@ -227,8 +227,9 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
         "policy": lambda p: p.add_argument(
             "--policy", type=serving_policy, default=None,
             help="cache policy: lru, lfu, fifo, mrs, learned, learned-belady (default: the best measured, "
-                 "learned-belady with a --predictor that has forecast heads, 1.33x LRU in "
-                 "results/bench-runtime-base-sampled.json; lru otherwise)"),
+                 "learned-belady with a --predictor that has forecast heads: with 8 of them 1.33x LRU at half the "
+                 "experts, results/bench-runtime-base-sampled.json; with the demo's 2, a median 1.06x the runtime "
+                 "without a predictor at 0.66 GB, results/bench-prediction-tb-guard2.json; lru otherwise)"),
         "memory": lambda p: p.add_argument(
             "--memory", type=memory, default=None, metavar="SIZE",
             help=f"the whole process's memory ({MEMORY_HELP.replace('%', '%%')}): slots are sized to fit beside "
@@ -308,7 +309,8 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
             "--map-experts", action=argparse.BooleanOptionalAction, default=None,
             help="with --memory: every weight a view of the memory-mapped checkpoint, the kernel's page cache the "
                  "experts' cache (no slots, no predictor), whatever the cap; --no-map-experts: never (default: tuned "
-                 "with --memory, else mapped where every expert fits and the checkpoint stores them in --dtype)"),
+                 "with --memory, else copied into memory where every expert fits, mapped where the page cache holds "
+                 "80%% of them or more on the CPU and the checkpoint stores them in --dtype, slots below)"),
         "hybrid_schedule": lambda p: p.add_argument(
             "--hybrid-schedule", action=argparse.BooleanOptionalAction, default=None,
             help="HybriMoE's scheduler: with --device cuda --store host, each layer's misses split between copying to "

@@ -29,7 +29,8 @@ def exported() -> set[str]:
 
     metrics = ServerMetrics({"policy": "lru", "budget": "0.5", "predictor": "none"})
     metrics.scheduler = SimpleNamespace(counters=SchedulerCounters(), tokens_per_second=lambda _window: 0.0,
-                                        running=0, waiting=0, stats=_Zero(), prefix_cache=PrefixCache(2**20))
+                                        running=0, waiting=0, stats=_Zero(), prefix_cache=PrefixCache(2**20),
+                                        runtime=None)
     return {f.name + ("_total" if f.type == "counter" else "")
             for f in text_string_to_metric_families(metrics.render().decode())}
 

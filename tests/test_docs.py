@@ -1,11 +1,13 @@
 """The docs: results pages equal what their JSONs render to, every public function on the API page
-has a docstring, the site builds with `mkdocs build --strict` (no broken link or reference), and
-the README stays a short front page that keeps its two commands."""
+has a docstring, the site builds with `mkdocs build --strict` (no broken link or reference; a
+broken one fails it), the commands page lists every command, and the README stays a short front
+page that keeps its two commands."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -52,13 +54,40 @@ def test_every_public_function_on_the_api_page_has_a_docstring():
     assert not undocumented, f"public functions on docs/api.md without a docstring: {undocumented}"
 
 
-def test_site_builds_strictly(tmp_path):
+def _strict_build(root: Path, site: Path) -> tuple[bool, str]:
+    """`mkdocs build --strict` of the site at `root`: whether it passed with no warning, and its output.
+    Not --quiet: it hides the warnings that strict mode counts."""
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # not --quiet: it hides warnings
-    assert done.returncode == 0, f"mkdocs build --strict failed (install `.[test]`):\n{done.stdout}\n{done.stderr}"
-    assert "WARNING" not in done.stdout + done.stderr, done.stdout + done.stderr
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    return done.returncode == 0 and "WARNING" not in output, output
+
+
+def test_site_builds_strictly(tmp_path):
+    passed, output = _strict_build(ROOT, tmp_path)
+    assert passed, f"mkdocs build --strict failed (install `.[test]`):\n{output}"
     assert (tmp_path / "api" / "index.html").exists()
+
+
+def test_a_broken_cross_reference_fails_the_strict_build(tmp_path):
+    """The check above can fail: a copy of the docs with one reference that resolves nowhere (as
+    `[+hide][+next]` did before the command reference escaped brackets) does not build."""
+    for entry in ROOT.iterdir():
+        if entry.name not in ("docs", "site", ".git", ".venv"):
+            (tmp_path / entry.name).symlink_to(entry)
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    page = tmp_path / "docs" / "tuning.md"
+    page.write_text(page.read_text() + "\nRuns named [+hide][+next].\n")
+    passed, output = _strict_build(tmp_path, tmp_path / "site")
+    assert not passed and "+next" in output, output
+
+
+def test_the_commands_page_lists_every_command():
+    from cli.commands import COMMANDS
+
+    listed = re.findall(r"^\| `prescient ([a-z-]+)", (ROOT / "docs" / "commands.md").read_text(), flags=re.M)
+    assert set(listed) == set(COMMANDS), f"docs/commands.md lacks {sorted(set(COMMANDS) - set(listed))}"
 
 
 def test_readme_is_short_keeps_its_commands_and_links_resolve():

@@ -32,15 +32,21 @@ ONE_THREAD = "bench-memory-tw-1.1-threads1.json"  # the runtime at 1.1 GB with o
 HOLDS = "bench-memory-holds-tb.json"  # --memory from plain's need down: faults, RSS, reads per token (issue 53)
 RUNTIMES = ("no-predictor", "prescient", "oracle")
 GB = 1e9
+STOPS = ("killed", "refused", "timeout", "failed")  # how a run can end without a speed
 
 
 def _speed(entry: dict[str, Any]) -> str:
-    """A system's median tokens/s (range) at one cap, or why it has none."""
-    for status in ("killed", "refused", "timeout", "failed"):
+    """A system's median tokens/s (range) at one cap, or why it has none; where only some runs
+    decoded, how many, and how the others ended."""
+    for status in STOPS:
         if entry[status] and not entry["tokens_per_s"]:
             return f"{status} ({entry[status]} of {entry['runs']})"
     t = entry["tokens_per_s"]
-    return spread(t["median"], [t["min"], t["max"]], 1) + ("" if entry["exact"] else " NOT EXACT")
+    ran = entry["runs"] - sum(entry[status] for status in STOPS)
+    cell = spread(t["median"], [t["min"], t["max"]], 1) if ran > 1 else f"{t['median']:.1f} (1 run)"
+    if ran < entry["runs"]:
+        cell += "; " + ", ".join(f"{entry[status]} {status}" for status in STOPS if entry[status])
+    return cell + ("" if entry["exact"] else " NOT EXACT")
 
 
 def _plans(result: dict[str, Any], cap: int) -> str:

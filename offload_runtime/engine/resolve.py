@@ -51,9 +51,10 @@ def has_forecasts(predictor: Predictor) -> bool:
 
 def best_policy(predictor: Predictor) -> str:
     """The serving policy that measured best with `predictor`: with forecast heads, learned-belady
-    (1.33x on-demand LRU at 50% on the bench model, sampled decoding,
-    results/bench-runtime-base-sampled.json; no other policy within its spread); else LRU (no policy
-    measured beyond LRU's spread there)."""
+    (with eight heads 1.33x on-demand LRU at 50% on the bench model, sampled decoding,
+    results/bench-runtime-base-sampled.json, no other policy within its spread; with the demo's two,
+    a median 1.06x no predictor at 0.66 GB, results/bench-prediction-tb-guard2.json); else LRU (no
+    policy measured beyond LRU's spread there)."""
     return "learned-belady" if has_forecasts(predictor) else "lru"
 
 

@@ -18,6 +18,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _RATE_WINDOW_S = 10.0
 
 # (metric name, help, RuntimeStats field); all counters
+_FORWARDS = ("model_forwards", "forwards of the model (prefills and decode steps)", "forwards")
 _RUNTIME_COUNTERS = [
     ("expert_cache_hits", "expert accesses served by a resident expert", "hits"),
     ("expert_cache_misses", "expert accesses that needed a load", "misses"),
@@ -32,7 +33,7 @@ _RUNTIME_COUNTERS = [
     ("hash_tables_on_time", "forwards whose predicted experts were ready in time", "tables_on_time"),
     ("hash_builder_failures", "failures of the hash-building thread (serving went on with demand loads)",
      "predictor_failures"),
-    ("model_forwards", "forwards of the model (prefills and decode steps)", "forwards"),
+    _FORWARDS,
     ("expert_fine_uses", "mixed precision: expert accesses computed with an expert's fine copy", "fine_accesses"),
     ("expert_slots_given_back", "slots the memory guard gave back: the process re-read its own pages under --memory",
      "slots_given_back"),
@@ -102,15 +103,30 @@ class ServerMetrics:
         stats = s.stats
         if stats is None:  # a model served without offloading
             return
+        if _every_expert_resident(s):  # no cache runs: its accesses are not counted, so none is reported
+            yield family(CounterMetricFamily, *_FORWARDS[:2], stats.forwards)
+        else:
+            yield from self._cache_series(family, stats, c)
+        yield family(GaugeMetricFamily, "expert_slots", "expert slots in fast memory", stats.slots)
+        yield family(GaugeMetricFamily, "expert_slot_bytes", "bytes of the expert slots", stats.slot_bytes)
+
+
+    @staticmethod
+    def _cache_series(family, stats, counters):
+        """The expert cache's and the predictor's series (an offloaded model's)."""
         for name, doc, field in _RUNTIME_COUNTERS:
             yield family(CounterMetricFamily, name, doc, getattr(stats, field))
         yield family(CounterMetricFamily, "prefill_expert_cache_hits", "of expert_cache_hits, those in prefills",
-                     c.prefill_expert_hits)
+                     counters.prefill_expert_hits)
         yield family(CounterMetricFamily, "prefill_expert_cache_misses", "of expert_cache_misses, those in prefills",
-                     c.prefill_expert_misses)
+                     counters.prefill_expert_misses)
         yield family(GaugeMetricFamily, "expert_cache_hit_rate", "hits / accesses since start", stats.hit_rate)
-        yield family(GaugeMetricFamily, "expert_slots", "expert slots in fast memory", stats.slots)
-        yield family(GaugeMetricFamily, "expert_slot_bytes", "bytes of the expert slots", stats.slot_bytes)
+
+
+def _every_expert_resident(scheduler: Scheduler) -> bool:
+    """Whether the memory cap holds every expert (the plain model, copied or mapped): no cache runs."""
+    plan = getattr(scheduler.runtime, "memory_plan", None)
+    return plan is not None and plan.resident
 
 
 def merge_expositions(texts: list[str]) -> bytes:

@@ -118,11 +118,13 @@ class Service:
             self.scheduler = Scheduler(model, eos, max_batch=c.max_batch, max_queue=c.max_queue,
                                        on_finish=self.metrics.observe_finished,
                                        prefix_cache=PrefixCache(c.prefix_cache_bytes) if c.prefix_cache_bytes else None)
-            self.metrics.scheduler = self.scheduler
             plan = model.offload_runtime.memory_plan
+            if plan is not None and plan.resident:  # every expert loaded with the model: no cache policy runs
+                self.metrics.labels["policy"] = "none"
+            self.metrics.scheduler = self.scheduler
             log.info("serving %s as %r: policy %s, %s, predictor %s, up to %d requests per batch",
-                     c.model_dir, c.name, c.options.policy, plan.line() if plan else f"budget {c.options.budget}",
-                     c.predictor or "none", c.max_batch)
+                     c.model_dir, c.name, self.metrics.labels["policy"],
+                     plan.line() if plan else f"budget {c.options.budget}", c.predictor or "none", c.max_batch)
         except BaseException as exc:
             self.load_error = exc
             log.error("cannot serve %s: %s", c.model_dir, exc)

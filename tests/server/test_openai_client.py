@@ -184,4 +184,7 @@ def test_a_memory_that_holds_every_expert_serves_the_plain_model_batched(tiny_mo
             results = list(pool.map(lambda p: complete(running.client, p, stream=False), PROMPTS[:4]))
         for prompt, (text, tokens, _, _) in zip(PROMPTS, results):
             assert (text, tokens) == reference(prompt)
-        assert running.metric("prescient_expert_slots") == 2 * 8  # every expert of the 2 x 8 resident
+        assert running.metric("prescient_expert_slots", policy="none") == 2 * 8  # every expert of the 2 x 8 resident
+        assert running.metric("prescient_model_forwards_total") > 0
+        exported = {key.partition("{")[0] for key in running.metrics()}
+        assert not {"prescient_expert_cache_hit_rate", "prescient_expert_cache_hits_total"} & exported  # no cache runs
