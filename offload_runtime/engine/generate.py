@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from offload_runtime.engine.memory_guard import major_faults
+from offload_runtime.engine.memory_plan import model_context
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.resolve import options_for
 from prescient.errors import PrescientError
@@ -90,8 +91,7 @@ def check_prompt(prompt_tokens: int, max_new_tokens: int, model_dir: str | Path 
         raise GenerationError("the prompt is empty (0 tokens); give --prompt some text")
     if max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens is {max_new_tokens}; ask for at least 1 new token")
-    config = ModelDirectory.of(model_dir).config.get_text_config()
-    context = getattr(config, "max_position_embeddings", None)  # None: relative positions, no bound
+    context = model_context(ModelDirectory.of(model_dir).config)  # None: relative positions, no bound
     if context is not None and prompt_tokens + max_new_tokens > context:
         raise GenerationError(f"the prompt is {prompt_tokens} tokens and {max_new_tokens} new ones are asked for, "
                               f"beyond the model's context of {context} tokens; shorten the prompt or lower "

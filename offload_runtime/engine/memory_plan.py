@@ -79,6 +79,14 @@ def held_by(cap: int) -> str:
     return "cgroup" if limit is not None and limit <= cap else "dropped pages"
 
 
+def model_context(config) -> int | None:
+    """The model's context in tokens: its text config's `max_position_embeddings` (None where it
+    has none: relative positions, no bound). The one reading of it: the prompt checks of `generate`
+    and `serve` and the KV cache the plan reserves."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "max_position_embeddings", None) or None
+
+
 def kv_bytes_per_token(config, dtype_bytes: int) -> int:
     """One token's KV cache over every layer (keys and values) in the compute dtype."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -118,8 +126,7 @@ def reserve_bytes(config, dtype_bytes: int, copy_buffers: int, context_tokens: i
     longest sequence the process will hold; None: `RESERVED_CONTEXT`, or the model's context where
     shorter), the workspace of a prefill that long (at most `PREFILL_TOKENS`), and `copy_buffers`
     bytes of reads in flight."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    context = min(getattr(text, "max_position_embeddings", None) or RESERVED_CONTEXT, context_tokens or RESERVED_CONTEXT)
+    context = min(model_context(config) or RESERVED_CONTEXT, context_tokens or RESERVED_CONTEXT)
     return (kv_bytes_per_token(config, dtype_bytes) * context
             + workspace_bytes(config, dtype_bytes, min(context, PREFILL_TOKENS)) + copy_buffers)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from offload_runtime.engine.memory_plan import model_context
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.server import schemas
 from offload_runtime.server.metrics import ServerMetrics
@@ -20,7 +20,7 @@ from offload_runtime.server.scheduler import (Event, QueueFullError, Request as 
                                               SchedulerClosedError)
 from offload_runtime.server.text import TextStream, chat_prompt
 from predictor.base import ExpertPredictor
-from prescient.errors import CapacityError, ServerSettingsError, UnsupportedModelError
+from prescient.errors import CapacityError, PrescientError, ServerSettingsError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,9 @@ class Service:
         labels = {"policy": config.options.policy, "budget": memory_or_budget(config.options), "predictor": predictor}
         self.metrics = ServerMetrics(labels if config.replica is None else {**labels, "replica": config.replica})
         self.model = self.tokenizer = self.scheduler = None
-        self.context_length = context_length(config.model_dir)  # known before the weights load (/v1/models)
+        self.directory = _open_or_none(config.model_dir)  # None: loading says why
+        # the model's context, known before the weights load (/v1/models); 0 where it cannot be read
+        self.context_length = (model_context(self.directory.config) or 0) if self.directory is not None else 0
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None
         self._loader: threading.Thread | None = None
@@ -101,7 +103,7 @@ class Service:
 
         c = self.config
         try:
-            model_dir = ModelDirectory.of(c.model_dir)
+            model_dir = self.directory or ModelDirectory.of(c.model_dir)
             tokenizer = model_dir.tokenizer()
             model = _load_within(model_dir, c.predictor, c.options, c.prefix_cache_bytes)
             if model.config.is_encoder_decoder:
@@ -114,7 +116,6 @@ class Service:
             if tokenizer.eos_token_id is not None:
                 eos.add(tokenizer.eos_token_id)
             self.model, self.tokenizer = model, tokenizer
-            self.context_length = model.config.max_position_embeddings
             self.scheduler = Scheduler(model, eos, max_batch=c.max_batch, max_queue=c.max_queue,
                                        on_finish=self.metrics.observe_finished,
                                        prefix_cache=PrefixCache(c.prefix_cache_bytes) if c.prefix_cache_bytes else None)
@@ -216,15 +217,14 @@ class Service:
         return sequence, events
 
 
-def context_length(model_dir: Path) -> int:
-    """The model's context in tokens, from its config.json (0 where it cannot be read: loading
-    then fails with the reason, and sets it from the loaded model)."""
+def _open_or_none(model_dir: Path):
+    """The opened model directory, or None where it cannot be opened (loading then fails with the reason)."""
+    from prescient.model_dir import ModelDirectory
+
     try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        config = config.get("text_config", config) if "max_position_embeddings" not in config else config
-        return int(config.get("max_position_embeddings") or 0)
-    except (OSError, ValueError, TypeError, AttributeError):
-        return 0
+        return ModelDirectory.of(model_dir)
+    except (PrescientError, OSError, ValueError, KeyError):
+        return None
 
 
 def _scoring_only(body: schemas.CompletionRequest | schemas.ChatRequest) -> bool:
