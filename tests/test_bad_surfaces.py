@@ -233,9 +233,9 @@ def test_a_prefix_cache_not_below_the_memory_is_refused_naming_both(tiny_moe_dir
 
 def test_a_prefix_cache_that_leaves_too_little_memory_says_it_took_its_share(tiny_moe_dir):
     config = serve_config(tiny_moe_dir("mixtral"), memory=2**30, prefix_cache_bytes=1000 * 2**20)
-    with pytest.raises(CapacityError, match=r"^--memory 1.00 GiB \(1073741824 bytes\) less the prefix cache's 0.98 GiB "
-                                            r"\(1048576000 bytes\) leaves 0.02 GiB .* for the model: .*smallest memory "
-                                            r"that works .*; the prefix cache comes on top of that$"):
+    with pytest.raises(CapacityError, match=r"^--memory 1.00 GiB \(1073741824 bytes\) holds the prefix cache's 0.98 GiB "
+                                            r"\(1048576000 bytes\) beside the model: .*smallest memory that works .*; "
+                                            r"give a smaller --prefix-cache or more --memory$"):
         _load_within(config.model_dir, None, config.options, config.prefix_cache_bytes)
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from offload_runtime.engine.memory_guard import major_faults
-from offload_runtime.engine.memory_plan import model_context
+from offload_runtime.engine.memory_plan import Reserves, model_context
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.resolve import options_for
 from prescient.errors import PrescientError
@@ -111,16 +111,17 @@ def generate_offloaded(model_dir: str | Path | ModelDirectory, prompt: str, max_
     tokenizer = directory.tokenizer()
     inputs = tokenizer(prompt, return_tensors="pt")
     check_prompt(inputs["input_ids"].shape[1], max_new_tokens, directory)
-    if options.memory is not None and options.context_tokens is None:  # reserve for this request, not 4096 tokens
-        options = replace(options, context_tokens=inputs["input_ids"].shape[1] + max_new_tokens)
-    model = load_offloaded(directory, predictor, options)
+    request = Reserves(context_tokens=inputs["input_ids"].shape[1] + max_new_tokens)  # not 4096 tokens
+    model = load_offloaded(directory, predictor, options, reserves=request)
     with model.offload_runtime as runtime:
         timed = timed_generate(model, tokenizer, inputs.to(options.device), max_new_tokens, sampling)
         stats = runtime.stats()
         plan = runtime.memory_plan
+    # the tokens a memory cap's plan reserved KV for: the options' own, else this request's
+    reserved = options.context_tokens or (request.context_tokens if options.memory is not None else None)
     return {
         "settings": {"model": str(model_dir), "predictor": predictor and str(predictor),
-                     "max_new_tokens": max_new_tokens, **options.to_json(),
+                     "max_new_tokens": max_new_tokens, **options.to_json(), "context_tokens": reserved,
                      "decoding": "greedy" if sampling is None else {"sampled": asdict(sampling)}},
         "prompt": prompt,
         **timed,

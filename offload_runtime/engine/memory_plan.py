@@ -1,4 +1,5 @@
-"""`--memory SIZE`: how a memory cap for the whole process becomes the runtime's configuration.
+"""`--memory SIZE`: how a memory cap for the whole process becomes the runtime's configuration,
+decided here alone (`MemoryPlanner`): the loader asks, and builds what the plan says.
 
 The cap counts everything the process holds (see `prescient.memory_cap`): the imported libraries,
 the non-expert weights, the expert slots, the predictor, the KV cache and activations, and the page
@@ -20,8 +21,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from offload_runtime.engine.expert_kernels import kernel_workspace_bytes
+from offload_runtime.engine.options import RuntimeOptions
+from prescient.arch import MoELayer, find_moe_layers
 from prescient.errors import CapacityError
+from prescient.fingerprint import expert_tensor_names
 from prescient.memory_cap import HOT_LIBRARY_BYTES, cgroup_limit
+from prescient.model_dir import ModelDirectory
 
 MiB = 2**20
 SLACK = 16 * MiB  # the allocator's free lists, small buffers
@@ -178,3 +184,93 @@ def _require(cap: int, footprint: int, reserve: int, expert_bytes: int, least: i
             f"{reserve / 2**20:.0f} MiB of KV cache and buffers) and {least} {what} of {expert_bytes / 2**20:.1f} MiB; "
             f"the smallest memory that works is {smallest / 2**30:.2f} GiB ({-(-smallest // 2**20)}MiB)")
     return int(count)
+
+
+@dataclass(frozen=True)
+class Reserves:
+    """What a run keeps free under its memory cap beside the weights and the slots, known to whoever
+    starts it and given to the plan as it is, not written into the options: `context_tokens`, the
+    longest sequence the process holds, whose KV cache and prefill workspace are reserved (the
+    options' own `context_tokens` when named; `generate`: its prompt and new tokens; None:
+    `RESERVED_CONTEXT`, or the model's context where shorter), and `prefix_cache`, the bytes of
+    finished sequences' KV that `serve --prefix-cache` keeps."""
+
+    context_tokens: int | None = None
+    prefix_cache: int = 0
+
+
+@dataclass(frozen=True)
+class WholeModelNeed:
+    """What the whole model needs, estimated before loading: this process now with the weights other
+    than the routed experts (`footprint`), the reserve, and the experts (in the compute dtype)."""
+
+    footprint: int
+    reserve: int
+    experts_bytes: int
+    total_experts: int
+    top_k: int
+
+    @property
+    def total(self) -> int:
+        return self.footprint + self.reserve + self.experts_bytes
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.experts_bytes // self.total_experts
+
+
+class MemoryPlanner:
+    """What `options.memory` buys one model (`model_dir`) with `reserves` kept free, decided here
+    from what the loader measures of this process: before anything loads, whether the whole model
+    fits (`whole_model`: every expert copied, or every weight mapped); else, once the process holds
+    the weights other than the experts and the predictor, how many slots are left (`slots`). Every
+    reserve is counted by `reserve` alone."""
+
+    def __init__(self, model_dir: ModelDirectory, options: RuntimeOptions, reserves: Reserves = Reserves()) -> None:
+        self.model_dir, self.options, self.reserves = model_dir, options, reserves
+
+    def reserve(self, copy_buffers: int) -> int:
+        """`reserve_bytes` for the options' context (else the reserves'), what the expert kernel
+        holds while it decodes (`kernel_workspace_bytes`), and the prefix cache."""
+        options, config = self.options, self.model_dir.config
+        dtype_bytes = options.torch_dtype.itemsize
+        return (reserve_bytes(config, dtype_bytes, copy_buffers, options.context_tokens or self.reserves.context_tokens)
+                + kernel_workspace_bytes(options.expert_kernel, options.torch_dtype, options.device,
+                                         largest_matrix_bytes(config, dtype_bytes))
+                + self.reserves.prefix_cache)
+
+    def need(self, process: int) -> WholeModelNeed:
+        """The whole model's `WholeModelNeed` in the options' dtype, from its shapes (nothing read),
+        beside this process's `process` bytes now."""
+        skeleton = self.model_dir.weightless_model(self.options.torch_dtype)
+        layers = find_moe_layers(skeleton)
+        experts = expert_tensor_names(layers)
+        sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in skeleton.state_dict().items()}
+        experts_bytes = sum(size for name, size in sizes.items() if name in experts)
+        return WholeModelNeed(process + sum(sizes.values()) - experts_bytes, self.reserve(0), experts_bytes,
+                              len(layers) * layers[0].num_experts, layers[0].top_k)
+
+    def whole_model(self, process: int) -> MemoryPlan | None:
+        """The whole model's plan beside this process's `process` bytes now: mapped where
+        `map_experts` asks; copied into memory where every expert fits (the plain transformers
+        model); mapped where the page cache can hold `MAPPED_SHARE` of them on the CPU and
+        `map_experts` is automatic; else None (slots)."""
+        need, map_experts, cap = self.need(process), self.options.map_experts, self.options.memory
+        mapped = (need.footprint, need.reserve, need.expert_bytes, need.total_experts, need.top_k)
+        if map_experts:
+            return plan_mapped(cap, *mapped)
+        resident = plan_resident(cap, need.footprint, need.reserve, need.experts_bytes, need.total_experts)
+        if resident is not None:
+            return resident
+        room = cap - need.footprint - need.reserve
+        if map_experts is None and self.options.device == "cpu" and room >= MAPPED_SHARE * need.experts_bytes:
+            return plan_mapped(cap, *mapped)
+        return None
+
+    def slots(self, footprint: int, expert_bytes: int, layers: list[MoELayer], predictor_work: int) -> MemoryPlan:
+        """The slots of `expert_bytes` each that the cap buys beside this process's measured
+        `footprint` (non-expert weights and predictor loaded), the reserve (with one expert's read
+        in flight per transfer worker) and what its predictor holds at work (`predictor_work`); a
+        CapacityError naming the smallest cap that works below one layer's top-k."""
+        return plan_offloaded(self.options.memory, footprint, self.reserve(self.options.transfer_workers * expert_bytes),
+                              expert_bytes, len(layers) * layers[0].num_experts, layers[0].top_k, predictor_work)

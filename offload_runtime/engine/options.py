@@ -83,9 +83,9 @@ class RuntimeOptions:
     routers; None: the routers), `expert_kernel` (EPS-MoE's load-aware kernels, see
     `expert_kernels`: "gemv" (default), ours where the model runs grouped_mm on the CPU: each routed
     expert's GEMM straight from its weights, a decode row of float32 weights of at least 1 MiB through
-    oneDNN's matrix-vector product where it measured faster (logits within 1e-5 of transformers'
-    kernel, the same greedy tokens; in bfloat16/float16, and for smaller matrices, torch's `linear`:
-    grouped_mm's numbers bit for bit); "streamed", the same without oneDNN, bit for bit; "model", the
+    `rowdot.product`, a dot product per row at the memory bus's rate (logits within 1e-5 of
+    transformers' kernel, the same greedy tokens; in bfloat16/float16, and for smaller matrices,
+    torch's `linear`: grouped_mm's numbers bit for bit); "streamed", the same without it, bit for bit; "model", the
     model's own experts implementation (bit-for-bit comparisons with transformers); "auto", per layer and call
     the kernel measured fastest for its tokens per activated expert, and no per-expert pipeline
     where that load is under the measured threshold; or one of transformers' "eager",

@@ -187,9 +187,15 @@ class SlotPool:
                    device: torch.device | str = "cpu") -> "SlotPool":
         """A pool for `len(specs)` MoE layers of `num_experts` experts each (one spec per layer,
         e.g. `ExpertStore.specs`), sized by `budget` (see `slots_for_budget`)."""
-        spec = _one_spec(specs)
-        slots = slots_for_budget(budget, spec.nbytes, len(specs) * num_experts, top_k)
-        return cls(spec, slots, len(specs), num_experts, device)
+        slots = slots_for_budget(budget, _one_spec(specs).nbytes, len(specs) * num_experts, top_k)
+        return cls.for_slots(specs, num_experts, slots, device)
+
+    @classmethod
+    def for_slots(cls, specs: Sequence[ExpertSpec], num_experts: int, slots: int,
+                  device: torch.device | str = "cpu") -> "SlotPool":
+        """A pool of `slots` slots (a memory plan's count) for `len(specs)` MoE layers of
+        `num_experts` experts each."""
+        return cls(_one_spec(specs), slots, len(specs), num_experts, device)
 
     @property
     def num_slots(self) -> int:

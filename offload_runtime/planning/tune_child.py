@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import pickle
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from offload_runtime.engine.generate import check_prompt, timed_generate
+from offload_runtime.engine.memory_plan import Reserves
 from offload_runtime.engine.options import RuntimeOptions
 from prescient.errors import CapacityError
 from prescient.model_dir import ModelDirectory
@@ -33,9 +33,8 @@ def decode(model_dir: str, prompts: list[str], new_tokens: int, predictor: str |
     inputs = [tokenizer(prompt, return_tensors="pt") for prompt in prompts]
     for tokens in inputs:
         check_prompt(tokens["input_ids"].shape[1], new_tokens, directory)
-    if options.memory is not None and options.context_tokens is None:  # reserve for the longest request
-        options = replace(options, context_tokens=max(t["input_ids"].shape[1] for t in inputs) + new_tokens)
-    model = load_offloaded(directory, predictor, options)
+    longest = Reserves(context_tokens=max(t["input_ids"].shape[1] for t in inputs) + new_tokens)
+    model = load_offloaded(directory, predictor, options, reserves=longest)
     with model.offload_runtime as runtime:
         timed = [timed_generate(model, tokenizer, tokens.to(options.device), new_tokens) for tokens in inputs]
         stats, plan = runtime.stats(), runtime.memory_plan

@@ -4,14 +4,13 @@ background and checks each request against it (`ClientError`: the 4xx answer a c
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from offload_runtime.engine.memory_plan import model_context
+from offload_runtime.engine.memory_plan import Reserves, model_context
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.server import schemas
 from offload_runtime.server.metrics import ServerMetrics
@@ -233,28 +232,18 @@ def _scoring_only(body: schemas.CompletionRequest | schemas.ChatRequest) -> bool
     return isinstance(body, schemas.CompletionRequest) and body.echo and body.max_tokens == 0
 
 
-def _less_prefix_cache(options: RuntimeOptions, prefix_cache_bytes: int) -> RuntimeOptions:
-    """The runtime's options with the prefix cache's bytes taken out of a `memory` cap, so that
-    the memory plan leaves room for it (a `budget` counts experts only and stays); `ServeConfig`
-    holds the cache below the memory."""
-    if options.memory is None or not prefix_cache_bytes:
-        return options
-    return dataclasses.replace(options, memory=options.memory - prefix_cache_bytes)
-
-
 def _load_within(model_dir, predictor, options: RuntimeOptions, prefix_cache_bytes: int):
-    """`load_offloaded` in the memory the prefix cache leaves; a memory too small for the model then
-    says the prefix cache took its share (the plan sees only what is left)."""
+    """`load_offloaded` with the prefix cache reserved under a `memory` cap (a `budget` counts
+    experts only); a memory too small for the model then says the prefix cache took its share."""
     from offload_runtime.engine.loader import load_offloaded
 
     try:
-        return load_offloaded(model_dir, predictor, _less_prefix_cache(options, prefix_cache_bytes))
+        return load_offloaded(model_dir, predictor, options, reserves=Reserves(prefix_cache=prefix_cache_bytes))
     except CapacityError as exc:
         if options.memory is None or not prefix_cache_bytes:
             raise
-        raise CapacityError(f"--memory {_gib(options.memory)} less the prefix cache's {_gib(prefix_cache_bytes)} "
-                            f"leaves {_gib(options.memory - prefix_cache_bytes)} for the model: {exc}; the prefix cache "
-                            "comes on top of that") from None
+        raise CapacityError(f"--memory {_gib(options.memory)} holds the prefix cache's {_gib(prefix_cache_bytes)} "
+                            f"beside the model: {exc}; give a smaller --prefix-cache or more --memory") from None
 
 
 def _gib(size: int) -> str:

@@ -15,7 +15,7 @@ from offload_runtime.engine import generate as generate_module
 from offload_runtime.engine.generate import generate_offloaded, storage_reads
 from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.mapped import mapped_share
-from offload_runtime.engine.memory_plan import MAPPED_SHARE, MiB, plan_offloaded, plan_resident, reserve_bytes, workspace_bytes
+from offload_runtime.engine.memory_plan import MAPPED_SHARE, MemoryPlanner, MiB, plan_offloaded, plan_resident, reserve_bytes, workspace_bytes
 from offload_runtime.engine.options import OptionsError, RuntimeOptions
 from offload_runtime.engine.resident import ResidentRuntime
 from offload_runtime.engine.runtime import OffloadRuntime
@@ -93,7 +93,7 @@ def test_mapped_experts_are_the_checkpoint_itself_and_map_where_most_but_not_all
     assert mapped_share(mapped) == 1.0  # nothing copied
     assert mapped.offload_runtime.fingerprint == fingerprint_model_dir(path)  # the same model, as predictors know it
     monkeypatch.setattr(loader, "process_footprint", lambda reads=True: FOOTPRINT)
-    need = loader._whole_model_need(directory, RuntimeOptions())
+    need = MemoryPlanner(directory, RuntimeOptions()).need(FOOTPRINT)
     fixed = need.footprint + need.reserve
     for share, is_mapped in ((MAPPED_SHARE + 0.05, True), (MAPPED_SHARE - 0.05, False)):
         model = load_offloaded(path, memory=fixed + int(share * need.experts_bytes))  # not every expert fits
@@ -105,7 +105,7 @@ def test_mapped_experts_are_the_checkpoint_itself_and_map_where_most_but_not_all
 def test_mapping_asked_for_below_the_whole_model_runs_exact_and_refuses_below_a_layers_top_k(tiny_moe_dir, monkeypatch):
     path, directory, reference = _model(tiny_moe_dir)
     monkeypatch.setattr(loader, "process_footprint", lambda reads=True: FOOTPRINT)
-    need = loader._whole_model_need(directory, RuntimeOptions())
+    need = MemoryPlanner(directory, RuntimeOptions()).need(FOOTPRINT)
     fixed, expert_bytes = need.footprint + need.reserve, need.experts_bytes // need.total_experts
     model = load_offloaded(path, memory=fixed + 4 * expert_bytes, map_experts=True)
     with model.offload_runtime as runtime:

@@ -10,11 +10,12 @@ import httpx
 import torch
 from transformers.cache_utils import DynamicCache
 
+from offload_runtime.engine.memory_plan import MemoryPlanner, Reserves
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.server.kv_batch import KVBatch, prefill_inputs
 from offload_runtime.server.prefix_cache import Prefix, PrefixCache
-from offload_runtime.server.service import _less_prefix_cache
 from prescient.loading import load_model
+from prescient.model_dir import ModelDirectory
 from tests.server.serving import MODEL, serve
 
 
@@ -118,9 +119,7 @@ def test_a_server_with_the_prefix_cache_answers_as_one_without(tiny_moe_dir):
     torch.testing.assert_close(torch.tensor(answers[2**20][-1][1:]), torch.tensor(answers[0][-1][1:]))
 
 
-def test_a_memory_cap_leaves_room_for_the_prefix_cache():
-    options = RuntimeOptions(memory=2**30)
-    assert _less_prefix_cache(options, 2**26).memory == 2**30 - 2**26
-    assert _less_prefix_cache(options, 0) is options
-    budget = RuntimeOptions(budget=0.25)
-    assert _less_prefix_cache(budget, 2**26) is budget  # a budget counts experts only
+def test_a_memory_cap_reserves_room_for_the_prefix_cache(tiny_moe_dir):
+    directory, options = ModelDirectory.open(tiny_moe_dir("mixtral")), RuntimeOptions(memory=2**30)
+    reserved = MemoryPlanner(directory, options, Reserves(prefix_cache=2**26)).reserve(0)
+    assert reserved == MemoryPlanner(directory, options).reserve(0) + 2**26  # the cap stays the user's
