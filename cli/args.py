@@ -222,7 +222,13 @@ class Renamed(argparse.Action):
 
 
 def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
-    """Each runtime option's flags, by the `RuntimeOptions` field (or prefetch switch) they set."""
+    """Each runtime option's flags, by the `RuntimeOptions` field (or prefetch switch) they set, in
+    the order `--help` lists them."""
+    return {**_where_flags(), **_precision_flags(), **_schedule_flags()}
+
+
+def _where_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
+    """The policy and where the experts live: memory or budget, store, device."""
     return {
         "policy": lambda p: p.add_argument(
             "--policy", type=serving_policy, default=None,
@@ -244,6 +250,12 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
         "drop_page_cache": lambda p: p.add_argument(
             "--drop-page-cache", action="store_true", help="disk store: drop read pages from the page cache"),
         "device": lambda p: p.add_argument("--device", type=device, default="cpu"),
+    }
+
+
+def _precision_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
+    """What a slot holds: the compute dtype, packed or expanded, mixed precision."""
+    return {
         "dtype": lambda p: p.add_argument(
             "--dtype", choices=tuple(DTYPES), default="float32",
             help="what the model computes in and a slot holds (bfloat16: half the bytes per expert slot)"),
@@ -264,6 +276,13 @@ def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
             help="with --fine-model: which experts get the fine copy: router (its router weight; the best on the "
                  "bench), forecast (the predictor's chance that coming tokens use it; needs a --predictor with "
                  "forecast heads), hotness (its use count so far)"),
+    }
+
+
+def _schedule_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
+    """How experts are read, prefetched and computed: transfer workers, read depth, hide-only and
+    cross-token prefetch, the pipeline, kernels, lookahead, mapping, the hybrid schedule."""
+    return {
         "transfer_workers": lambda p: (p.add_argument(
             "--transfer-workers", type=transfer_workers, default=None,
             help="expert copies that run at once (reads in flight); auto: the queue depth that --link-profile chose "

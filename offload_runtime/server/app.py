@@ -71,34 +71,43 @@ def create_app(model_dir: str | Path, predictor: str | Path | ExpertPredictor | 
         app.add_middleware(AuthenticationMiddleware, backend=APIKeys(service.config.api_keys, guarded),
                            on_error=unauthorized)
 
-    @app.exception_handler(ClientError)
-    async def client_error(_request: Request, exc: ClientError) -> JSONResponse:
-        return JSONResponse(schemas.error_body(exc.message, exc.type, exc.param, exc.code), exc.status,
-                            headers=exc.headers)
+    for error, handler in ((ClientError, _client_error), (RequestValidationError, _invalid),
+                           (Exception, _server_error), (StarletteHTTPException, _http_error)):
+        app.add_exception_handler(error, handler)
+    _add_routes(app, service)
+    return app
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        # the field's path, without "body" and the union-member tags pydantic adds ("float", "list[str]")
-        where = [str(part) for part in first.get("loc", ())
-                 if part != "body" and not _UNION_TAG.fullmatch(str(part))]
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "extra_forbidden":
-            message = f"Unrecognized request argument supplied: {where[-1]}"
-        elif first.get("type") == "json_invalid":  # loc holds the character offset
-            message, where = f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}", []
-        elif where:
-            message = f"{'.'.join(where)}: {message}"
-        return JSONResponse(schemas.error_body(message, param=".".join(where) or None), 400)
 
-    @app.exception_handler(Exception)
-    async def server_error(_request: Request, exc: Exception) -> JSONResponse:  # a bug of ours: logged, still OpenAI's body
-        return JSONResponse(schemas.error_body(f"internal error: {type(exc).__name__}", "server_error"), 500)
+async def _client_error(_request: Request, exc: ClientError) -> JSONResponse:
+    return JSONResponse(schemas.error_body(exc.message, exc.type, exc.param, exc.code), exc.status,
+                        headers=exc.headers)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(schemas.error_body(str(exc.detail)), exc.status_code, headers=exc.headers)
 
+async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0]
+    # the field's path, without "body" and the union-member tags pydantic adds ("float", "list[str]")
+    where = [str(part) for part in first.get("loc", ())
+             if part != "body" and not _UNION_TAG.fullmatch(str(part))]
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {where[-1]}"
+    elif first.get("type") == "json_invalid":  # loc holds the character offset
+        message, where = f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}", []
+    elif where:
+        message = f"{'.'.join(where)}: {message}"
+    return JSONResponse(schemas.error_body(message, param=".".join(where) or None), 400)
+
+
+async def _server_error(_request: Request, exc: Exception) -> JSONResponse:  # a bug of ours: logged, still OpenAI's body
+    return JSONResponse(schemas.error_body(f"internal error: {type(exc).__name__}", "server_error"), 500)
+
+
+async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return JSONResponse(schemas.error_body(str(exc.detail)), exc.status_code, headers=exc.headers)
+
+
+def _add_routes(app: FastAPI, service: Service) -> None:
+    """Health, metrics, the model list and the two OpenAI routes, answered by `service`."""
     @app.get("/health")
     async def health() -> JSONResponse:
         if service.ready:
@@ -123,8 +132,6 @@ def create_app(model_dir: str | Path, predictor: str | Path | ExpertPredictor | 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: schemas.ChatRequest, request: Request) -> Response:
         return await serve_request(service, body, request, chat=True)
-
-    return app
 
 
 def serve_config(model_dir: str | Path, predictor: str | Path | ExpertPredictor | None = None,
