@@ -49,6 +49,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from cache import POLICIES, EvictionPolicy, Replay, expert_frequencies, make_policy, simulate
+from cache.history import blend, history_chances
 from cache.timing import LinkTiming
 from experiments.predictor_scores import forecast_scores, trace_scores
 from predictor.base import ExpertPredictor, PredictorError
@@ -121,7 +122,8 @@ def build_predictor(spec: str | Path | ExpertPredictor, trace: Trace, fit: Trace
 def forecast_inputs(pred: ExpertPredictor | None, trace: Trace, learned: bool,
                     next_token: bool) -> dict[str, np.ndarray]:
     """`Replay.build`'s `forecast_chances` and `later_chances` [N, L, E] (a learned policy ranks by
-    them: chances of use soon, `predictor.forecast.chances_of_use`) and `next_chances` [N, L, E]
+    them: chances of use soon, `predictor.forecast.chances_of_use`, blended with the history of use,
+    `cache.history`) and `next_chances` [N, L, E]
     (cross-token prefetch: each expert's chance of use by the next token), those asked for, from
     one pass of the predictor's forecasts."""
     if not (learned or next_token):
@@ -136,7 +138,9 @@ def forecast_inputs(pred: ExpertPredictor | None, trace: Trace, learned: bool,
     inputs = {}
     if learned:
         soon, later = chances_of_use(current, ahead, top_k, to_chances=pred.chance_selected)
-        inputs.update(forecast_chances=soon.numpy(), later_chances=later.numpy())
+        # blended with each expert's use so far, as the runtime's learned eviction ranks (`cache.history`)
+        used = history_chances(trace["topk_ids"].numpy(), trace["seq_id"].numpy(), trace.fingerprint.n_experts)
+        inputs.update(forecast_chances=blend(soon.numpy(), used), later_chances=blend(later.numpy(), used))
     if next_token:
         inputs["next_chances"] = pred.chance_selected(ahead[:, 0], top_k).numpy()
     return inputs

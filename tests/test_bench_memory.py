@@ -114,7 +114,8 @@ def test_prediction_is_judged_per_prompt_against_the_runtime_without_it(tmp_path
                              runner=runner, predictor="p")
     result = json.loads(out.read_text())
     assert result["settings"]["systems"] == [s for s in orchestrate.SYSTEMS if s != "llama.cpp"]  # not given
-    assert [r["prompt_index"] for r in result["runs"][:10]] == [0] * 5 + [1] * 5  # interleaved per prompt
+    n = len(result["settings"]["systems"])
+    assert [r["prompt_index"] for r in result["runs"][:2 * n]] == [0] * n + [1] * n  # interleaved per prompt
     assert len(result["references"]) == 2 and all(r["system"] == "plain" for r in result["references"])
     (cap_entry,) = result["per_prompt"]
     assert [row["over_no_predictor"]["prescient"] for row in cap_entry["prompts"]] == [1.5, 0.5]

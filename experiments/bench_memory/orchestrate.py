@@ -21,7 +21,7 @@ from typing import Any
 
 from prescient.capped_run import HOW_COUNTED, CappedRun, cgroup_kind, drop_page_cache, run_capped
 from experiments.bench_memory.plot import floor_bytes, plot_memory_curve
-from experiments.bench_memory.systems import SYSTEMS
+from experiments.bench_memory.systems import SYSTEMS, WITH_PREDICTOR
 from prescient.errors import PrescientError
 
 Runner = Callable[[list[str], "int | None", float], CappedRun]
@@ -206,8 +206,8 @@ def bench_memory(model_dir: str | Path, caps: list[int], prompts: list[str], *, 
     systems = default_systems(predictor, llama_cpp) if systems is None else systems
     if not caps or any(cap <= 0 for cap in caps) or unknown(systems) or not prompts:
         raise MemoryBenchError(f"give at least one positive cap, one prompt and systems among {', '.join(SYSTEMS)}")
-    if "prescient" in systems and not predictor:
-        raise MemoryBenchError("the prescient system is the runtime with its predictor: give --predictor")
+    if set(WITH_PREDICTOR) & set(systems) and not predictor:
+        raise MemoryBenchError("the prescient and prefetch systems are the runtime with its predictor: give --predictor")
     llama = check_llama_cpp(llama_cpp, gguf, "llama.cpp" in systems)
     kind = cgroup_kind()
     spec = {"model": str(model_dir), "new_tokens": new_tokens, "threads": threads,
@@ -245,8 +245,8 @@ def bench_memory(model_dir: str | Path, caps: list[int], prompts: list[str], *, 
 
 
 def default_systems(predictor: str | None, llama_cpp: str | Path | None) -> tuple[str, ...]:
-    """Every system, but `prescient` only with a predictor and `llama.cpp` only with its binary."""
-    return tuple(s for s in SYSTEMS if (predictor or s != "prescient") and (llama_cpp or s != "llama.cpp"))
+    """Every system, but `prescient` and `prefetch` only with a predictor and `llama.cpp` only with its binary."""
+    return tuple(s for s in SYSTEMS if (predictor or s not in WITH_PREDICTOR) and (llama_cpp or s != "llama.cpp"))
 
 
 def check_llama_cpp(llama_cpp: str | Path | None, gguf: str | Path | None, wanted: bool) -> dict[str, str | None]:

@@ -9,6 +9,9 @@ prompt's put and each new token; prefill runs to the first new token, decode fro
 - `prescient`: `generate_offloaded` with what `--memory CAP --predictor P` runs by default
   (`engine.resolve.resolve_options`: the configuration `prescient tune` measured best on this machine, else
   the built-in defaults).
+- `prefetch`: `prescient` with SiDA's in-token prefetch on (each predicted token's top-k experts per
+  layer, `prefetch_per_layer`), the default only where the slots are on a GPU: the CPU's default
+  measured beside it.
 - `oracle`: the runtime with a predictor that knows the run's true routing (`OraclePredictor` over
   the reference run's own trace: the prompt and the plain model's tokens): learned eviction on
   certain forecasts (Belady's rule over the next 8 tokens), prefetch of every layer's experts and of
@@ -25,7 +28,8 @@ from torch import nn
 
 from offload_runtime.engine.generate import generate_offloaded, timed_generate
 
-SYSTEMS = ("plain", "mmap", "no-predictor", "prescient", "oracle", "llama.cpp")  # llama.cpp: `llama_cpp`, run by `child`
+SYSTEMS = ("plain", "mmap", "no-predictor", "prescient", "prefetch", "oracle", "llama.cpp")  # llama.cpp: `llama_cpp`, run by `child`
+WITH_PREDICTOR = ("prescient", "prefetch")  # the systems that run the user's predictor
 ORACLE_OPTIONS = {"policy": "learned-belady", "next_token_min_chance": 0.5, "table_wait": 0.05,
                   "prediction_guard": False}  # the oracle is the bound: nothing guards it
 
@@ -80,10 +84,11 @@ def run_mmap(spec: dict[str, Any]) -> dict[str, Any]:
     return {**record, "mapped_share": mapped_share(model)}
 
 
-def run_prescient(spec: dict[str, Any], predictor=None, oracle: bool = False) -> dict[str, Any]:
+def run_prescient(spec: dict[str, Any], predictor=None, oracle: bool = False,
+                  named: dict[str, Any] | None = None) -> dict[str, Any]:
     """`generate_offloaded` with `--memory`'s default configuration at `spec["memory"]` (None: the
-    built-in budget) and `predictor` (the spec's by default; `oracle`: the oracle's settings); the
-    runtime's statistics cover prefill and decode."""
+    built-in budget) and `predictor` (the spec's by default; `oracle`: the oracle's settings), with
+    the settings `named` as a user names them; the runtime's statistics cover prefill and decode."""
     from dataclasses import replace
 
     from offload_runtime.engine.options import RuntimeOptions
@@ -91,7 +96,7 @@ def run_prescient(spec: dict[str, Any], predictor=None, oracle: bool = False) ->
 
     predictor = spec.get("predictor") if predictor is None else predictor
     options = RuntimeOptions() if spec["memory"] is None else \
-        resolve_options(spec["model"], None if oracle else predictor, {"memory": spec["memory"]})
+        resolve_options(spec["model"], None if oracle else predictor, {"memory": spec["memory"], **(named or {})})
     if oracle:
         options = replace(options, **ORACLE_OPTIONS)
     out = generate_offloaded(spec["model"], spec["prompt"], spec["new_tokens"], predictor=predictor, options=options)
@@ -119,6 +124,13 @@ def run_no_predictor(spec: dict[str, Any]) -> dict[str, Any]:
     return run_prescient({**spec, "predictor": None})
 
 
+def run_prefetch(spec: dict[str, Any]) -> dict[str, Any]:
+    from predictor.registry import read_predictor_meta
+
+    top_k = read_predictor_meta(spec["predictor"]).fingerprint.top_k
+    return run_prescient(spec, named={"prefetch_per_layer": top_k})
+
+
 def run_oracle(spec: dict[str, Any]) -> dict[str, Any]:
     from predictor.baselines import OraclePredictor
     from prescient.traces import load_trace
@@ -131,4 +143,4 @@ def _share(on_time: int, late: int) -> float | None:
 
 
 RUNNERS = {"plain": run_plain, "mmap": run_mmap, "no-predictor": run_no_predictor, "prescient": run_prescient,
-           "oracle": run_oracle}
+           "prefetch": run_prefetch, "oracle": run_oracle}

@@ -60,7 +60,9 @@ class RuntimeOptions:
     `transfer_workers` (copies that run at once), `read_depth` (disk store: each read split into this
     many reads in flight at once, the queue depth the device needs for its rate, with no buffer
     beyond the slot), `prefetch_per_layer` (experts prefetched per
-    layer and predicted token; None: the model's top-k), `link_timing` (hide-only prefetch: only
+    layer and predicted token; 0: none, the predictor's forecasts rank the cache's evictions alone;
+    None: the model's top-k, but none on the CPU under learned eviction without cross-token
+    prefetch, where a wrong prefetch read from disk displaces an expert in use, see `runtime`), `link_timing` (hide-only prefetch: only
     copies that can end before their layer runs; None: as many as the slots allow),
     `next_token_min_chance` (cross-token prefetch of the next token's experts forecast at least
     this likely; None: off), `dtype` (what the model computes in, and so what a slot holds:
@@ -157,7 +159,7 @@ class RuntimeOptions:
             if getattr(self, name) > MAX_TRANSFER_WORKERS:
                 raise OptionsError(f"{name} must be 1 to {MAX_TRANSFER_WORKERS}, got {getattr(self, name)}")
         if self.prefetch_per_layer is not None:
-            _whole("prefetch_per_layer", self.prefetch_per_layer, 1)
+            _whole("prefetch_per_layer", self.prefetch_per_layer, 0)
         _whole("lookahead_layers", self.lookahead_layers, 0)
         if not (isinstance(self.table_wait, (int, float)) and math.isfinite(self.table_wait)
                 and 0 <= self.table_wait <= MAX_TABLE_WAIT):

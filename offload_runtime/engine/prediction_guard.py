@@ -116,8 +116,8 @@ class PredictionGuard:
                 self.sleep(False)
             return
         self._acted += 1
-        if self._acted == WARMUP:  # timed from here: the prefill's (or the catch-up's) prediction is not the run's
-            self.excess_seconds = 0.0
+        if self._acted == WARMUP:  # counted from here: the prefill's (or the catch-up's) loads and time are not
+            self.excess = self.excess_seconds = 0.0  # the decode's (a prompt's table prefetches dozens of experts)
         if self._acted == 2 * WINDOW:  # a probe that held: the next loss sleeps the first length again
             self._sleep_length = PROBE_AFTER * WINDOW
         if self._acted > WARMUP and (self.excess > SLACK or self.excess_seconds > SLACK * per_miss):

@@ -8,8 +8,9 @@ to prefetch now: the stack's layers after l, nearest first, then the next forwar
 l; with a `link_timing` only those whose copy can end before their layer runs (`_hideable`, the
 rule `cache.timing.hideable`). The runtime requests them in one `prefetch` call, which never
 evicts a key of its own, so a prefetch never evicts another wanted one. With learned eviction
-the table's chances of use reach the cache (`ExpertCache.on_forecast`). Touched only by the
-inference thread.
+the table's chances of use, blended with each expert's history of use (`cache.history`: the
+runtime reports what each layer ran, `used`), reach the cache (`ExpertCache.on_forecast`).
+Touched only by the inference thread.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from cache import ExpertCache, Key
+from cache.history import UseHistory
 from cache.timing import copies_in_time, hideable
 from offload_runtime.engine.hash_builder import HashTable
 from offload_runtime.engine.options import RuntimeOptions
@@ -40,11 +42,13 @@ class Prefetcher:
         # this layer could start before it; a table taken while layer l runs is late for l alone
         self.layers_on_time = 0
         self.layers_late = 0
+        self.history = UseHistory(n_layers, n_experts)
         self.start(-1, range(n_layers))
 
     def start(self, step: int, layers: range) -> None:
         """A new forward `step` over the stack's MoE `layers`: nothing predicted yet."""
         self.step, self.layers = step, layers
+        self.history.step()
         self.wanted: list[list[Key]] | None = None  # this forward's predicted keys, per layer
         self.wanted_next: list[list[Key]] = []  # the next forward's forecast keys, per layer (cross-token)
         self.later: np.ndarray | None = None  # this forward's chances of use by later ones (learned eviction)
@@ -65,13 +69,13 @@ class Prefetcher:
             chances = table.chances.numpy().copy()
             ran = [earlier for earlier in self.layers if earlier < layer]  # a late table: run already
             chances[ran] = self.later[ran]
-            self.cache.on_forecast(chances)
+            self.cache.on_forecast(self.history.blend(chances))
 
     def keys_after(self, layer: int, demand_loads: int = 0) -> list[Key] | None:
         """While `layer` runs (its `demand_loads` requested): the keys to prefetch now, nearest
         first; None when nothing is predicted yet or `layer` was served already."""
         if self.later is not None:  # this forward has run the layer: only later ones may use its experts
-            self.cache.on_forecast(self.later, layer=layer)
+            self.cache.on_forecast(self.history.blend(self.later, layer), layer=layer)
         if not self._counted:
             self._counted = True
             if self.wanted is None:
@@ -94,6 +98,10 @@ class Prefetcher:
         if self.options.link_timing is None:
             return [key for keys in ahead for key in keys]
         return self._hideable(ahead, demand_loads)
+
+    def used(self, layer: int, experts: list[int]) -> None:
+        """`layer` ran `experts` in this forward (the history learned eviction blends in)."""
+        self.history.used(layer, experts)
 
     @property
     def priority(self) -> float:

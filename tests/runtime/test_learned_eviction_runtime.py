@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from cache.history import FORECAST_WEIGHT
 from cache.timing import LinkTiming
 from offload_runtime.engine.hash_builder import HashTable
 from offload_runtime.engine.loader import load_offloaded
@@ -76,12 +77,14 @@ def test_a_late_table_gives_the_layers_already_run_their_later_chances(tiny_moe_
         n_layers, n_experts = len(runtime.layers), runtime.n_experts
         soon, later = torch.full((n_layers, n_experts), 0.8), torch.full((n_layers, n_experts), 0.2)
         runtime.builder.poll = lambda step: HashTable(step, torch.zeros(n_layers, n_experts), 1, soon, later)
+        runtime.prefetcher.history.average[:] = 0.0  # no use yet: the chances count FORECAST_WEIGHT of theirs
         fed = record_forecasts(runtime)
         last = n_layers - 1
         runtime._prefetch_after(last)  # the forward's table comes while its last layer runs
         (whole_layer, whole), (run_layer, run) = fed
-        assert whole_layer is None and np.allclose(whole[:last], 0.2) and np.allclose(whole[last:], 0.8)
-        assert run_layer == last and np.allclose(run, 0.2)
+        assert whole_layer is None and np.allclose(whole[:last], 0.2 * FORECAST_WEIGHT)
+        assert np.allclose(whole[last:], 0.8 * FORECAST_WEIGHT)
+        assert run_layer == last and np.allclose(run[last], 0.2 * FORECAST_WEIGHT)
 
 
 def test_the_tables_chances_are_the_predictors_own(tiny_moe_dir):
@@ -92,6 +95,7 @@ def test_the_tables_chances_are_the_predictors_own(tiny_moe_dir):
     model = load_offloaded(path, prediction_guard=False, predictor=predictor, policy="learned-belady", budget=0.5)
     wait_for_tables(model)
     runtime = model.offload_runtime
+    runtime.prefetcher.history.blend = lambda chances, layer=None: chances  # the predictor's chances alone
     fed = record_forecasts(runtime)
     with runtime:
         generate(model, encode(path, encoder_decoder=False), new_tokens=3)
@@ -183,3 +187,20 @@ def test_hide_only_counts_from_when_the_running_layers_own_demand_loads_are_in(t
         # it is this layer's demand load: the link is free
         assert runtime.prefetcher._hideable([[key]], demand_loads=1) == [key]
         assert runtime.prefetcher._hideable([[key]], demand_loads=0) == []  # another prefetch: no room left
+
+
+def test_on_the_cpu_learned_eviction_prefetches_nothing_unless_asked(tiny_moe_dir):
+    """The forecasts rank the evictions; no expert is read ahead of need (by default: a prefetch
+    count named is a prefetch count used)."""
+    path = tiny_moe_dir("mixtral")
+    inputs = encode(path, encoder_decoder=False)
+    want = generate(load_model(path, dtype=torch.float32)[0], inputs, new_tokens=6)
+    for named, prefetches in (({}, False), ({"prefetch_per_layer": 2}, True)):
+        model = load_offloaded(path, prediction_guard=False, predictor=forecasting_sida(path),
+                               policy="learned-belady", budget=0.5, **named)
+        wait_for_tables(model)
+        with model.offload_runtime as runtime:
+            assert torch.equal(generate(model, inputs, new_tokens=6), want)
+            stats = runtime.stats()
+        assert stats.tables_on_time == 6 and runtime.cache.state.outside.max() > 0  # the forecasts ranked
+        assert (stats.prefetch_inserts > 0) == prefetches

@@ -22,7 +22,7 @@ from prescient.loading import load_model, load_tokenizer
     ({"transfer_workers": 0}, OptionsError, r"transfer_workers must be at least 1, got 0"),
     ({"transfer_workers": 1.5}, OptionsError, r"transfer_workers must be a whole number, got 1.5"),
     ({"transfer_workers": True}, OptionsError, r"transfer_workers must be a whole number"),
-    ({"prefetch_per_layer": -2}, OptionsError, r"prefetch_per_layer must be at least 1, got -2"),
+    ({"prefetch_per_layer": -2}, OptionsError, r"prefetch_per_layer must be at least 0, got -2"),
     ({"store": "tape"}, OptionsError, r"store must be one of disk, host, got 'tape'"),
     ({"dtype": "float16"}, OptionsError, r"dtype must be one of float32, bfloat16, got 'float16'"),
     ({"drop_page_cache": "yes"}, OptionsError, r"drop_page_cache must be True or False"),
