@@ -251,8 +251,8 @@ MEANING: dict[str, tuple[str, Callable[[], str] | None]] = {
     "expert_pipeline": ("**on**: a layer's resident experts compute while its misses are copied", _pipeline),
     "lookahead_layers": ("in-token lookahead off", _lookahead),
     "lookahead_probe": ("no probe", None),
-    "expert_kernel": ("gemv: ours where the model runs grouped_mm on the CPU, oneDNN's one-row product for "
-                      "float32 weights of 1 MiB or more where it measured faster", None),
+    "expert_kernel": ("gemv: ours where the model runs grouped_mm on the CPU, our one-row product (a dot product "
+                      "per row) for float32 weights of 1 MiB or more", None),
     "expert_kernel_table": ("read only with `--expert-kernel auto`", None),
     "max_batch": ("up to this many requests decoded together", _max_batch),
     "served_model_name": ("the `model` a request must name: by default the model directory's name (`--model "

@@ -28,9 +28,9 @@ from `prescient bench-kernels` instead where load time matters).
 Two kernels of our own, registered with transformers' experts implementations, stand in for
 grouped_mm on the CPU (`stands_in`; `RuntimeOptions.expert_kernel`): "streamed" runs each routed
 expert's GEMM straight from its weights, grouped_mm's numbers bit for bit without its per-call
-work; "gemv" also runs a decode token's float32 rows through oneDNN's matrix-vector product where
-it measured faster for the shape (`onednn_wins`), which reads wide experts 2-3x as fast as MKL's
-sgemv on this project's AMD CPU and rounds differently in the last bits.
+work; "gemv" also runs a decode token's float32 rows against wide matrices through
+`rowdot.product`, a dot product per row at the memory bus's rate, which rounds differently in
+the last bits.
 """
 
 from __future__ import annotations
@@ -39,37 +39,27 @@ import copy as shallow
 import json
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import accumulate, count
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from offload_runtime.engine import rowdot
 from prescient.errors import PrescientError
 
 log = logging.getLogger(__name__)
 
 KERNELS = ("eager", "batched_mm", "grouped_mm")  # transformers' experts implementations we choose among
 STREAMED = "streamed"  # ours (`streamed_experts_forward`), registered with transformers' experts implementations
-GEMV = "gemv"  # ours: "streamed" with a decode row's products through oneDNN (`gemv_experts_forward`)
+GEMV = "gemv"  # ours: "streamed" with a decode row's products through `rowdot` (`gemv_experts_forward`)
 EXPERT_KERNELS = ("model", "auto", *KERNELS, STREAMED, GEMV)  # `RuntimeOptions.expert_kernel`'s values
-ONEDNN = torch.backends.mkldnn.is_available()  # "gemv"'s matrix-vector product; else torch's `linear`
 LOADS = (1, 2, 4, 8, 16, 32, 64)  # tokens per activated expert
 LOAD_TIME_LOADS = (1, 4, 16, 64)  # measured at load (no table given): fewer, a layer of wide experts takes seconds
 MARGIN = 0.10  # another kernel replaces the model's own only where it is this much faster
 GIVE_UP = 3.0  # a kernel this many times slower than the fastest at a load is not timed at larger loads
-# "gemv": a matrix smaller than this (one core's L2 on this project's AMD CPU) is read from the cache,
-# where oneDNN's per-call work costs more than streaming gains (the demo model's 256 and 128 KiB
-# matrices: 36 and 28 us a row through oneDNN against 19 and 11 us through torch's `linear`, 1 thread),
-# so its one row runs torch's `linear`, bit for bit grouped_mm's, without timing the two
-MATVEC_LEAST_BYTES = 2**20
-# "gemv"'s memory beyond the activations: oneDNN's JIT code and primitive cache, 5.0-6.8 MiB of peak
-# resident memory at the first call and 0.6 MiB more after it whatever the matrix (22 MiB to 256 MiB
-# matrices, 1 and 2 threads); the memory plan books it (`kernel_workspace_bytes`)
-ONEDNN_WORKSPACE = 8 * 2**20
 
 
 class KernelTableError(PrescientError):
@@ -253,65 +243,22 @@ def crossover_for(module: nn.Module, experts: int, top_k: int) -> CrossoverTable
     return _MEASURED[key]
 
 
-def matvec_wins(weights: torch.Tensor | Sequence[torch.Tensor]) -> bool:
-    """Whether a single float32 row against `weights` (see `onednn_wins`) runs oneDNN's product: not
-    for a matrix under `MATVEC_LEAST_BYTES`, which comes from the cache rather than memory."""
-    first = weights[0]
-    return (ONEDNN and first.dtype == torch.float32 and first.device.type == "cpu"
-            and first.numel() * first.element_size() >= MATVEC_LEAST_BYTES and onednn_wins(weights))
-
-
 def kernel_workspace_bytes(kernel: str, dtype: torch.dtype, device: str | torch.device, largest_matrix: int) -> int:
-    """What `kernel` holds beyond the model's own activations while it decodes: oneDNN's code and
-    primitive cache for "gemv" on float32 CPU weights where an expert matrix may reach
-    `MATVEC_LEAST_BYTES` (`largest_matrix`: at most one's bytes), `ONEDNN_WORKSPACE`; else nothing."""
-    uses_onednn = (kernel == GEMV and ONEDNN and dtype == torch.float32 and torch.device(device).type == "cpu"
-                   and largest_matrix >= MATVEC_LEAST_BYTES)
-    return ONEDNN_WORKSPACE if uses_onednn else 0
-
-
-def onednn_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-
-
-_ONEDNN_WINS: dict[tuple, bool] = {}
-
-
-def onednn_wins(weights: torch.Tensor | Sequence[torch.Tensor], rounds: int = 9) -> bool:
-    """Whether oneDNN's matrix-vector product beats torch's `linear` on one row against the [out, in]
-    matrices of `weights` ([E, out, in], or E such matrices) on the CPU: measured once per process per
-    shape, dtype and thread count, the two interleaved for `rounds` after two warm-up calls each,
-    each one's least time compared (what it takes when nothing else runs: other work on a shared CPU
-    only lengthens a call, and with two threads on two cores a busy core stalls every call of either
-    kernel that lands on it; compared by medians, one process of runs/tw at 2 threads decided against
-    oneDNN and decoded 37 tok/s where the next, deciding for it, decoded 103), oneDNN's `MARGIN`
-    faster to win; each call on the next expert's matrix, so that the weights come from memory, as
-    in decode, not from the cache."""
-    key = (len(weights), tuple(weights[0].shape), weights[0].dtype, torch.get_num_threads())
-    if key not in _ONEDNN_WINS:
-        x = torch.randn(1, weights[0].shape[-1], dtype=weights[0].dtype)
-        turn = count()
-        seconds: dict = {nn.functional.linear: [], onednn_matvec: []}
-        for step in range(rounds + 2):
-            for kernel, times in seconds.items():
-                start = time.perf_counter()
-                kernel(x, weights[next(turn) % len(weights)])
-                if step >= 2:  # after the warm-up calls
-                    times.append(time.perf_counter() - start)
-        onednn, linear = (min(seconds[k]) for k in (onednn_matvec, nn.functional.linear))
-        _ONEDNN_WINS[key] = (1 + MARGIN) * onednn < linear  # a tie keeps torch's, whose rounding is the model's
-        log.info("one-row products on %s %s matrices, %d thread(s): oneDNN %.3f ms, torch linear %.3f ms",
-                 list(key[1]), key[2], key[-1], 1e3 * onednn, 1e3 * linear)
-    return _ONEDNN_WINS[key]
+    """What `kernel` holds beyond the model's own activations while it decodes: for "gemv" on float32
+    CPU weights where an expert matrix may reach `rowdot.LEAST_BYTES` (`largest_matrix`: at most
+    one's bytes), `rowdot.WORKSPACE`; else nothing."""
+    uses = (kernel == GEMV and dtype == torch.float32 and torch.device(device).type == "cpu"
+            and largest_matrix >= rowdot.LEAST_BYTES)
+    return rowdot.WORKSPACE if uses else 0
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
             matvec: bool = False) -> torch.Tensor:
     """One expert's matrix on its rows `x`: the GEMM grouped_mm runs on that expert's group (bias
-    added after, as `_grouped_linear` adds it); `matvec`: a single row through oneDNN's
-    matrix-vector product on the same [out, in] weight (see `gemv_experts_forward`)."""
+    added after, as `_grouped_linear` adds it); `matvec`: a single row through `rowdot.product` on
+    the same [out, in] weight (see `gemv_experts_forward`)."""
     if matvec:
-        out = onednn_matvec(x, weight)
+        out = rowdot.product(x, weight)
     else:
         out = torch.mm(x, weight) if transposed else nn.functional.linear(x, weight)
     return out if bias is None else out.add_(bias)
@@ -319,11 +266,12 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tr
 
 def _grouped(self: nn.Module, name: str, groups: list[tuple[int, torch.Tensor]], matvec: bool) -> torch.Tensor:
     """Projection `name` ("gate_up_proj", "up_proj", "down_proj") of each (expert, rows) group, in
-    group order: a GEMM per expert, straight from its slice of the [E, ...] weight."""
+    group order: a GEMM per expert, straight from its slice of the [E, ...] weight; `matvec`: each
+    group is one decode row, run through `rowdot.product` where its matrix `rowdot.streams`."""
     weight, bias = getattr(self, name), getattr(self, f"{name}_bias") if self.has_bias else None
-    matvec = matvec and len(groups[0][1]) == 1 and not self.is_transposed and matvec_wins(weight)
-    return torch.cat([_linear(rows, weight[e], None if bias is None else bias[e], self.is_transposed, matvec)
-                      for e, rows in groups])
+    matvec = matvec and not self.is_transposed
+    return torch.cat([_linear(rows, weight[e], None if bias is None else bias[e], self.is_transposed,
+                              matvec and rowdot.streams(weight[e])) for e, rows in groups])
 
 
 def _streamed(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -339,6 +287,7 @@ def _streamed(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.T
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         starts = list(accumulate(counts, initial=0))
         groups = [(e, rows[starts[e]:starts[e + 1]]) for e in range(len(counts)) if counts[e]]
+    matvec = matvec and tokens == 1  # a prefill's rows run grouped_mm's GEMMs
     up = _grouped(self, "gate_up_proj" if self.has_gate else "up_proj", groups, matvec)
     hidden = self._apply_gate(up) if self.has_gate else self.act_fn(up)
     hidden = hidden.split([len(rows) for _, rows in groups])
@@ -354,7 +303,7 @@ def _streamed(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.T
 def expert_rows(self: nn.Module, expert: int, rows: torch.Tensor) -> torch.Tensor:
     """Expert `expert` of experts module `self` (run by "streamed" or "gemv") on `rows`, unweighted:
     the computation `_streamed` runs for that expert's group alone."""
-    matvec = self.config._experts_implementation == GEMV
+    matvec = self.config._experts_implementation == GEMV and len(rows) == 1
     up = _grouped(self, "gate_up_proj" if self.has_gate else "up_proj", [(expert, rows)], matvec)
     out = _grouped(self, "down_proj", [(expert, self._apply_gate(up) if self.has_gate else self.act_fn(up))], matvec)
     return self.post_expert_norm(out) if self.has_post_expert_norm else out
@@ -373,10 +322,9 @@ def streamed_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k
 
 def gemv_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor) -> torch.Tensor:
-    """"streamed", but a decode token's float32 rows run oneDNN's matrix-vector product on the same
-    weights instead of torch's `linear` (MKL's sgemv) where it measured faster for the shape
-    (`onednn_wins`): on this project's AMD CPU it streams wide experts' weights 2-3x as fast, with
-    both cores (`experiments.bench_decode`). Its sums run in another order, so its results differ
+    """"streamed", but a decode token's float32 rows against a wide matrix (`rowdot.streams`) run
+    `rowdot.product` on the same weights instead of torch's `linear` (MKL's sgemv), at the memory
+    bus's rate (`experiments.bench_decode`). Its sums run in another order, so its results differ
     from grouped_mm's in the last bits; a prefill's rows are grouped_mm's, bit for bit."""
     return _streamed(self, hidden_states, top_k_index, top_k_weights, matvec=True)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from offload_runtime.engine import expert_kernels
+from offload_runtime.engine import rowdot
 from offload_runtime.engine.expert_layout import LayoutDeriver, expert_spec
 from prescient.arch import MoELayer, find_moe_layers
 from prescient.errors import ModelFilesError
@@ -78,18 +78,18 @@ class MappedExperts(nn.Module):
     def __init__(self, original: nn.Module, pieces: list[dict[str, list[tuple[slice, torch.Tensor]]]]) -> None:
         super().__init__()
         self.apply_gate, self.pieces = original._apply_gate, pieces  # the model's own gating (act(gate) * up)
-        self.matvec = False  # `use_matvec`: a decode row through oneDNN where it measured faster
+        self.matvec = False  # `use_matvec`: a decode row against a wide matrix through `rowdot.product`
 
     def use_matvec(self) -> None:
         """Compute a decode token's rows as "gemv" does (`expert_kernels.gemv_experts_forward`): per
-        parameter stored whole, oneDNN's matrix-vector product where `matvec_wins` for its shape."""
+        parameter stored whole, `rowdot.product` where `rowdot.streams` holds for its view."""
         self.matvec = True
 
     def _linear(self, x: torch.Tensor, expert: int, param: str) -> torch.Tensor:
         parts = self.pieces[expert][param]
         if len(parts) == 1:
-            if self.matvec and len(x) == 1 and expert_kernels.matvec_wins([p[param][0][1] for p in self.pieces]):
-                return expert_kernels.onednn_matvec(x, parts[0][1])
+            if self.matvec and len(x) == 1 and rowdot.streams(parts[0][1]):
+                return rowdot.product(x, parts[0][1])
             return nn.functional.linear(x, parts[0][1])
         out = x.new_empty(x.shape[0], max(rows.stop for rows, _ in parts))
         for rows, weight in parts:

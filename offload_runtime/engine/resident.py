@@ -4,7 +4,7 @@ The model is the plain transformers model, loaded whole: it runs its own forward
 threads or cache, so it is at least as fast as transformers: with `expert_kernel` "streamed" its
 experts run `expert_kernels.streamed_experts_forward` where they would run grouped_mm on the CPU
 (the same numbers bit for bit, without grouped_mm's per-call work), with "gemv" its decode rows
-through oneDNN's matrix-vector product (the last bits differ, the weights stream faster). This object stands where an
+through `rowdot.product` (the last bits differ, the weights stream faster). This object stands where an
 `OffloadRuntime` would (`model.offload_runtime`) so that generate, serve and bench treat both
 alike: statistics, closing, the server's sequence bookkeeping.
 """

@@ -4,20 +4,21 @@ grouped_mm on the CPU, so it must give grouped_mm's numbers bit for bit: on expe
 each layout transformers has (fused gate_up, transposed with biases and interleaved gate/up), at
 one token (decode) and many (prefill), in float32 and bfloat16; through the runtime's slots and in
 the whole model `--memory` loads, the logits and greedy tokens of the plain model. "gemv" (a decode
-row through oneDNN, forced here where the tiny model's shapes would keep torch's `linear`), in the
-slots, the whole model and the model mapped from its checkpoint: the plain model's greedy tokens,
-its prompt logits bit for bit and its decode logits within 1e-5."""
+row through `rowdot.product`, forced here where the tiny model's shapes would keep torch's `linear`),
+in the slots, the whole model and the model mapped from its checkpoint: the plain model's greedy
+tokens, its prompt logits bit for bit and its decode logits within 1e-5."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.functional import linear as nn_linear
 from transformers import GptOssConfig, MixtralConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-from offload_runtime.engine import expert_kernels, loader
-from offload_runtime.engine.expert_kernels import GEMV, STREAMED, onednn_wins, register_streamed, stands_in
+from offload_runtime.engine import expert_kernels, loader, rowdot
+from offload_runtime.engine.expert_kernels import GEMV, STREAMED, register_streamed, stands_in
 from offload_runtime.engine.loader import load_offloaded, whole_model_memory
 from offload_runtime.engine.options import RuntimeOptions
 from prescient.loading import load_tokenizer
@@ -104,13 +105,12 @@ def test_streamed_runtime_keeps_the_plain_models_logits(tiny_moe_dir, load):
 
 
 def test_gemv_keeps_greedy_tokens_and_logits_within_1e_5(tiny_moe_dir, monkeypatch):
-    """The default kernel ("gemv") with oneDNN forced on the tiny model's small matrices."""
+    """The default kernel ("gemv") with `rowdot.product` forced on the tiny model's small matrices."""
     assert RuntimeOptions().expert_kernel == GEMV
-    monkeypatch.setattr(expert_kernels, "MATVEC_LEAST_BYTES", 0)
-    monkeypatch.setattr(expert_kernels, "onednn_wins", lambda weights: True)  # also the mapped model's (`mapped`)
+    monkeypatch.setattr(rowdot, "LEAST_BYTES", 0)
     calls = []
-    matvec = expert_kernels.onednn_matvec
-    monkeypatch.setattr(expert_kernels, "onednn_matvec", lambda x, weight: calls.append(1) or matvec(x, weight))
+    product = rowdot.product
+    monkeypatch.setattr(rowdot, "product", lambda x, weight: calls.append(1) or product(x, weight))
     path = tiny_moe_dir("mixtral")
     ids = load_tokenizer(path)(PROMPT, return_tensors="pt").input_ids
     reference, _ = plain_model(path, "float32")
@@ -125,21 +125,40 @@ def test_gemv_keeps_greedy_tokens_and_logits_within_1e_5(tiny_moe_dir, monkeypat
             tokens, logits = decode(model, ids, sample=False)
         assert torch.equal(tokens, want_tokens), settings
         assert (logits - want_logits).abs().max() < 1e-5, settings
-        assert calls, settings  # the decode rows ran oneDNN's product
+        assert calls, settings  # the decode rows ran our product
         calls.clear()
 
 
-def test_onednn_wins_is_measured_once_per_shape():
-    weights = torch.randn(3, 8, 16)
-    first = onednn_wins(weights, rounds=1)
-    assert isinstance(first, bool) and onednn_wins(weights) is first
-    key = (len(weights), tuple(weights.shape[1:]), weights.dtype, torch.get_num_threads())
-    assert expert_kernels._ONEDNN_WINS[key] is first
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_rowdot_is_linear_within_rounding_whatever_the_threads(threads):
+    """A row against a matrix at any thread count: `linear`'s numbers within float32 rounding, and
+    the same numbers at every thread count (each row is summed by one thread, the same loop)."""
+    generator = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(301, 515, generator=generator), torch.randn(1, 515, generator=generator)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = rowdot.product(x, weight)
+        torch.set_num_threads(threads)
+        out = rowdot.product(x, weight)
+    finally:
+        torch.set_num_threads(previous)
+    assert out.shape == (1, 301) and torch.equal(out, one)
+    assert torch.allclose(out, nn_linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_rowdot_streams_wide_contiguous_float32_cpu_matrices_only(monkeypatch):
+    monkeypatch.setattr(rowdot, "LEAST_BYTES", 4096)
+    wide = torch.zeros(32, 64)  # 8 KiB
+    assert rowdot.streams(wide)
+    assert not rowdot.streams(torch.zeros(8, 64))  # under LEAST_BYTES
+    assert not rowdot.streams(wide.t())  # not contiguous
+    assert not rowdot.streams(wide.to(torch.bfloat16)) and not rowdot.streams(wide.double())
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_gemv_in_half_precision_is_streamed_bit_for_bit(tiny_moe_dir, dtype):
-    """The default kernel in bfloat16 (the runtime's other dtype) runs no oneDNN product: each
+    """The default kernel in bfloat16 (the runtime's other dtype) runs no row kernel: each
     routed expert's GEMM through torch's `linear`, the plain model's logits bit for bit."""
     path = tiny_moe_dir("mixtral")
     ids = load_tokenizer(path)(PROMPT, return_tensors="pt").input_ids
@@ -151,28 +170,20 @@ def test_gemv_in_half_precision_is_streamed_bit_for_bit(tiny_moe_dir, dtype):
             tokens, logits = decode(model, ids, sample=False)
         assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits), settings
     for half in (torch.bfloat16, torch.float16):  # float16: the plain model's dtype where a user loads it so
-        assert not expert_kernels.matvec_wins(torch.zeros(2, 1024, 1024, dtype=half))
+        assert not rowdot.streams(torch.zeros(1024, 1024, dtype=half))
 
 
-def test_gemv_reads_small_matrices_with_torch_linear_unmeasured(monkeypatch):
-    """A matrix under `MATVEC_LEAST_BYTES` comes from the cache: torch's `linear`, nothing timed."""
-    monkeypatch.setattr(expert_kernels, "onednn_wins", lambda weights: pytest.fail("timed a small matrix"))
-    small = torch.zeros(2, 256, 256)  # 256 KiB each
-    assert small[0].numel() * 4 < expert_kernels.MATVEC_LEAST_BYTES
-    assert not expert_kernels.matvec_wins(small)
-
-
-def test_the_memory_plan_books_onednns_workspace_for_gemv_only(tiny_moe_dir, monkeypatch):
-    """Where an expert matrix may reach `MATVEC_LEAST_BYTES` (here: the floor lowered under the tiny
-    model's), float32 "gemv" books oneDNN's workspace; bfloat16, our other kernels and smaller
+def test_the_memory_plan_books_the_row_kernels_workspace_for_gemv_only(tiny_moe_dir, monkeypatch):
+    """Where an expert matrix may reach `rowdot.LEAST_BYTES` (here: the floor lowered under the tiny
+    model's), float32 "gemv" books `rowdot.WORKSPACE`; bfloat16, our other kernels and smaller
     matrices book nothing."""
     path = tiny_moe_dir("mixtral")
     monkeypatch.setattr(loader, "process_footprint", lambda reads=True: 2**28)  # the same process in each estimate
     need = {kernel: whole_model_memory(path, RuntimeOptions(expert_kernel=kernel)) for kernel in (GEMV, "model")}
-    assert need[GEMV] == need["model"]  # the tiny model's matrices stay under the floor: no oneDNN
-    monkeypatch.setattr(expert_kernels, "MATVEC_LEAST_BYTES", 1)
+    assert need[GEMV] == need["model"]  # the tiny model's matrices stay under the floor
+    monkeypatch.setattr(rowdot, "LEAST_BYTES", 1)
     gemv, model = (whole_model_memory(path, RuntimeOptions(expert_kernel=kernel)) for kernel in (GEMV, "model"))
-    assert gemv - model == (expert_kernels.ONEDNN_WORKSPACE if expert_kernels.ONEDNN else 0)
+    assert gemv - model == rowdot.WORKSPACE
     book = expert_kernels.kernel_workspace_bytes
     assert book(GEMV, torch.bfloat16, "cpu", 2**30) == book(STREAMED, torch.float32, "cpu", 2**30) == 0
     assert book("model", torch.float32, "cpu", 2**30) == book(GEMV, torch.float32, "cuda", 2**30) == 0
