@@ -6,7 +6,7 @@ machine's memory moves, per experts kernel and torch thread count.
 2. The experts alone: one decode token (top-k distinct experts, a new set each call so no expert
    stays in cache) through a MoE layer's real experts module, per kernel ("model": transformers'
    own, grouped_mm by default; "streamed": `expert_kernels.streamed_experts_forward`; "gemv": the
-   same with a decode row through oneDNN), ms per layer and GB/s of expert weights read.
+   same with a decode row through `rowdot.product`), ms per layer and GB/s of expert weights read.
 3. End to end: the plain model's greedy decode (`generate.timed_generate`) with each kernel,
    tokens/s and the expert GB/s it implies (tokens/s x layers x top-k x bytes per expert), and
    per kernel of ours, whether its greedy tokens and logits equal transformers' own kernel's (32 tokens).
@@ -15,7 +15,7 @@ Repeats are interleaved: each repeat runs every thread count, and at each every 
 streamed, gemv, and with `--llama-cpp DIR --gguf M.gguf` llama.cpp's `llama-completion` on the same
 prompt, memory-mapped, its own "eval time" line's tokens/s and whether its greedy text is the plain
 model's); the summary gives medians and spreads. `--dtype bfloat16` measures the half-precision
-paths (where "gemv" runs no oneDNN product: it is "streamed").
+paths (where "gemv" runs no row kernel: it is "streamed").
 
     python -m experiments.bench_decode --model runs/tw --json results/bench-decode-tw.json
 """
