@@ -26,12 +26,13 @@ FORECAST_WEIGHT = 0.7  # the forecasts' share of the blended chance; the history
 
 class UseHistory:
     """[layers, experts] moving averages of use: `step` at each forward, `used` for the experts a
-    layer ran, `blend` to mix them into forecast chances."""
+    layer ran, `blend` to mix them into forecast chances (`weight` of the forecasts: 1.0 for a
+    predictor whose forecasts are certain, the oracle's)."""
 
-    def __init__(self, n_layers: int, n_experts: int, decay: float = DECAY) -> None:
+    def __init__(self, n_layers: int, n_experts: int, decay: float = DECAY, weight: float = FORECAST_WEIGHT) -> None:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"the history's decay must lie in (0, 1), got {decay}")
-        self.decay = decay
+        self.decay, self.weight = decay, weight
         self.average = np.zeros((n_layers, n_experts))
 
     def step(self) -> None:
@@ -45,7 +46,7 @@ class UseHistory:
     def blend(self, chances: np.ndarray, layer: int | None = None) -> np.ndarray:
         """Forecast `chances` ([layers, experts] in [0, 1]) mixed with the history; with `layer`,
         only that layer's row is mixed (the others are returned as given)."""
-        return blend(chances, self.average, layer)
+        return blend(chances, self.average, layer, self.weight)
 
 
 def blend(chances: np.ndarray, average: np.ndarray, layer: int | None = None,

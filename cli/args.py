@@ -224,7 +224,7 @@ class Renamed(argparse.Action):
 def _runtime_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
     """Each runtime option's flags, by the `RuntimeOptions` field (or prefetch switch) they set, in
     the order `--help` lists them."""
-    return {**_where_flags(), **_precision_flags(), **_schedule_flags()}
+    return {**_where_flags(), **_precision_flags(), **_read_flags(), **_compute_flags()}
 
 
 def _where_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
@@ -279,9 +279,8 @@ def _precision_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]
     }
 
 
-def _schedule_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
-    """How experts are read, prefetched and computed: transfer workers, read depth, hide-only and
-    cross-token prefetch, the pipeline, kernels, lookahead, mapping, the hybrid schedule."""
+def _read_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
+    """How experts are read: transfer workers, read depth, hide-only prefetch."""
     return {
         "transfer_workers": lambda p: (p.add_argument(
             "--transfer-workers", type=transfer_workers, default=None,
@@ -299,6 +298,13 @@ def _schedule_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
             help="prefetch an expert only if the link can move it before its layer runs, the link calibrated from a "
                  "`prescient bench` JSON or a `prescient profile-hw` JSON (default: prefetch as many as the slots "
                  "allow)"),
+    }
+
+
+def _compute_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
+    """How experts are computed and prefetched within and across tokens: the pipeline, kernels,
+    lookahead, mapping, the hybrid schedule, cross-token prefetch."""
+    return {
         "expert_pipeline": lambda p: p.add_argument(
             "--expert-pipeline", action=argparse.BooleanOptionalAction, default=None,
             help="a layer's resident experts compute while its misses are copied, then each miss as it "
@@ -306,9 +312,9 @@ def _schedule_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
         "expert_kernel": lambda p: (p.add_argument(
             "--expert-kernel", choices=EXPERT_KERNELS, default="gemv",
             help="how experts compute: gemv (where the model runs grouped_mm on the CPU, each routed expert's GEMM "
-                 "from its weights, a decode row of float32 weights of 1 MiB or more through our row kernel, a dot "
-                 "product per row at the memory bus's rate; logits within 1e-5 of transformers' kernel); streamed "
-                 "(the same without the row kernel, bit for bit); model (the model's own experts implementation, for "
+                 "from its weights, a decode row of float32 weights through oneDNN's matrix-vector product where it "
+                 "measured faster; logits within 1e-5 of transformers' kernel, 1.8x its decode on runs/tw); streamed "
+                 "(the same without oneDNN, bit for bit); model (the model's own experts implementation, for "
                  "bit-for-bit comparisons); auto (EPS-MoE's: per layer and call, the kernel measured fastest for its "
                  "tokens per expert, and no per-expert pipeline below the measured load); or one of transformers' "
                  "eager, batched_mm, grouped_mm (default: gemv)"),

@@ -49,7 +49,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from cache import POLICIES, EvictionPolicy, Replay, expert_frequencies, make_policy, simulate
-from cache.history import blend, history_chances
+from cache.history import DECAY, FORECAST_WEIGHT, blend, history_chances
 from cache.timing import LinkTiming
 from experiments.predictor_scores import forecast_scores, trace_scores
 from predictor.base import ExpertPredictor, PredictorError
@@ -119,11 +119,11 @@ def build_predictor(spec: str | Path | ExpertPredictor, trace: Trace, fit: Trace
     return (name if "artifact" not in source else Path(name).stem), pred, source
 
 
-def forecast_inputs(pred: ExpertPredictor | None, trace: Trace, learned: bool,
-                    next_token: bool) -> dict[str, np.ndarray]:
+def forecast_inputs(pred: ExpertPredictor | None, trace: Trace, learned: bool, next_token: bool,
+                    decay: float = DECAY, weight: float = FORECAST_WEIGHT) -> dict[str, np.ndarray]:
     """`Replay.build`'s `forecast_chances` and `later_chances` [N, L, E] (a learned policy ranks by
-    them: chances of use soon, `predictor.forecast.chances_of_use`, blended with the history of use,
-    `cache.history`) and `next_chances` [N, L, E]
+    them: chances of use soon, `predictor.forecast.chances_of_use`, `weight` of them blended with the
+    history of use at `decay`, `cache.history`) and `next_chances` [N, L, E]
     (cross-token prefetch: each expert's chance of use by the next token), those asked for, from
     one pass of the predictor's forecasts."""
     if not (learned or next_token):
@@ -139,8 +139,10 @@ def forecast_inputs(pred: ExpertPredictor | None, trace: Trace, learned: bool,
     if learned:
         soon, later = chances_of_use(current, ahead, top_k, to_chances=pred.chance_selected)
         # blended with each expert's use so far, as the runtime's learned eviction ranks (`cache.history`)
-        used = history_chances(trace["topk_ids"].numpy(), trace["seq_id"].numpy(), trace.fingerprint.n_experts)
-        inputs.update(forecast_chances=blend(soon.numpy(), used), later_chances=blend(later.numpy(), used))
+        used = history_chances(trace["topk_ids"].numpy(), trace["seq_id"].numpy(), trace.fingerprint.n_experts, decay)
+        weight = 1.0 if pred.certain else weight  # the oracle's forecasts alone
+        inputs.update(forecast_chances=blend(soon.numpy(), used, weight=weight),
+                      later_chances=blend(later.numpy(), used, weight=weight))
     if next_token:
         inputs["next_chances"] = pred.chance_selected(ahead[:, 0], top_k).numpy()
     return inputs

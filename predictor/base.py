@@ -78,6 +78,7 @@ class ExpertPredictor(ABC):
 
     kind: ClassVar[str]
     meta: PredictorMeta
+    certain: ClassVar[bool] = False  # its chances of use are the truth: learned eviction ranks by them alone
 
     @property
     def n_layers(self) -> int:

@@ -123,6 +123,7 @@ class OraclePredictor(ExpertPredictor):
     """
 
     kind = "oracle"
+    certain = True  # learned eviction follows its forecasts alone, with no history of use blended in
     FORECAST_HORIZON = 8  # as far ahead as the deepest forecast heads trained (runs/forecast/sida-h8)
     _SEED = 0x5EED
 

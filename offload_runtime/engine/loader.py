@@ -63,6 +63,13 @@ def load_offloaded(model_dir: str | Path | ModelDirectory, predictor: str | Path
             if predictor is not None:
                 log.info("every expert is loaded with the model: the predictor is not needed (nothing to prefetch)")
             return whole
+    return _load_into_slots(model_dir, predictor, options, planner)
+
+
+def _load_into_slots(model_dir: ModelDirectory, predictor: str | Path | ExpertPredictor | None,
+                     options: RuntimeOptions, planner: MemoryPlanner | None):
+    """The model without its experts, with an `OffloadRuntime` that loads them into slots: as many
+    as `planner` finds room for beside this process as loaded (a memory cap), else the budget's."""
     model, layers = load_without_experts(model_dir, dtype=options.torch_dtype)  # experts stay on disk
     eviction = make_serving_policy(options.policy, layers[0].top_k)
     fingerprint = loaded_fingerprint(model_dir, model, layers, options.torch_dtype)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from cache import ExpertCache, Key
-from cache.history import UseHistory
+from cache.history import FORECAST_WEIGHT, UseHistory
 from cache.timing import copies_in_time, hideable
 from offload_runtime.engine.hash_builder import HashTable
 from offload_runtime.engine.options import RuntimeOptions
@@ -32,7 +32,7 @@ class Prefetcher:
     """The prefetch plan of one runtime for the forward that runs (see the module doc)."""
 
     def __init__(self, cache: ExpertCache, engine: TransferEngine, n_layers: int, n_experts: int, per_layer: int,
-                 options: RuntimeOptions) -> None:
+                 options: RuntimeOptions, forecast_weight: float = FORECAST_WEIGHT) -> None:
         self.cache, self.engine, self.n_experts, self.per_layer = cache, engine, n_experts, per_layer
         self.options = options  # link_timing: _hideable; next_token_min_chance: _next_keys
         self.late_tables = 0  # forwards whose table was not ready when their first MoE layer ran
@@ -42,7 +42,7 @@ class Prefetcher:
         # this layer could start before it; a table taken while layer l runs is late for l alone
         self.layers_on_time = 0
         self.layers_late = 0
-        self.history = UseHistory(n_layers, n_experts)
+        self.history = UseHistory(n_layers, n_experts, weight=forecast_weight)
         self.start(-1, range(n_layers))
 
     def start(self, step: int, layers: range) -> None:

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from cache import EvictionPolicy, ExpertCache, Key, make_serving_policy
+from cache.history import FORECAST_WEIGHT
 from cache.tiered import tiered_cache
 from offload_runtime.engine.hash_builder import HashBuilder, HashBuilderError
 from offload_runtime.engine.hybrid import HybridCounts, HybridExperts
@@ -169,7 +170,8 @@ class OffloadRuntime:
             if predictor is not None and options.prediction_guard and fine_store is None \
             and not options.hybrid_schedule else None  # HybriMoE's scheduler decides on the forecasts itself
         self.prefetcher = Prefetcher(self.prediction_guard or self.cache, self.engine, len(layers), self.n_experts,
-                                     _prefetch_per_layer(options, self.top_k, pool.device, policy.uses_forecasts), options)
+                                     _prefetch_per_layer(options, self.top_k, pool.device, policy.uses_forecasts), options,
+                                     forecast_weight=1.0 if predictor is not None and predictor.certain else FORECAST_WEIGHT)
         # under `--memory`, slots are given back if the process starts re-reading its own pages
         self.guard = MemoryGuard(self._give_back_slots, pool.num_slots, self.top_k) \
             if options.memory is not None and fine_store is None else None

@@ -204,3 +204,15 @@ def test_on_the_cpu_learned_eviction_prefetches_nothing_unless_asked(tiny_moe_di
             stats = runtime.stats()
         assert stats.tables_on_time == 6 and runtime.cache.state.outside.max() > 0  # the forecasts ranked
         assert (stats.prefetch_inserts > 0) == prefetches
+
+
+def test_a_certain_predictors_forecasts_rank_alone(tiny_moe_dir):
+    """The oracle's chances are the truth: no history of use is blended into them."""
+    path = tiny_moe_dir("mixtral")
+    predictor = forecasting_sida(path)
+    predictor.certain = True
+    model = load_offloaded(path, prediction_guard=False, predictor=predictor, policy="learned-belady", budget=0.5)
+    with model.offload_runtime as runtime:
+        runtime.prefetcher.history.average[:] = 1.0
+        chances = np.full((len(runtime.layers), runtime.n_experts), 0.25)
+        assert np.array_equal(runtime.prefetcher.history.blend(chances), chances)
