@@ -312,9 +312,9 @@ def _compute_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
         "expert_kernel": lambda p: (p.add_argument(
             "--expert-kernel", choices=EXPERT_KERNELS, default="gemv",
             help="how experts compute: gemv (where the model runs grouped_mm on the CPU, each routed expert's GEMM "
-                 "from its weights, a decode row of float32 weights through oneDNN's matrix-vector product where it "
-                 "measured faster; logits within 1e-5 of transformers' kernel, 1.8x its decode on runs/tw); streamed "
-                 "(the same without oneDNN, bit for bit); model (the model's own experts implementation, for "
+                 "from its weights, a decode row of float32 weights of 1 MiB or more through our row kernel, a dot "
+                 "product per row at the memory bus's rate; logits within 1e-5 of transformers' kernel); streamed "
+                 "(the same without the row kernel, bit for bit); model (the model's own experts implementation, for "
                  "bit-for-bit comparisons); auto (EPS-MoE's: per layer and call, the kernel measured fastest for its "
                  "tokens per expert, and no per-expert pipeline below the measured load); or one of transformers' "
                  "eager, batched_mm, grouped_mm (default: gemv)"),
