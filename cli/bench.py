@@ -34,23 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                                   "the expert pipeline, a layer waits for all its copies; +hybrid: HybriMoE's "
                                   "scheduler, generate's --hybrid-schedule; a run named twice runs twice)")
     p.add_argument("--train-trace", help="trace that freq / token / corr are fit on")
-    p.add_argument("--memory", type=list_of(memory), metavar="SIZES",
-                   help="comma list of memory caps (8GiB, 1.5GB or 25%%): the memory curve instead of the budget grid, "
-                        "tokens/s of the plain model, the model memory-mapped and the runtime, each run in a cgroup "
-                        "capped at the size")
-    p.add_argument("--repeats", type=positive_int, default=3,
-                   help="--memory: interleaved rounds of the systems per cap")
-    p.add_argument("--predictor", metavar="ARTIFACT", help="--memory: the runtime's predictor (default: none)")
-    p.add_argument("--systems", type=names, default=None, metavar="NAMES",
-                   help="--memory: comma list of plain, mmap, no-predictor, prescient (the runtime with --predictor), "
-                        "prefetch (prescient with in-token prefetch), oracle, llama.cpp (with --llama-cpp and --gguf) "
-                        "(default: all; prescient and prefetch only with --predictor, llama.cpp only with --llama-cpp)")
-    p.add_argument("--llama-cpp", metavar="BIN_DIR",
-                   help="--memory: a llama.cpp build's bin folder (llama-completion): llama.cpp runs beside the other "
-                        "systems, in the same cgroups, on --gguf (docs/memory.md; default: not run)")
-    p.add_argument("--gguf", metavar="MODEL.gguf", help="--memory: the model converted to GGUF, for --llama-cpp")
-    p.add_argument("--run-timeout", type=positive_int, default=1800, metavar="S",
-                   help="--memory: seconds before a run is stopped and recorded as timed out")
+    _add_memory_curve_args(p)
     p.add_argument("--new-tokens", type=positive_int, default=None,
                    help="new tokens per timed prompt (default 12; with --memory, 128)")
     p.add_argument("--prompts", type=positive_int, default=2, help="timed prompts (one more is the warm-up)")
@@ -80,6 +64,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_next_token_min_chance(p, "+next runs")
     p.add_argument("--work-dir", help="keep fitted predictors and the oracle trace here (default: a temporary dir)")
     return p
+
+
+def _add_memory_curve_args(p: argparse.ArgumentParser) -> None:
+    """`--memory` and the flags only the memory curve reads (`experiments.bench_memory`)."""
+    p.add_argument("--memory", type=list_of(memory), metavar="SIZES",
+                   help="comma list of memory caps (8GiB, 1.5GB or 25%%): the memory curve instead of the budget grid, "
+                        "tokens/s of the plain model, the model memory-mapped and the runtime, each run in a cgroup "
+                        "capped at the size")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="--memory: interleaved rounds of the systems per cap")
+    p.add_argument("--predictor", metavar="ARTIFACT", help="--memory: the runtime's predictor (default: none)")
+    p.add_argument("--systems", type=names, default=None, metavar="NAMES",
+                   help="--memory: comma list of plain, mmap, no-predictor, prescient (the runtime with --predictor), "
+                        "prefetch (prescient with in-token prefetch), oracle, llama.cpp (with --llama-cpp and --gguf) "
+                        "(default: all; prescient and prefetch only with --predictor, llama.cpp only with --llama-cpp)")
+    p.add_argument("--llama-cpp", metavar="BIN_DIR",
+                   help="--memory: a llama.cpp build's bin folder (llama-completion): llama.cpp runs beside the other "
+                        "systems, in the same cgroups, on --gguf (docs/memory.md; default: not run)")
+    p.add_argument("--gguf", metavar="MODEL.gguf", help="--memory: the model converted to GGUF, for --llama-cpp")
+    p.add_argument("--run-timeout", type=positive_int, default=1800, metavar="S",
+                   help="--memory: seconds before a run is stopped and recorded as timed out")
 
 
 def run_memory(args: argparse.Namespace) -> dict:
