@@ -173,6 +173,17 @@ class RuntimeOptions:
                                    f"{MAX_LOOKAHEAD_LAYERS} (--lookahead N) too")
         if self.link_timing is not None and not isinstance(self.link_timing, LinkTiming):
             raise OptionsError(f"link_timing must be a cache.timing.LinkTiming, got {self.link_timing!r}")
+        self._precision_and_kernel()
+        self._hybrid()
+        chance = self.next_token_min_chance
+        if chance is not None:
+            if isinstance(chance, bool) or not isinstance(chance, (int, float)) or not 0.0 <= chance <= 1.0:
+                raise PredictorError(f"cross-token prefetch's least chance of use must be in [0, 1], got {chance}")
+            object.__setattr__(self, "next_token_min_chance", float(chance))
+
+    def _precision_and_kernel(self) -> None:
+        """What a slot holds (`dtype`, `slot_format`, mixed precision) and the expert kernel that
+        computes it: each known, and each combination one the kernels compute."""
         if self.dtype not in DTYPES:
             raise OptionsError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.slot_format not in SLOT_FORMATS:
@@ -201,12 +212,6 @@ class RuntimeOptions:
             if self.expert_kernel != "auto":
                 raise OptionsError("a crossover table chooses the kernel of expert_kernel auto; give --expert-kernel "
                                    f"auto with it (got {self.expert_kernel})")
-        self._hybrid()
-        chance = self.next_token_min_chance
-        if chance is not None:
-            if isinstance(chance, bool) or not isinstance(chance, (int, float)) or not 0.0 <= chance <= 1.0:
-                raise PredictorError(f"cross-token prefetch's least chance of use must be in [0, 1], got {chance}")
-            object.__setattr__(self, "next_token_min_chance", float(chance))
 
     def _hybrid(self) -> None:
         """`hybrid_schedule` computes fused experts in the model's dtype where they live: on a GPU
