@@ -53,6 +53,7 @@ from offload_runtime.engine.offloaded_experts import offload_experts
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.lookahead import InTokenLookahead
 from offload_runtime.engine.memory_guard import MemoryGuard
+from offload_runtime.engine.memory_plan import MemoryPlan
 from offload_runtime.engine.prediction_guard import PredictionGuard, Spent
 from offload_runtime.engine.prefetch import STEP_PRIORITY, Prefetcher
 from offload_runtime.engine.slots import SlotPool, TieredSlotPool
@@ -113,7 +114,8 @@ class OffloadRuntime:
 
     def __init__(self, model: nn.Module, layers: list[MoELayer], store: ExpertStore, pool: SlotPool | TieredSlotPool,
                  fingerprint: ModelFingerprint, policy: EvictionPolicy, options: RuntimeOptions,
-                 predictor: ExpertPredictor | None = None, fine_store: ExpertStore | None = None) -> None:
+                 predictor: ExpertPredictor | None = None, fine_store: ExpertStore | None = None,
+                 memory_plan: MemoryPlan | None = None) -> None:
         self.model, self.layers, self.store, self.pool = model, layers, store, pool
         self.fine_store = fine_store  # mixed precision: the fine copies, in `pool`'s first tier
         self.fingerprint = fingerprint  # computed once at load; CGOPipe checks predictors against it
@@ -133,7 +135,7 @@ class OffloadRuntime:
         self._step = -1
         self._tickets: dict[Key, Ticket] = {}
         self.sequence_ids: list | None = None  # serving: each batch row's sequence id (see the module doc)
-        self.memory_plan = None  # with `RuntimeOptions.memory`: what the cap bought (`memory_plan.MemoryPlan`)
+        self.memory_plan = memory_plan  # with `RuntimeOptions.memory`: what the cap bought
         self.on_predictor_error = "raise"  # or "demand": log, count, and go on without the predictor
         # SiDA's rule: at a forward's first MoE layer, wait up to this many seconds for its hash
         # table (0: never wait; a late table then serves only the layers after the one it lands in)
