@@ -89,8 +89,8 @@ def _load_into_slots(model_dir: ModelDirectory, predictor: str | Path | ExpertPr
         plan = None if planner is None else planner.slots(process_footprint(), _expert_bytes(stores[0]), layers, at_work)
         pool = _slot_pool(options, plan, fingerprint, model, layers, stores)
         model.offload_runtime = OffloadRuntime(model, layers, stores[0], pool, fingerprint, eviction, options,
-                                               predictor=predictor, fine_store=stores[1] if len(stores) > 1 else None)
-        model.offload_runtime.memory_plan = plan
+                                               predictor=predictor, fine_store=stores[1] if len(stores) > 1 else None,
+                                               memory_plan=plan)
     except BaseException:
         for store in stores:
             store.close()
