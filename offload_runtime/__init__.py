@@ -13,7 +13,9 @@
 - `resolve_options`: the options a run uses, from the settings named over the tuned and measured
   defaults (the command line and `load_offloaded` both call it);
 - `MemoryPlan`: what a memory cap buys (resident, mapped, or so many expert slots);
-- `OffloadRuntime`: the runtime of an offloaded model (`model.offload_runtime`).
+- `Reserves`: what a run keeps free under its memory cap (its longest sequence, a prefix cache);
+- `ModelRuntime`: what `model.offload_runtime` is, whichever runtime was made;
+- `OffloadRuntime`: the runtime of an offloaded model.
 
 The package's rooms:
 
@@ -30,10 +32,11 @@ The package's rooms:
 
 from offload_runtime.engine.generate import generate_offloaded
 from offload_runtime.engine.loader import load_offloaded
-from offload_runtime.engine.memory_plan import MemoryPlan
+from offload_runtime.engine.memory_plan import MemoryPlan, Reserves
+from offload_runtime.engine.model_runtime import ModelRuntime
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.resolve import resolve_options
 from offload_runtime.engine.runtime import OffloadRuntime
 
-__all__ = ["MemoryPlan", "OffloadRuntime", "RuntimeOptions", "generate_offloaded", "load_offloaded",
-           "resolve_options"]
+__all__ = ["MemoryPlan", "ModelRuntime", "OffloadRuntime", "Reserves", "RuntimeOptions", "generate_offloaded",
+           "load_offloaded", "resolve_options"]

@@ -125,7 +125,7 @@ class ServerMetrics:
 
 def _every_expert_resident(scheduler: Scheduler) -> bool:
     """Whether the memory cap holds every expert (the plain model, copied or mapped): no cache runs."""
-    plan = getattr(scheduler.runtime, "memory_plan", None)
+    plan = scheduler.runtime.memory_plan if scheduler.runtime is not None else None
     return plan is not None and plan.resident
 
 

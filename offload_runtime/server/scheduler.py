@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicCache
 
+from offload_runtime.engine.model_runtime import ModelRuntime
 from offload_runtime.server.kv_batch import KVBatch, prefill_inputs
 from offload_runtime.server.logprobs import TokenLogprob, prompt_logprobs, token_logprob
 from offload_runtime.server.prefix_cache import Prefix, PrefixCache
@@ -130,7 +131,7 @@ class Scheduler:
                  prefix_cache: PrefixCache | None = None) -> None:
         self.model, self.eos_token_ids = model, eos_token_ids
         self.prefix_cache = prefix_cache
-        self.runtime = getattr(model, "offload_runtime", None)
+        self.runtime: ModelRuntime | None = getattr(model, "offload_runtime", None)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.on_finish = on_finish
         self.counters = SchedulerCounters()

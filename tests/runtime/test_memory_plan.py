@@ -16,6 +16,7 @@ from offload_runtime.engine.generate import generate_offloaded, storage_reads
 from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.mapped import mapped_share
 from offload_runtime.engine.memory_plan import MAPPED_SHARE, MemoryPlanner, MiB, plan_offloaded, plan_resident, reserve_bytes, workspace_bytes
+from offload_runtime.engine.model_runtime import ModelRuntime
 from offload_runtime.engine.options import OptionsError, RuntimeOptions
 from offload_runtime.engine.resident import ResidentRuntime
 from offload_runtime.engine.runtime import OffloadRuntime
@@ -76,7 +77,7 @@ def _model(tiny_moe_dir, dtype: str = "float32"):
 def test_a_cap_that_holds_every_expert_runs_the_plain_model_without_hooks(tiny_moe_dir, dtype):
     path, _, reference = _model(tiny_moe_dir, dtype)
     model = load_offloaded(path, memory="16GiB", dtype=dtype)
-    assert isinstance(model.offload_runtime, ResidentRuntime)
+    assert isinstance(model.offload_runtime, ResidentRuntime) and isinstance(model.offload_runtime, ModelRuntime)
     assert not any(module._forward_hooks or module._forward_pre_hooks
                    for name, module in model.named_modules() if name)  # only the model's forward counter
     with model.offload_runtime as runtime:
@@ -161,7 +162,7 @@ def test_a_cap_below_the_whole_model_buys_the_slots_it_can_and_computes_the_same
     model = load_offloaded(path, memory=FOOTPRINT + reserve + 5 * expert_bytes, dtype=dtype)
     with model.offload_runtime as runtime:
         out = generate(model, encode(path, False))
-    assert isinstance(runtime, OffloadRuntime) and runtime.pool.num_slots == 5 < total
+    assert isinstance(runtime, OffloadRuntime) and isinstance(runtime, ModelRuntime) and runtime.pool.num_slots == 5 < total
     assert runtime.memory_plan.slots == 5 and not runtime.memory_plan.resident
     assert torch.equal(out, reference)
 

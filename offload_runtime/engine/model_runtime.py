@@ -1,0 +1,41 @@
+"""`ModelRuntime`: what `model.offload_runtime` is, whichever runtime `load_offloaded` made.
+
+A model whose experts are offloaded carries an `OffloadRuntime` (slots, transfers, the predictor);
+one whose memory cap holds every expert carries a `ResidentRuntime` (the plain model, copied or
+mapped). `generate`, `serve` and `bench` use either through this protocol alone, and a test holds
+both to it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from offload_runtime.engine.memory_plan import MemoryPlan
+from offload_runtime.engine.runtime import RuntimeStats
+from prescient.fingerprint import ModelFingerprint
+
+
+@runtime_checkable
+class ModelRuntime(Protocol):
+    """The runtime a loaded model carries: its `fingerprint` (what predictors are checked against),
+    its `memory_plan` (None under a budget), the server's `sequence_ids` (each batch row's sequence,
+    set before a forward) and `on_predictor_error` ("raise", or "demand": serve on without the
+    predictor)."""
+
+    fingerprint: ModelFingerprint
+    memory_plan: MemoryPlan | None
+    sequence_ids: list | None
+    on_predictor_error: str
+
+    def stats(self) -> RuntimeStats:
+        """Hits, misses, prefetches, loads and stalls since the model loaded."""
+
+    def end_sequences(self, ids: list) -> None:
+        """Serving: forget what was kept for the sequences `ids`, which have ended."""
+
+    def close(self) -> None:
+        """Stop what the runtime runs (its threads, hooks); safe to call twice."""
+
+    def __enter__(self) -> ModelRuntime: ...
+
+    def __exit__(self, *exc: object) -> None: ...
