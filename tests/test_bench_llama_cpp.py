@@ -15,7 +15,7 @@ import pytest
 from cli.main import main
 from experiments.bench_memory import orchestrate
 from experiments.bench_memory.child import run as run_child
-from experiments.bench_memory.llama_cpp import LlamaCppError, parse_timings
+from experiments.bench_memory.llama_cpp import LlamaCppError, parse_timings, run_llama_cpp
 from tests.test_bench_memory import PROMPT, _fake_runner
 
 # the end of a llama-completion run's stderr (llama.cpp's CPU build, 96 greedy tokens)
@@ -88,3 +88,22 @@ def test_a_missing_binary_or_gguf_is_one_error_line(tiny_moe_dir, tmp_path, capl
     assert exit_info.value.code == 2 and err.startswith("error:") and len(err.splitlines()) == 1, err
     assert ("llama-completion" if missing == "binary" else "GGUF" if missing != "no flags" else "--llama-cpp") in err
     assert not (tmp_path / "out.json").exists()
+
+
+def test_a_run_whose_log_lost_its_timings_is_run_again(tmp_path):
+    """llama.cpp's log thread can lose the timings' last lines at exit (the log stops at "load
+    time"): the run is repeated, up to three runs, and the record says how many ran."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    folder = fake_llama(tmp_path / "bin", ["x"])
+    script = folder / "llama-completion"
+    marker = tmp_path / "ran-once"
+    cut = TIMINGS.split("llama_perf_context_print: prompt eval")[0]
+    script.write_text(f"#!/bin/sh\nprintf 'x'\nif [ -e {marker} ]; then cat >&2 <<'EOF'\n{TIMINGS}EOF\n"
+                      f"else touch {marker}; cat >&2 <<'EOF'\n{cut}EOF\nfi\n")
+    spec = {"llama_cpp": str(folder), "gguf": str(gguf), "prompt": PROMPT, "new_tokens": 1, "threads": 1}
+    record = run_llama_cpp(spec)
+    assert record["attempts"] == 2 and record["tokens_per_s"] == pytest.approx(50.0) and record["text"] == "x"
+    marker.unlink()
+    with pytest.raises(LlamaCppError, match="no 'eval time"):
+        run_llama_cpp(spec, attempts=1)

@@ -81,8 +81,32 @@ def command(spec: dict[str, Any]) -> list[str]:
             "--no-display-prompt", "-lm", "mmap"]
 
 
-def run_llama_cpp(spec: dict[str, Any]) -> dict[str, Any]:
-    """One greedy run (see the module doc): text, decode tokens/s, bytes read per decoded token."""
+def run_llama_cpp(spec: dict[str, Any], attempts: int = 3) -> dict[str, Any]:
+    """One greedy run (see the module doc): text, decode tokens/s, bytes read per decoded token.
+    llama.cpp's log thread now and then loses the last lines of its timings when the process ends
+    (its log stops at "load time", the process exits 0): such a run is run again, up to `attempts`
+    runs in all, and the result says how many ran."""
+    for attempt in range(1, attempts + 1):
+        text, log, reads = _completion(spec)
+        try:
+            timings = parse_timings(log)
+        except LlamaCppError:
+            if attempt == attempts:
+                raise
+            continue
+        known = [r for r in reads if r is not None]
+        runs = timings["decode_runs"]
+        per_token = (known[-1] - known[0]) / runs if len(known) > 1 and runs else None
+        return {"text": text, "tokens_per_s": timings["tokens_per_s"],
+                "prefill_seconds": None if timings["prompt_ms"] is None else timings["prompt_ms"] / 1000,
+                "decode_read_bytes_per_token": per_token, "output_pieces": len(reads), "llama_cpp": timings,
+                "attempts": attempt}
+    raise ValueError(f"attempts must be at least 1, got {attempts}")
+
+
+def _completion(spec: dict[str, Any]) -> tuple[str, str, list[int | None]]:
+    """One llama-completion process: its printed text, its log, and its storage reads at each
+    piece of output."""
     with tempfile.TemporaryFile() as errors:  # a file, not a pipe: its log thread must never block on a full pipe
         process = subprocess.Popen(command(spec), stdout=subprocess.PIPE, stderr=errors, bufsize=0)
         pieces, reads = [], []
@@ -95,9 +119,4 @@ def run_llama_cpp(spec: dict[str, Any]) -> dict[str, Any]:
     if process.returncode != 0:
         raise LlamaCppError(f"llama-completion exited {process.returncode}: "
                             + " | ".join(log.strip().splitlines()[-3:]))
-    timings = parse_timings(log)
-    known = [r for r in reads if r is not None]
-    per_token = (known[-1] - known[0]) / timings["decode_runs"] if len(known) > 1 and timings["decode_runs"] else None
-    return {"text": b"".join(pieces).decode("utf-8", "replace"), "tokens_per_s": timings["tokens_per_s"],
-            "prefill_seconds": None if timings["prompt_ms"] is None else timings["prompt_ms"] / 1000,
-            "decode_read_bytes_per_token": per_token, "output_pieces": len(pieces), "llama_cpp": timings}
+    return b"".join(pieces).decode("utf-8", "replace"), log, reads
