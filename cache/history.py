@@ -4,11 +4,12 @@ A predictor's chances of use look a few tokens ahead; past that, every expert it
 ranks alike, and learned eviction used to order those by recency alone. Where a decode loops over
 a set of experts a little larger than the cache, recency evicts each expert just before its next
 use (LRU's worst case), and right forecasts over two tokens cannot save it: on the demo model's
-routing at 17 slots, learned eviction loaded more experts than LRU on one of eight held-out
-prompts in three, and at 33-35 slots up to 1.66x LRU's (`compare-caches` on the bench prompts,
-results/learned-history-sweep.json). The history is an exponential moving average over tokens
+routing over 8 held-out prompts, learned eviction on the forecasts alone loaded up to 1.75x, 1.44x
+and 1.66x LRU's experts on a prompt at 17, 33 and 35 slots, and with the history at most 1.02x,
+1.04x and 1.07x (`experiments/history_sweep.py`, results/learned-history-sweep.json). The history is an exponential moving average over tokens
 of whether each expert was used (1: used by every token), the frequency half of the ranking: an
-expert in steady use keeps its slot even while the forecasts miss it.
+expert in steady use keeps its slot even while the forecasts miss it. (It is LRFU's combined
+recency and frequency, Lee et al.: a use counts less the longer ago it was.)
 
 `UseHistory` is the runtime's (one per cache, stepped per forward); `history_chances` lays the same
 average out over a trace's rows for the simulator, so both rank by the same numbers.

@@ -12,7 +12,9 @@ only: nothing is copied), and at each forward adds up, as moving sums over about
 - experts: how many more the live cache loaded (demand loads and prefetches) than LRU missed;
 - time: what the live run spent waiting for loads and predicting, less what LRU's misses would have
   cost it at the run's own measured wait per demand load.
-Either sum above `SLACK` experts (or their time) pauses predictions: the live cache's learned ranks
+Either sum above `SLACK` experts (or their time), plus `SLACK_SHARE` of LRU's own misses in the
+window, pauses predictions (a fixed slack alone paused right predictions on the noise of a
+prompt's first tokens, where LRU misses a few experts a token): the live cache's learned ranks
 are cleared (with no forecast, learned eviction is LRU by its tiebreak), nothing is prefetched,
 and the predictor sleeps, costing nothing (`HashBuilder.sleep`: the ids it is handed are kept,
 and it catches up when woken). After `PROBE_AFTER` windows it wakes and the runtime acts again for
@@ -35,7 +37,8 @@ log = logging.getLogger(__name__)
 
 WINDOW = 16  # forwards the comparison remembers (an exponential moving sum with this time constant)
 SLACK = 4.0  # experts (or their wait) more than LRU's within the window before predictions count as losing
-PROBE_AFTER = 8  # windows asleep before the first probe; each lost probe doubles it
+SLACK_SHARE = 0.1  # and this share of LRU's misses in the window
+PROBE_AFTER = 2  # windows asleep before the first probe; each lost probe doubles it
 WARMUP = 4  # forwards acting before a judgement (at the start, and after each wake)
 
 
@@ -76,6 +79,7 @@ class PredictionGuard:
         self.lost_windows = 0  # times predictions were paused
         self.excess = 0.0  # experts the live cache loaded beyond LRU's misses (moving sum)
         self.excess_seconds = 0.0  # seconds the live run spent beyond LRU's estimated wait (moving sum)
+        self.lru_misses = 0.0  # LRU's misses (moving sum)
         self._acted = self._asleep_for = 0  # forwards since acting resumed; since it paused
         self._sleep_length = PROBE_AFTER * WINDOW
         self._last = self._counts(spent())
@@ -106,6 +110,7 @@ class PredictionGuard:
         per_miss = spent.per_miss()  # an LRU miss would have cost as much as this run's
         keep = 1 - 1 / WINDOW
         self.excess = keep * self.excess + live - lru
+        self.lru_misses = keep * self.lru_misses + lru
         self.excess_seconds = keep * self.excess_seconds + stall + predicting - lru * per_miss
         if not self.acting:
             self._asleep_for += 1
@@ -120,7 +125,8 @@ class PredictionGuard:
             self.excess = self.excess_seconds = 0.0  # the decode's (a prompt's table prefetches dozens of experts)
         if self._acted == 2 * WINDOW:  # a probe that held: the next loss sleeps the first length again
             self._sleep_length = PROBE_AFTER * WINDOW
-        if self._acted > WARMUP and (self.excess > SLACK or self.excess_seconds > SLACK * per_miss):
+        slack = SLACK + SLACK_SHARE * self.lru_misses
+        if self._acted > WARMUP and (self.excess > slack or self.excess_seconds > slack * per_miss):
             self._pause()
 
     def _pause(self) -> None:
