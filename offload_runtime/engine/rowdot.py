@@ -2,13 +2,14 @@
 
 A decoded token multiplies one row by each routed expert's [out, in] matrices, reading every
 weight once: a matrix-vector product, bound by how fast memory streams the matrix. torch's
-`linear` (MKL's sgemv) and oneDNN's product stream this project's wide experts at 11-30 GB/s on
-one core of its AMD CPU, where a pass over memory runs at ~40; a plain dot product per row,
-compiled by numba for the host CPU (`fastmath`: the sum vectorised and reassociated), streams
-at ~38 (`experiments.bench_decode`). With more torch threads the rows are split in contiguous
-blocks, one per thread, each block the same one-thread loop: a row's sum does not depend on the
-thread count. Its sums run in another order than torch's, so its results differ from grouped_mm's
-in the last bits (the plain model's logits within 1e-5, its greedy tokens: the tests check).
+`linear` (MKL's sgemv) streams this project's wide experts far below the bus on its AMD CPU; a
+plain dot product per row, compiled by numba for the host CPU (`fastmath`: the sum vectorised and
+reassociated), streams near it: on runs/tw a decode token's experts at 35 GB/s on one core against
+a 41 GB/s read pass, 67 against 79 on two (torch's own kernel: 13), results/bench-decode-tw-rowdot.json.
+With more torch threads the rows are split in contiguous blocks, one per thread, each block the
+same one-thread loop: a row's sum does not depend on the thread count. Its sums run in another
+order than torch's, so its results differ from grouped_mm's in the last bits (the plain model's
+logits within 1e-5, its greedy tokens: the tests check).
 
 Only float32 CPU matrices of at least `LEAST_BYTES` run here (`streams`): a smaller one comes from
 the cache, where torch's `linear` costs no more and rounds as the model does.

@@ -4,9 +4,8 @@ grants (a container given 2 CPUs of a 64-core host must not start 64 threads, as
 would).
 
 Measured with the default expert kernel ("gemv"), 96 greedy tokens, interleaved repeats, on this
-project's 2-core machine: runs/tw 95.8 tok/s at 2 threads (92.1-104.1) against 74.8 at 1
-(72.1-74.8), results/bench-decode-tw-llama.json; runs/tb 186.3 (183.9-206.0) against 149.1
-(144.0-160.7), results/bench-decode-tb-llama.json: the second core's gain is beyond either's spread.
+project's 2-core machine: runs/tw 170.9 tok/s at 2 threads (164.3-173.5) against 108.7 at 1
+(102.3-109.4), results/bench-decode-tw-rowdot.json: the second core's gain is beyond either's spread.
 `generate` and `serve` set it unless told, and `bench --memory` runs its systems with it.
 """
 
