@@ -80,7 +80,7 @@ def run_modes(text: str) -> tuple[tuple[str, ...], ...]:
 def run(args: argparse.Namespace) -> None:
     from experiments.bench_compressed import bench_compressed
     from experiments.bench_runtime.grid import BenchError, fraction
-    from offload_runtime.engine.options import RuntimeOptions
+    from offload_runtime.engine.resolve import resolve_options
     from training.corpora import load_corpus
 
     unknown = sorted(set(args.quality) - set(args.models) - set(args.mixed))
@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> None:
     texts = list(load_corpus(args.dataset, "validation")["text"][: 20 * (args.prompts + 1)])
     result = bench_compressed(args.models, texts, [fraction(b) for b in args.budgets], args.repeats, args.quality,
                               args.json, args.plot, new_tokens=args.new_tokens, timed_prompts=args.prompts,
-                              options=RuntimeOptions(drop_page_cache=True, dtype=args.dtype), packed=args.packed,
+                              options=resolve_options(None, None, {"drop_page_cache": True, "dtype": args.dtype}),
+                              packed=args.packed,
                               predictor=(*next(iter(args.predictor.items())), args.policy) if args.predictor else None,
                               mixed=args.mixed, fine_share=args.fine_share, modes=args.modes,
                               sample_seed=args.sample, threads=args.threads)

@@ -70,3 +70,13 @@ def test_without_memory_the_best_policy_and_the_defaults(tiny_moe_dir, tmp_path)
     assert resolve_options(model_dir, None, {"lookahead_probe": "p"}).lookahead_layers == 1
     assert json.dumps(resolve_options(model_dir).to_json())  # recorded whole
     assert tuned_module.TUNED_SETTINGS == tuple(TUNED)
+
+
+def test_no_command_builds_its_runtime_options_itself():
+    """`cli/` turns flags into values; the resolver alone makes the `RuntimeOptions` of a run."""
+    from pathlib import Path
+
+    import cli
+
+    makers = [path.name for path in Path(cli.__file__).parent.glob("*.py") if "RuntimeOptions(" in path.read_text()]
+    assert not makers, f"{makers} build RuntimeOptions from flags: call cli.args.runtime_options or resolve_options"
