@@ -28,6 +28,7 @@ PREDICTION_WIDE_17 = "bench-prediction-tw-1.7.json"  # runs/tw at 1.7 GB, withou
 # the guard weighing time, the predictor asleep while paused and inline on the CPU; plain and mapped in the same run
 PREDICTION_GUARD, PREDICTION_GUARD_FIRST = "bench-prediction-tb-guard2.json", "bench-prediction-tb-guard.json"
 LLAMA = "bench-memory-tw-llama.json"  # runs/tw beside llama.cpp at 1.7 and 1.1 GB (issue 52)
+LLAMA_ROWDOT = "bench-memory-tw-rowdot.json"  # the same at 1.7 GB with gemv's row kernel (issue 52)
 ONE_THREAD = "bench-memory-tw-1.1-threads1.json"  # the runtime at 1.1 GB with one thread
 HOLDS = "bench-memory-holds-tb.json"  # --memory from plain's need down: faults, RSS, reads per token (issue 53)
 RUNTIMES = ("no-predictor", "prescient", "oracle")
@@ -350,7 +351,15 @@ def page() -> Page:
         Table("The file-backed pages a decoded token of runs/tb touches under `--memory` (referenced bits cleared "
               "after the prefill and 4 tokens, read after 32 more): what the plan's 96 MiB of library pages covers",
               ("code-pages-tb.json",), load("code-pages-tb.json")["command"], partial(code_pages_rows, "code-pages-tb.json")),
-        Table("runs/tw beside llama.cpp under the same caps: plain transformers, the model memory-mapped, the runtime "
+        Table("runs/tw beside llama.cpp at 1.7 GB with `gemv`'s row kernel (`rowdot`): plain transformers, the model "
+              "memory-mapped, the runtime without a predictor (`--memory`'s defaults: gemv, 2 threads) and llama.cpp's "
+              "`llama-completion` on an f32 GGUF, memory-mapped, each run a fresh process in a memory cgroup, the page "
+              "cache dropped before it; one prompt, 96 new tokens, 3 interleaved repeats (medians and ranges); "
+              "llama.cpp is exact when its greedy text is the plain model's as far as both go", (LLAMA_ROWDOT,),
+              "prescient bench --model runs/tw --memory 1.7GB --systems plain,mmap,no-predictor,llama.cpp "
+              "--llama-cpp /work/llama/llama.cpp/build/bin --gguf runs/gguf/tw-f32.gguf --new-tokens 96 --prompts 1 "
+              "--repeats 3 --json results/bench-memory-tw-rowdot.json", partial(systems_rows, LLAMA_ROWDOT)),
+        Table("Earlier, `gemv`'s decode rows through oneDNN's product: runs/tw beside llama.cpp under the same caps: plain transformers, the model memory-mapped, the runtime "
               "without a predictor (`--memory`'s defaults: gemv, 2 threads) and llama.cpp's `llama-completion` on an "
               "f32 GGUF, memory-mapped, each run a fresh process in a memory cgroup, the page cache dropped before it; "
               "one prompt, 96 new tokens, 3 interleaved repeats (medians and ranges); llama.cpp is exact when its "
