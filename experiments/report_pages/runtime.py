@@ -79,7 +79,7 @@ def page() -> Page:
     bench = ("prescient bench --model runs/reference-bench --predictors {p} --runs {r} --new-tokens 24 --prompts 3 "
              "--threads 1 --baselines all_resident,accelerate_disk {x}")
     llama = ("The per-token path on {model}, every expert in memory, beside llama.cpp: transformers' own experts "
-             "kernel (`model`), `streamed` and `gemv` (the default since issue 52) in the plain model, and llama.cpp's "
+             "kernel (`model`), `streamed` and `gemv` ({gemv}) in the plain model, and llama.cpp's "
              "`llama-completion` on the model converted to an f32 GGUF, memory-mapped (its own 'eval time' line), the "
              "same prompt, 96 greedy tokens, thread counts and kernels interleaved in each of 3 repeats (medians and "
              "ranges; through ../shared/bin/quiet, load average {load} at the start)")
@@ -101,13 +101,21 @@ this machine's noise, and with 8 slots double the bytes moved for a longer stall
 expert run faster with several in flight than with one. The first three tables were measured
 before the expert pipeline existed: their runs are `+serial` runs in today's terms.
 """, (
-        *(Table(llama.format(model=model, load=num(load(name)["machine"]["load_average_at_start"][0], 2)), (name,),
+        *(Table(llama.format(model=model, gemv=ROWDOT, load=num(load(name)["machine"]["load_average_at_start"][0], 2)),
+                (name,),
+                load(name)["command"], partial(decode_kernel_rows, name), note=llama_note(name))
+          for name, model in (("bench-decode-tw-rowdot.json", "runs/tw (2.2 GB of float32 experts)"),
+                              ("bench-decode-tb-rowdot.json", "runs/tb (733 MB of float32 experts)"),
+                              ("bench-decode-demo-llama.json", "the demo's tiny model (its expert matrices are "
+                               "under 1 MiB: `gemv` runs torch's `linear` there, as before the row kernel)"))),
+        *(Table("Earlier, before the row kernel: " + llama.format(model=model, gemv=ONEDNN, load=num(
+                    load(name)["machine"]["load_average_at_start"][0], 2)), (name,),
                 load(name)["command"], partial(decode_kernel_rows, name), note=llama_note(name))
           for name, model in (("bench-decode-tw-llama.json", "runs/tw (2.2 GB of float32 experts)"),
-                              ("bench-decode-tb-llama.json", "runs/tb (733 MB of float32 experts)"),
-                              ("bench-decode-demo-llama.json", "the demo's tiny model"))),
-        Table("bfloat16 on runs/tb, every expert in memory, 2 threads: the default kernel (`gemv`) runs no oneDNN "
-              "product in bfloat16, so it is `streamed`, transformers' grouped_mm numbers bit for bit; 96 greedy "
+                              ("bench-decode-tb-llama.json", "runs/tb (733 MB of float32 experts)"))),
+        Table("bfloat16 on runs/tb, every expert in memory, 2 threads: the default kernel (`gemv`) runs no row "
+              "kernel in bfloat16 (then none of oneDNN's either), so it is `streamed`, transformers' grouped_mm "
+              "numbers bit for bit; 96 greedy "
               "tokens, kernels interleaved in 3 repeats (medians and ranges; through ../shared/bin/quiet, load "
               f"average {num(load(BF16)['machine']['load_average_at_start'][0], 2)} at the start)", (BF16,),
               load(BF16)["command"], partial(decode_kernel_rows, BF16)),
@@ -166,6 +174,10 @@ def _bench(name: str, label: str) -> float:
 
 SAMPLED = "bench-runtime-base-sampled.json"
 BF16 = "bench-decode-tb-bf16.json"  # the default kernel in bfloat16 (issue 52)
+ROWDOT = ("the default since issue 52: a decode row against a float32 matrix of 1 MiB or more through `rowdot`, a dot "
+          "product per row compiled by numba")
+ONEDNN = ("then a decode row through oneDNN's matrix-vector product, where a timing in each process found it faster "
+          "than torch's `linear`")
 HEADLINES: tuple[Headline, ...] = (
     Headline("Learned eviction (SiDA-h8 forecasts) against on-demand LRU, half the experts in memory, measured",
              lambda: f"{num(_bench(SAMPLED, 'sida8+learned-belady@0.5') / _bench(SAMPLED, 'none+lru@0.5'))}×",
