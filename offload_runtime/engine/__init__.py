@@ -1,6 +1,8 @@
 """The serving runtime: experts live in a store, compute on a slot pool filled by a transfer
 engine, ahead of need when a hash-building thread predicts them. `loader.load_offloaded` builds it
-from a `RuntimeOptions` (`options.py`).
+from a `RuntimeOptions` (`options.py`, made by `resolve.py`); under a memory cap it builds what
+`memory_plan.MemoryPlanner` decides (every expert copied or mapped, with a `ResidentRuntime`, or so
+many slots), and either runtime is a `model_runtime.ModelRuntime`.
 
 A miss, top to bottom (a decode step whose layer l selects expert e, not resident):
 

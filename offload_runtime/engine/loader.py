@@ -188,7 +188,7 @@ def _load_mapped(model_dir: ModelDirectory, options: RuntimeOptions, plan: Memor
     `ResidentRuntime` as its `offload_runtime`."""
     model, layers = load_mmap_model(model_dir, options.torch_dtype)
     fingerprint = loaded_fingerprint(model_dir, model, layers, options.torch_dtype)
-    model.offload_runtime = ResidentRuntime(model, layers, fingerprint, plan, expert_kernel=options.expert_kernel)
+    model.offload_runtime = ResidentRuntime(model, layers, fingerprint, plan, options)
     log.info("%s", plan.line())
     return model
 
@@ -201,7 +201,7 @@ def _load_resident(model_dir: ModelDirectory, options: RuntimeOptions, plan: Mem
         for file in set(model_dir.weight_index.values()):
             drop_file_pages(file)
     fingerprint = loaded_fingerprint(model_dir, model, layers, options.torch_dtype)
-    model.offload_runtime = ResidentRuntime(model, layers, fingerprint, plan, expert_kernel=options.expert_kernel)
+    model.offload_runtime = ResidentRuntime(model, layers, fingerprint, plan, options)
     log.info("%s", plan.line())
     return model
 

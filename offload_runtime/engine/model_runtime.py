@@ -10,18 +10,23 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from torch import nn
+
 from offload_runtime.engine.memory_plan import MemoryPlan
+from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.runtime import RuntimeStats
 from prescient.fingerprint import ModelFingerprint
 
 
 @runtime_checkable
 class ModelRuntime(Protocol):
-    """The runtime a loaded model carries: its `fingerprint` (what predictors are checked against),
-    its `memory_plan` (None under a budget), the server's `sequence_ids` (each batch row's sequence,
-    set before a forward) and `on_predictor_error` ("raise", or "demand": serve on without the
-    predictor)."""
+    """The runtime a loaded model carries, and what owns it: the `model`, the `options` it was
+    loaded with, its `memory_plan` (None under a budget), its `fingerprint` (what predictors are
+    checked against), the server's `sequence_ids` (each batch row's sequence, set before a forward)
+    and `on_predictor_error` ("raise", or "demand": serve on without the predictor)."""
 
+    model: nn.Module
+    options: RuntimeOptions
     fingerprint: ModelFingerprint
     memory_plan: MemoryPlan | None
     sequence_ids: list | None

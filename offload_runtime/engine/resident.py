@@ -16,6 +16,7 @@ from torch import nn
 from offload_runtime.engine.expert_kernels import GEMV, STREAMED, stream_experts
 from offload_runtime.engine.mapped import MappedExperts
 from offload_runtime.engine.memory_plan import MemoryPlan
+from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.runtime import RuntimeStats
 from prescient.arch import MoELayer
 from prescient.fingerprint import ModelFingerprint
@@ -25,8 +26,10 @@ class ResidentRuntime:
     """Every expert resident: nothing to load, so every access hits (see the module doc)."""
 
     def __init__(self, model: nn.Module, layers: list[MoELayer], fingerprint: ModelFingerprint,
-                 memory_plan: MemoryPlan, expert_kernel: str = "model") -> None:
+                 memory_plan: MemoryPlan, options: RuntimeOptions) -> None:
         self.model, self.layers, self.fingerprint, self.memory_plan = model, layers, fingerprint, memory_plan
+        self.options = options  # `options.expert_kernel` computes the experts; the rest shaped the plan
+        expert_kernel = options.expert_kernel
         if expert_kernel in (STREAMED, GEMV):
             stream_experts(model, expert_kernel)
         if expert_kernel == GEMV:  # the experts mapped from the checkpoint (`mapped`)
