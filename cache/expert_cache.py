@@ -286,10 +286,11 @@ class ExpertCache:
         chances = checks.chances(np.asarray(chances, dtype=np.float64))
         if chances.ndim != 2:
             raise CacheError(f"forecast chances must be [layers, experts], got shape {list(chances.shape)}")
-        layers = range(chances.shape[0]) if layer is None else [layer]
+        layers = np.arange(chances.shape[0]) if layer is None else np.array([layer])
+        n_experts = chances.shape[1]  # the keys as an array: numbered without a Python loop (every forward)
+        pairs = np.stack([np.repeat(layers, n_experts), np.tile(np.arange(n_experts), len(layers))], axis=1)
         with self._lock:
-            ids = self.key_ids([(row, e) for row in layers for e in range(chances.shape[1])])
-            on_forecast(self.state.struct, ids, chances[list(layers)].ravel())
+            on_forecast(self.state.struct, self.key_ids(pairs), chances[layers].ravel())
 
     def on_step(self, layer: int, scores: Mapping[int, float] | Sequence[float]) -> None:
         """Forward one layer-step's router scores (expert -> score, or a dense vector over
