@@ -412,35 +412,15 @@ def _guard_tables() -> tuple[Table, ...]:
     )
 
 
-def page() -> Page:
-    setup = ("the demo's reference model with its experts widened as configs/reference/bench.yaml widens the base "
-             "one (runs/tb: 4 layers of 16 experts, 733 MB of float32 experts), a SiDA predictor with two forecast "
-             "heads, one torch thread")
-    curve_cmd = ("prescient bench --model runs/tb --predictor runs/tb-predictor/sida --memory "
-                 "0.45GB,0.55GB,0.65GB,0.85GB,1.0GB,1.1GB,1.3GB --repeats 3 --new-tokens 96 --run-timeout 240 "
-                 "--json ... --plot ...")
-    wide_setup = ("runs/tw, configs/reference/tiny-bench-wide.yaml: the same trained model, 64 experts of 34.2 MB, "
-                  "2.2 GB of float32 experts, the same predictor, one torch thread")
-    wide_cmd = ("prescient bench --model runs/tw --predictor runs/tb-predictor/sida --memory "
-                "1.1GB,1.7GB,2.2GB,2.8GB,3.3GB --repeats 3 --new-tokens 96 --run-timeout 60 --json ... --plot ...")
-    whole_cmd = ("prescient bench --model runs/tw --predictor runs/tb-predictor/sida --memory 2.8GB,3.3GB --repeats 3 "
-                 "--new-tokens 96 --run-timeout 60 --json ...")
-    tune_cmd = ("prescient tune --model runs/tb --predictor runs/tb-predictor/sida --memory 0.65GB,0.85GB "
-                "--json ...")
-    tune_wide_cmd = ("prescient tune --model runs/tw --predictor runs/tb-predictor/sida --memory 1.1GB,1.7GB "
-                     "--new-tokens 32 --json ...")
+def _earlier_prediction_tables() -> tuple[Table, ...]:
+    """What prediction was worth before the guard weighed time: runs/tb and runs/tw, measured and kept."""
     prediction_cmd = ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory 0.66GB,0.85GB "
                       "--prompts 8 --new-tokens 96 --repeats 2 --systems no-predictor,prescient,oracle "
                       "--run-timeout 120 --json ...")
     prediction_wide_cmd = ("prescient bench --model runs/tw --predictor runs/demo/predictor/sida --memory 1.1GB "
                            "--prompts 8 --new-tokens 64 --repeats 1 --systems no-predictor,prescient,oracle "
                            "--run-timeout 150 --json ...")
-    holds_cmd = ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory 1100MiB,0.85GB,660MiB "
-                 "--prompts 1 --new-tokens 96 --repeats 3 --systems plain,no-predictor,prescient --run-timeout 120 "
-                 "--json ...")
-    return Page("memory", "Speed against memory", CONCLUSION, (
-        *_history_tables(),
-        *_guard_tables(),
+    return (
         Table("What prediction is worth, per prompt: the runtime under `--memory` without a predictor, with the "
               "demo's SiDA predictor (its default: learned eviction on the forecasts, the prediction guard, SiDA's "
               "wait) and with an oracle that knows the run's true routing (learned eviction on certain forecasts, "
@@ -458,6 +438,33 @@ def page() -> Page:
               "system, interleaved", (PREDICTION_WIDE_17,),
               prediction_wide_cmd.replace("--memory 1.1GB", "--memory 1.7GB").replace(",oracle", ""),
               partial(prediction_rows, PREDICTION_WIDE_17)),
+    )
+
+
+def page() -> Page:
+    setup = ("the demo's reference model with its experts widened as configs/reference/bench.yaml widens the base "
+             "one (runs/tb: 4 layers of 16 experts, 733 MB of float32 experts), a SiDA predictor with two forecast "
+             "heads, one torch thread")
+    curve_cmd = ("prescient bench --model runs/tb --predictor runs/tb-predictor/sida --memory "
+                 "0.45GB,0.55GB,0.65GB,0.85GB,1.0GB,1.1GB,1.3GB --repeats 3 --new-tokens 96 --run-timeout 240 "
+                 "--json ... --plot ...")
+    wide_setup = ("runs/tw, configs/reference/tiny-bench-wide.yaml: the same trained model, 64 experts of 34.2 MB, "
+                  "2.2 GB of float32 experts, the same predictor, one torch thread")
+    wide_cmd = ("prescient bench --model runs/tw --predictor runs/tb-predictor/sida --memory "
+                "1.1GB,1.7GB,2.2GB,2.8GB,3.3GB --repeats 3 --new-tokens 96 --run-timeout 60 --json ... --plot ...")
+    whole_cmd = ("prescient bench --model runs/tw --predictor runs/tb-predictor/sida --memory 2.8GB,3.3GB --repeats 3 "
+                 "--new-tokens 96 --run-timeout 60 --json ...")
+    tune_cmd = ("prescient tune --model runs/tb --predictor runs/tb-predictor/sida --memory 0.65GB,0.85GB "
+                "--json ...")
+    tune_wide_cmd = ("prescient tune --model runs/tw --predictor runs/tb-predictor/sida --memory 1.1GB,1.7GB "
+                     "--new-tokens 32 --json ...")
+    holds_cmd = ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory 1100MiB,0.85GB,660MiB "
+                 "--prompts 1 --new-tokens 96 --repeats 3 --systems plain,no-predictor,prescient --run-timeout 120 "
+                 "--json ...")
+    return Page("memory", "Speed against memory", CONCLUSION, (
+        *_history_tables(),
+        *_guard_tables(),
+        *_earlier_prediction_tables(),
         Table("`--memory` holds: runs/tb from the plain model's need (1100 MiB) down, one prompt, 3 interleaved "
               "repeats (medians and ranges): major page faults and bytes read from disk per decoded token beside "
               "what the slots moved, and the process's anonymous and file-backed memory at its end",
