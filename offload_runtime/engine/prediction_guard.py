@@ -134,9 +134,9 @@ class PredictionGuard:
             self._sleep_length *= 2
         self.lost_windows += 1
         if self.lost_windows == 1:
-            log.info("prediction guard: acting on the predictor cost %.0f experts (%.0f ms) more than LRU would have "
-                     "over the last %d tokens; predictions paused, probed again after %d tokens", self.excess,
-                     self.excess_seconds * 1e3, WINDOW, self._sleep_length)
+            log.info("prediction guard: over the last %d tokens acting on the predictor loaded %+.0f experts and "
+                     "spent %+.0f ms against LRU; predictions paused, probed again after %d tokens", WINDOW,
+                     self.excess, self.excess_seconds * 1e3, self._sleep_length)
         self.acting, self._asleep_for = False, 0
         self.paused_forwards += 1  # this forward runs paused
         self.cache.on_forecast(np.zeros((self.n_layers, self.n_experts)))  # learned ranks cleared: LRU
