@@ -90,7 +90,10 @@ def test_wrong_forecasts_are_dropped_and_the_run_loads_no_more_than_lru(case):
         assert torch.equal(out, want)
         runs[guarded] = stats
     assert runs[False].loads > 1.2 * lru.loads  # acting on the wrong forecasts loses
-    assert runs[True].prediction_lost_windows >= 1 and runs[True].prediction_paused_forwards > NEW_TOKENS / 2
+    # paused once judged, for a whole sleep at least (a probe after it may hold: the history blended into the
+    # wrong forecasts keeps the experts in steady use)
+    assert runs[True].prediction_lost_windows >= 1
+    assert runs[True].prediction_paused_forwards >= prediction_guard.PROBE_AFTER * prediction_guard.WINDOW
     guarded = runs[True]  # each forward acted on its table (on time or late) or ran paused
     assert guarded.late_tables + guarded.tables_on_time + guarded.prediction_paused_forwards == guarded.forwards
     # what it lost is what the moving sum needed to judge the forecasts: a few hits, not the unguarded
@@ -177,5 +180,8 @@ def test_right_forecasts_that_cost_more_than_they_save_sleep(case):
         out, runs[guarded], _ = _run(path, inputs, _steering(forecasting_sida(path), _most_used(path, accessed)),
                                      policy="learned-belady", prediction_guard=guarded, dtype=dtype)
         assert torch.equal(out, want)
-    assert runs[True].prediction_lost_windows >= 1 and runs[True].prediction_paused_forwards > NEW_TOKENS / 2
+    # paused once judged, for a whole sleep at least (a probe after it may hold: the history blended into the
+    # wrong forecasts keeps the experts in steady use)
+    assert runs[True].prediction_lost_windows >= 1
+    assert runs[True].prediction_paused_forwards >= prediction_guard.PROBE_AFTER * prediction_guard.WINDOW
     assert runs[True].predictor_seconds < 0.6 * runs[False].predictor_seconds
