@@ -240,7 +240,8 @@ MEANING: dict[str, tuple[str, Callable[[], str] | None]] = {
                         _page_cache),
     "device": ("slots and resident weights on the CPU (`--device cuda` puts them on the GPU)", None),
     "transfer_workers": ("one copy in flight", _workers),
-    "prefetch_per_layer": ("the model's top-k experts prefetched per layer and predicted token", None),
+    "prefetch_per_layer": ("the model's top-k experts prefetched per layer and predicted token; none on the CPU "
+                           "under learned eviction without `--next-token` (the forecasts rank evictions alone)", None),
     "link_timing": ("prefetch as many as the slots allow (`--hide-only` off)", _hide_only),
     "next_token_min_chance": ("cross-token prefetch off (`--next-token` turns it on)", _next_token),
     "dtype": ("**float32 compute**, so a slot holds a float32 expert", _dtype),
