@@ -107,3 +107,18 @@ def test_a_run_whose_log_lost_its_timings_is_run_again(tmp_path):
     marker.unlink()
     with pytest.raises(LlamaCppError, match="no 'eval time"):
         run_llama_cpp(spec, attempts=1)
+
+
+def test_the_child_that_runs_llama_cpp_loads_nothing_of_torch():
+    """llama.cpp runs beside the bench's child in its memory cgroup: a child that imported torch (it
+    did through `generate.storage_reads`) held ~290 MB of the cap's anonymous memory, and llama.cpp
+    at 1.1 GB read ~460 MiB a token instead of ~35-75."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom experiments.bench_memory import child\nfrom experiments.bench_memory.llama_cpp "
+             "import run_llama_cpp\nimport prescient.errors\nprint(sorted(m for m in ('torch', 'numba', 'transformers') "
+             "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]"

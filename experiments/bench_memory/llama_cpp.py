@@ -24,8 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from offload_runtime.engine.generate import storage_reads
 from prescient.errors import PrescientError
+from prescient.proc_io import storage_reads
 
 BINARY = "llama-completion"
 EVAL_LINE = re.compile(r"^.*?\beval time\s*=\s*([\d.]+) ms /\s*(\d+) runs", re.MULTILINE)

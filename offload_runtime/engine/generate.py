@@ -14,6 +14,7 @@ from offload_runtime.engine.memory_plan import Reserves, model_context
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.resolve import options_for
 from prescient.errors import PrescientError
+from prescient.proc_io import storage_reads
 from prescient.model_dir import ModelDirectory
 
 
@@ -47,20 +48,6 @@ class TokenClock:
         if new_tokens < 2 or self.reads[1] is None:
             return None
         return (self.reads[new_tokens] - self.reads[1]) / (new_tokens - 1)
-
-
-def storage_reads(pid: int | str = "self") -> int | None:
-    """Bytes process `pid` (this one by default) has had read from storage so far, by its reads,
-    faults and read-ahead alike (Linux's /proc/<pid>/io `read_bytes`); None where the system does
-    not count them or the process is not readable."""
-    try:
-        with open(f"/proc/{pid}/io", "rb") as io:
-            for line in io:
-                if line.startswith(b"read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
 
 
 class GenerationError(PrescientError):
