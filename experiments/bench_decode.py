@@ -8,8 +8,10 @@ machine's memory moves, per experts kernel and torch thread count.
    own, grouped_mm by default; "streamed": `expert_kernels.streamed_experts_forward`; "gemv": the
    same with a decode row through `rowdot.product`), ms per layer and GB/s of expert weights read.
 3. End to end: the plain model's greedy decode (`generate.timed_generate`) with each kernel,
-   tokens/s and the expert GB/s it implies (tokens/s x layers x top-k x bytes per expert), and
-   per kernel of ours, whether its greedy tokens and logits equal transformers' own kernel's (32 tokens).
+   tokens/s and the expert GB/s it implies (tokens/s x layers x top-k x bytes per expert), the
+   per-token overhead (a decoded token's ms less its layers' experts' ms of step 2: attention,
+   routers, Python, dispatch and generate's own work), and per kernel of ours, whether its greedy
+   tokens and logits equal transformers' own kernel's (32 tokens).
 
 Repeats are interleaved: each repeat runs every thread count, and at each every kernel (model,
 streamed, gemv, and with `--llama-cpp DIR --gguf M.gguf` llama.cpp's `llama-completion` on the same
@@ -112,7 +114,8 @@ def run_once(model, layers, tokenizer, inputs, kernel: str, own: str, new_tokens
     tokens_per_s = timed_generate(model, tokenizer, inputs, new_tokens)["tokens_per_s"]
     return {"kernel": kernel, "experts_ms_per_layer": layer_ms,
             "experts_gb_s": layers[0].top_k * expert_bytes(layers[0]) / layer_ms / 1e6,
-            "decode_tokens_per_s": tokens_per_s, "decode_experts_gb_s": tokens_per_s * per_token / 1e9}
+            "decode_tokens_per_s": tokens_per_s, "decode_experts_gb_s": tokens_per_s * per_token / 1e9,
+            "outside_experts_ms_per_token": 1e3 / tokens_per_s - len(layers) * layer_ms}
 
 
 def bench_decode(model_dir: str, json_path: str, threads: list[int], repeats: int = 3, new_tokens: int = 96,
@@ -152,7 +155,8 @@ def bench_decode(model_dir: str, json_path: str, threads: list[int], repeats: in
         result["exactness"]["llama.cpp"] = llama_text_check(model, tokenizer, inputs, result["runs"], new_tokens)
     result["summary"] = {f"{count} thread(s)": {kernel: {key: median_spread(
         [r[key] for r in result["runs"] if r["threads"] == count and r["kernel"] == kernel])
-        for key in ("experts_ms_per_layer", "experts_gb_s", "decode_tokens_per_s", "decode_experts_gb_s")
+        for key in ("experts_ms_per_layer", "experts_gb_s", "decode_tokens_per_s", "decode_experts_gb_s",
+                    "outside_experts_ms_per_token")
         if all(key in r for r in result["runs"] if r["kernel"] == kernel)}
         for kernel in columns} for count in threads}
     write_json_atomic(Path(json_path), result)
@@ -211,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         print(label + ": " + "; ".join(
             f"{kernel} decode {row['decode_tokens_per_s']['median']:.1f} tok/s "
             f"({row['decode_tokens_per_s']['min']:.1f}-{row['decode_tokens_per_s']['max']:.1f})"
+            + (f", {row['outside_experts_ms_per_token']['median']:.2f} ms a token outside the experts"
+               if "outside_experts_ms_per_token" in row else "")
             for kernel, row in kernels.items()) + f"; bus {result['bus'][label.split()[0]]}")
     print(f"against {result['settings']['model_experts_implementation']}: {result['exactness']}")
     return 0
