@@ -283,14 +283,21 @@ class ExpertCache:
         layer's keys only (a token has run the layer: pass the chances of use by later tokens)."""
         if not self.policy.uses_forecasts:
             return
-        chances = checks.chances(np.asarray(chances, dtype=np.float64))
+        chances = np.asarray(chances, dtype=np.float64)
         if chances.ndim != 2:
             raise CacheError(f"forecast chances must be [layers, experts], got shape {list(chances.shape)}")
         layers = np.arange(chances.shape[0]) if layer is None else np.array([layer])
-        n_experts = chances.shape[1]  # the keys as an array: numbered without a Python loop (every forward)
-        pairs = np.stack([np.repeat(layers, n_experts), np.tile(np.arange(n_experts), len(layers))], axis=1)
+        values = checks.chances(chances[layers].ravel())  # with `layer`: that row alone is read (and checked)
         with self._lock:
-            on_forecast(self.state.struct, self.key_ids(pairs), chances[layers].ravel())
+            on_forecast(self.state.struct, self._forecast_ids(layers, chances.shape[1]), values)
+
+    def _forecast_ids(self, layers: np.ndarray, n_experts: int) -> np.ndarray:
+        """The ids of every expert of `layers`, as an array: numbered without a Python loop (the
+        runtime calls `on_forecast` at every layer of every forward)."""
+        if self._stride == n_experts and 0 <= layers.min() and layers.max() < self.n_layers:
+            return (layers[:, None] * n_experts + np.arange(n_experts)).ravel()
+        pairs = np.stack([np.repeat(layers, n_experts), np.tile(np.arange(n_experts), len(layers))], axis=1)
+        return self.key_ids(pairs)
 
     def on_step(self, layer: int, scores: Mapping[int, float] | Sequence[float]) -> None:
         """Forward one layer-step's router scores (expert -> score, or a dense vector over

@@ -46,18 +46,14 @@ class UseHistory:
 
     def blend(self, chances: np.ndarray, layer: int | None = None) -> np.ndarray:
         """Forecast `chances` ([layers, experts] in [0, 1]) mixed with the history; with `layer`,
-        only that layer's row is mixed (the others are returned as given)."""
-        return blend(chances, self.average, layer, self.weight)
+        `chances` is that layer's row ([experts]) and the mixed row is returned (the runtime
+        mixes one layer at each layer it runs: a whole table's copy there cost O(layers²) a forward)."""
+        return blend(chances, self.average if layer is None else self.average[layer], self.weight)
 
 
-def blend(chances: np.ndarray, average: np.ndarray, layer: int | None = None,
-          weight: float = FORECAST_WEIGHT) -> np.ndarray:
-    """`weight` of `chances` and the rest of the use `average` (same shape), in [0, 1]; with
-    `layer`, that row only (the others are returned as given)."""
-    rows = slice(None) if layer is None else layer
-    mixed = np.array(chances, dtype=np.float64)
-    mixed[rows] = weight * mixed[rows] + (1.0 - weight) * np.minimum(average[rows], 1.0)
-    return mixed
+def blend(chances: np.ndarray, average: np.ndarray, weight: float = FORECAST_WEIGHT) -> np.ndarray:
+    """`weight` of `chances` and the rest of the use `average` (same shape), in [0, 1]."""
+    return weight * np.asarray(chances, dtype=np.float64) + (1.0 - weight) * np.minimum(average, 1.0)
 
 
 def history_chances(topk_ids: np.ndarray, seq_id: np.ndarray, n_experts: int, decay: float = DECAY) -> np.ndarray:

@@ -13,7 +13,12 @@ only: nothing is copied), and at each forward adds up, as moving sums over about
 - time: what the live run spent waiting for loads and predicting, less what LRU's misses would have
   cost it at the run's own measured wait per demand load.
 Either sum above `SLACK` experts (or their time), plus `SLACK_SHARE` of LRU's own misses in the
-window, pauses predictions (a fixed slack alone paused right predictions on the noise of a
+window, pauses predictions. A third, steadier sum over `COST_WINDOW` forwards catches a small cost
+that persists (those two saturate at `WINDOW` times a forward's cost, under their slack: on runs/tb
+at 0.66 GB a prompt LRU decodes at 146 tok/s ran a millisecond a token of predictions to save 0.01
+loads, 0.89x): the prediction time plus the demand loads beyond LRU's misses at the run's wait
+per miss (counts, not the measured waits, whose noise is a whole load's; a prefetch in time is no
+demand load), against `COST_SHARE` of the forwards' own time. It pauses predictions (a fixed slack alone paused right predictions on the noise of a
 prompt's first tokens, where LRU misses a few experts a token): the live cache's learned ranks
 are cleared (with no forecast, learned eviction is LRU by its tiebreak), nothing is prefetched,
 and the predictor sleeps, costing nothing (`HashBuilder.sleep`: the ids it is handed are kept,
@@ -26,6 +31,7 @@ classic twin, as the robust learned-caching literature asks of a learned policy.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -40,6 +46,8 @@ SLACK = 4.0  # experts (or their wait) more than LRU's within the window before 
 SLACK_SHARE = 0.1  # and this share of LRU's misses in the window
 PROBE_AFTER = 2  # windows asleep before the first probe; each lost probe doubles it
 WARMUP = 4  # forwards acting before a judgement (at the start, and after each wake)
+COST_WINDOW = 32  # forwards the cost comparison remembers
+COST_SHARE = 0.02  # of the forwards' time: the net cost of acting on predictions that pauses them
 
 
 class Spent(NamedTuple):
@@ -66,8 +74,9 @@ class PredictionGuard:
     feeds forecasts."""
 
     def __init__(self, cache: ExpertCache, n_layers: int, n_experts: int, top_k: int,
-                 spent: Callable[[], Spent], sleep: Callable[[bool], None]) -> None:
-        self.cache, self.spent, self.sleep = cache, spent, sleep
+                 spent: Callable[[], Spent], sleep: Callable[[bool], None],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.cache, self.spent, self.sleep, self.clock = cache, spent, sleep, clock
         self.lru = ExpertCache(cache.capacity, make_policy("lru"), n_layers=n_layers, top_k=top_k,
                                n_experts=n_experts)
         self.n_layers, self.n_experts = n_layers, n_experts
@@ -80,6 +89,9 @@ class PredictionGuard:
         self.excess = 0.0  # experts the live cache loaded beyond LRU's misses (moving sum)
         self.excess_seconds = 0.0  # seconds the live run spent beyond LRU's estimated wait (moving sum)
         self.lru_misses = 0.0  # LRU's misses (moving sum)
+        self.cost_seconds = 0.0  # predicting plus the excess experts at the wait per miss (moving sum over COST_WINDOW)
+        self.forward_seconds = 0.0  # the forwards' own time (moving sum over COST_WINDOW)
+        self._last_time = clock()
         self._acted = self._asleep_for = 0  # forwards since acting resumed; since it paused
         self._sleep_length = PROBE_AFTER * WINDOW
         self._last = self._counts(spent())
@@ -105,29 +117,40 @@ class PredictionGuard:
         """A forward starts: weigh the last one's loads and time, and pause or resume predictions."""
         spent = self.spent()
         counts = self._counts(spent)
-        live, lru, stall, predicting = (now - then for now, then in zip(counts, self._last))
+        live, lru, stall, predicting, demand = (now - then for now, then in zip(counts, self._last))
         self._last = counts
         per_miss = spent.per_miss()  # an LRU miss would have cost as much as this run's
-        keep = 1 - 1 / WINDOW
+        now = self.clock()
+        keep, keep_long = 1 - 1 / WINDOW, 1 - 1 / COST_WINDOW
         self.excess = keep * self.excess + live - lru
         self.lru_misses = keep * self.lru_misses + lru
         self.excess_seconds = keep * self.excess_seconds + stall + predicting - lru * per_miss
+        self.cost_seconds = keep_long * self.cost_seconds + predicting + (demand - lru) * per_miss
+        self.forward_seconds = keep_long * self.forward_seconds + now - self._last_time
+        self._last_time = now
         if not self.acting:
             self._asleep_for += 1
             if self._asleep_for < self._sleep_length:
                 self.paused_forwards += 1
             else:  # a probe: this forward acts again, judged afresh
-                self.acting, self._acted, self.excess, self.excess_seconds = True, 0, 0.0, 0.0
+                self.acting, self._acted = True, 0
+                self._forget()
                 self.sleep(False)
             return
         self._acted += 1
         if self._acted == WARMUP:  # counted from here: the prefill's (or the catch-up's) loads and time are not
-            self.excess = self.excess_seconds = 0.0  # the decode's (a prompt's table prefetches dozens of experts)
+            self._forget()  # the decode's (a prompt's table prefetches dozens of experts)
         if self._acted == 2 * WINDOW:  # a probe that held: the next loss sleeps the first length again
             self._sleep_length = PROBE_AFTER * WINDOW
         slack = SLACK + SLACK_SHARE * self.lru_misses
-        if self._acted > WARMUP and (self.excess > slack or self.excess_seconds > slack * per_miss):
+        losing = self.excess > slack or self.excess_seconds > slack * per_miss
+        costly = self._acted > WARMUP + WINDOW and self.cost_seconds > COST_SHARE * self.forward_seconds
+        if self._acted > WARMUP and (losing or costly):
             self._pause()
+
+    def _forget(self) -> None:
+        """Judge afresh from here: the sums of what acting cost start over."""
+        self.excess = self.excess_seconds = self.cost_seconds = self.forward_seconds = 0.0
 
     def _pause(self) -> None:
         if self.lost_windows and self._acted < 2 * WINDOW:  # a probe that lost at once: sleep twice as long
@@ -135,14 +158,17 @@ class PredictionGuard:
         self.lost_windows += 1
         if self.lost_windows == 1:
             log.info("prediction guard: over the last %d tokens acting on the predictor loaded %+.0f experts and "
-                     "spent %+.0f ms against LRU; predictions paused, probed again after %d tokens", WINDOW,
-                     self.excess, self.excess_seconds * 1e3, self._sleep_length)
+                     "spent %+.0f ms against LRU (net, %+.1f%% of the time); predictions paused, probed again "
+                     "after %d tokens", WINDOW, self.excess, self.excess_seconds * 1e3,
+                     100 * self.cost_seconds / max(self.forward_seconds, 1e-9), self._sleep_length)
         self.acting, self._asleep_for = False, 0
         self.paused_forwards += 1  # this forward runs paused
         self.cache.on_forecast(np.zeros((self.n_layers, self.n_experts)))  # learned ranks cleared: LRU
         self.sleep(True)
 
-    def _counts(self, spent: Spent) -> tuple[int, int, float, float]:
-        """(experts the live cache inserted, LRU's misses, seconds waited, seconds predicting) so far."""
+    def _counts(self, spent: Spent) -> tuple[int, int, float, float, int]:
+        """(experts the live cache inserted, LRU's misses, seconds waited, seconds predicting, demand
+        loads) so far."""
         live = self.cache.stats
-        return live.misses + live.prefetch_inserts, self.lru.stats.misses, spent.stall_seconds, spent.predictor_seconds
+        return (live.misses + live.prefetch_inserts, self.lru.stats.misses, spent.stall_seconds,
+                spent.predictor_seconds, spent.demand_loads)

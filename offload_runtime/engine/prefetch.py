@@ -52,6 +52,7 @@ class Prefetcher:
         self.wanted: list[list[Key]] | None = None  # this forward's predicted keys, per layer
         self.wanted_next: list[list[Key]] = []  # the next forward's forecast keys, per layer (cross-token)
         self.later: np.ndarray | None = None  # this forward's chances of use by later ones (learned eviction)
+        self._later_blended: np.ndarray | None = None  # `later` blended with the history (what the cache ranks by)
         self._counted = False  # whether this forward's table was counted late or on time
         self._counted_layer = layers.start  # the last layer counted in layers_on_time / layers_late
         self._taken_at: int | None = None  # the layer running when the table was taken
@@ -70,12 +71,14 @@ class Prefetcher:
             ran = [earlier for earlier in self.layers if earlier < layer]  # a late table: run already
             chances[ran] = self.later[ran]
             self.cache.on_forecast(self.history.blend(chances))
+            self._later_blended = self.history.blend(self.later)  # each layer's row renewed as it runs
 
     def keys_after(self, layer: int, demand_loads: int = 0) -> list[Key] | None:
         """While `layer` runs (its `demand_loads` requested): the keys to prefetch now, nearest
         first; None when nothing is predicted yet or `layer` was served already."""
         if self.later is not None:  # this forward has run the layer: only later ones may use its experts
-            self.cache.on_forecast(self.history.blend(self.later, layer), layer=layer)
+            self._later_blended[layer] = self.history.blend(self.later[layer], layer)
+            self.cache.on_forecast(self._later_blended, layer=layer)
         if not self._counted:
             self._counted = True
             if self.wanted is None:

@@ -118,18 +118,18 @@ class _Live:
 
 
 def _judge(forwards: int, saved_per_forward: int, seconds_per_miss: float, predictor_seconds: float,
-           prompt_prefetches: int = 0):
+           prompt_prefetches: int = 0, compute_seconds: float = 0.0):
     """A guard over `forwards` forwards of one access each, cycling over one expert more than the 4
     slots hold (LRU misses every one); while it acts, the live run prefetches `saved_per_forward`
     (0 or 1) of those in time and misses the rest; a copy takes `seconds_per_miss`, all of it
     waited for on a miss, and predicting takes `predictor_seconds` a forward while awake; the first
     forward (the prompt's) also prefetches `prompt_prefetches` experts. Returns the guard and its
-    sleep/wake calls in order."""
+    sleep/wake calls in order. A forward's time is its waits, its prediction and `compute_seconds`."""
     live, calls = _Live(4), []
     spent = {"stall": 0.0, "demand": 0, "predicting": 0.0, "copying": 0.0, "loads": 0}
-    forward = 0
+    forward, clock = 0, [0.0]
     guard = prediction_guard.PredictionGuard(live, 1, 8, 1, lambda: prediction_guard.Spent(*spent.values()),
-                                             lambda asleep: calls.append((forward, asleep)))
+                                             lambda asleep: calls.append((forward, asleep)), clock=lambda: clock[0])
     for forward in range(forwards):
         guard.on_forward()
         guard.access([(0, forward % 5)])
@@ -143,6 +143,7 @@ def _judge(forwards: int, saved_per_forward: int, seconds_per_miss: float, predi
         spent["loads"] += 1
         spent["copying"] += seconds_per_miss
         spent["predicting"] += predictor_seconds if guard.acting else 0.0
+        clock[0] += compute_seconds + (1 - prefetched) * seconds_per_miss + (predictor_seconds if guard.acting else 0.0)
     return guard, calls
 
 
@@ -169,6 +170,16 @@ def test_a_predictor_that_costs_more_than_it_saves_sleeps_and_is_probed_less_oft
     assert probed - paused == prediction_guard.PROBE_AFTER * prediction_guard.WINDOW  # slept, then probed
     assert probed_again - again == 2 * (probed - paused)  # a probe that lost: twice as long a sleep
     assert guard.paused_forwards > 0.8 * forwards
+
+
+def test_a_small_steady_cost_that_saves_nothing_sleeps():
+    """Predictions that save no load at a third of a millisecond a forward (4% of its 8 ms): the two short
+    sums stay under their slack (they saturate at a window's cost); the long one pauses them."""
+    guard, calls = _judge(96, 0, 0.003, 0.0003, compute_seconds=0.005)
+    assert calls and calls[0][1] is True and calls[0][0] <= prediction_guard.WARMUP + 2 * prediction_guard.COST_WINDOW
+    # where the same cost is a small share of slow forwards, it is noise: predictions keep acting
+    guard, calls = _judge(96, 0, 0.003, 0.0003, compute_seconds=0.05)
+    assert guard.acting and calls == []
 
 
 def test_right_forecasts_that_cost_more_than_they_save_sleep(case):
