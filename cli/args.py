@@ -375,24 +375,31 @@ def add_next_token_min_chance(p: argparse.ArgumentParser, applies: str) -> None:
                         "this (default 0.5)")
 
 
-def runtime_options(args: argparse.Namespace, **fields: object) -> RuntimeOptions:
-    """The one `RuntimeOptions` of a command: its flags from `add_runtime_args` turned into values,
-    and `fields` the command sets itself, resolved by `resolve_options` (over, with `--memory`, the
-    configuration `prescient tune` measured best for the model on this machine, the best measured
-    policy and the built-in defaults)."""
+def runtime_settings(args: argparse.Namespace, **fields: object) -> dict[str, object]:
+    """A command's runtime settings as values: the flags from `add_runtime_args` that were named
+    (None: not named), what their files say (`--hide-only`'s link timing, `--link-profile`'s queue
+    depth), and `fields` the command sets itself; the engine resolves them (`resolve_options`)."""
     names = set(args.runtime_flags)
     flags = {name: getattr(args, name) for name in names & RuntimeOptions.names()}
     flags = {name: value for name, value in flags.items() if value is not None}  # None: not named
-    if "transfer_workers" in names and args.transfer_workers == "auto":
-        from offload_runtime.planning.link_profile import profiled_depth
-
-        flags["transfer_workers"] = profiled_depth(args.link_profile)
     if "hide_only" in names and args.hide_only:
         from experiments.timing_calibration import load_timing
 
         flags["link_timing"] = load_timing(args.hide_only, model_config=args.model).timing
+    if "transfer_workers" in names and args.transfer_workers == "auto":
+        from offload_runtime.planning.link_profile import profiled_depth
+
+        flags["transfer_workers"] = profiled_depth(args.link_profile)
     if "expert_kernel" in names:
         flags["expert_kernel_table"] = args.expert_kernel_table
     if "next_token" in names and args.next_token is not None:
         flags["next_token_min_chance"] = args.next_token_min_chance if args.next_token else None
-    return resolve_options(getattr(args, "model", None), getattr(args, "predictor", None), {**flags, **fields})
+    return {**flags, **fields}
+
+
+def runtime_options(args: argparse.Namespace, **fields: object) -> RuntimeOptions:
+    """The one `RuntimeOptions` of a command: `runtime_settings` resolved by `resolve_options` (over,
+    with `--memory`, the configuration `prescient tune` measured best for the model on this machine,
+    the best measured policy and the built-in defaults)."""
+    return resolve_options(getattr(args, "model", None), getattr(args, "predictor", None),
+                           runtime_settings(args, **fields))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from cli.args import add_runtime_args, output_file, positive_int, runtime_options, seed
+from cli.args import add_runtime_args, output_file, positive_int, runtime_settings, seed
 from cli.commands import add_command
 
 log = logging.getLogger(__name__)
@@ -32,8 +32,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> dict:
     """Generate, print, write `--json`; returns the JSON record."""
-    from offload_runtime.engine.generate import GenerationError, Sampling, generate_offloaded
+    from offload_runtime.engine.generate import GenerateRequest, GenerationError, Sampling, generate
     from offload_runtime.engine.memory_plan import MemoryPlan
+    from offload_runtime.engine.resolve import LoadRequest
     from offload_runtime.engine.threads import use_decode_threads
     from prescient.atomic import write_results
 
@@ -42,9 +43,10 @@ def run(args: argparse.Namespace) -> dict:
     if shape and args.sample is None:
         raise GenerationError("--temperature and --top-p shape sampled decoding: give --sample SEED too")
     sampling = None if args.sample is None else Sampling(args.sample, **shape)
+    request = GenerateRequest(LoadRequest(args.model, args.predictor, settings=runtime_settings(args)), args.prompt,
+                              args.max_new_tokens, sampling)
     use_decode_threads()
-    record = generate_offloaded(args.model, args.prompt, args.max_new_tokens, predictor=args.predictor,
-                                options=runtime_options(args), sampling=sampling)
+    record = generate(request)
     print(record["text"])
     if record["memory_plan"] is not None:
         print(MemoryPlan(**record["memory_plan"]).line())

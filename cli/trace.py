@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> None:
     options = runtime_options(args)
     model = load_offloaded(args.model, None, options) if args.memory or args.budget else None
     batch_size = windows_per_forward(args.batch_size, args.seq_len, capped=args.memory is not None)
-    with model.offload_runtime if model is not None else nullcontext():
+    with model if model is not None else nullcontext():
         out = trace_model(args.model, args.dataset, args.out, split=args.split, max_tokens=args.max_tokens,
                           top_t=args.top_t, text_field=args.text_field, seq_len=args.seq_len,
                           batch_size=batch_size, hidden_states=args.hidden_states, dtype=options.torch_dtype,

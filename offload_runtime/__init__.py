@@ -2,19 +2,22 @@
 
     from offload_runtime import load_offloaded
 
-    model = load_offloaded("runs/demo/model", "runs/demo/predictor/sida", memory="2GiB")
-    with model.offload_runtime as runtime:   # stops its threads at the end
-        ...                                  # model.generate(...) as with any transformers model
-        print(runtime.stats(), runtime.memory_plan)
+    loaded = load_offloaded("runs/demo/model", "runs/demo/predictor/sida", memory="2GiB")
+    with loaded:                             # stops the runtime's threads at the end
+        ...                                  # loaded.generate(...) as with any transformers model
+        print(loaded.runtime.stats(), loaded.plan)
 
-- `load_offloaded`: a transformers model whose experts are offloaded, its runtime attached;
+- `load_offloaded`: a `LoadedModel`, the model with its experts offloaded (or resident);
+- `LoadedModel`: the transformers model, its runtime, its memory plan and its options, owned together;
 - `generate_offloaded`: load, generate and measure in one call (what `prescient generate` runs);
 - `RuntimeOptions`: every setting of the runtime, checked when made;
 - `resolve_options`: the options a run uses, from the settings named over the tuned and measured
   defaults (the command line and `load_offloaded` both call it);
+- `LoadRequest`: what a run asks to load (model, predictor, options or the settings named,
+  reserves), built alike by the command line and the Python API and resolved once;
 - `MemoryPlan`: what a memory cap buys (resident, mapped, or so many expert slots);
 - `Reserves`: what a run keeps free under its memory cap (its longest sequence, a prefix cache);
-- `ModelRuntime`: what `model.offload_runtime` is, whichever runtime was made;
+- `ModelRuntime`: what `LoadedModel.runtime` is, whichever runtime was made;
 - `OffloadRuntime`: the runtime of an offloaded model.
 
 The package's rooms:
@@ -31,12 +34,13 @@ The package's rooms:
 """
 
 from offload_runtime.engine.generate import generate_offloaded
+from offload_runtime.engine.loaded import LoadedModel
 from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.memory_plan import MemoryPlan, Reserves
 from offload_runtime.engine.model_runtime import ModelRuntime
 from offload_runtime.engine.options import RuntimeOptions
-from offload_runtime.engine.resolve import resolve_options
+from offload_runtime.engine.resolve import LoadRequest, resolve_options
 from offload_runtime.engine.runtime import OffloadRuntime
 
-__all__ = ["MemoryPlan", "ModelRuntime", "OffloadRuntime", "Reserves", "RuntimeOptions", "generate_offloaded",
-           "load_offloaded", "resolve_options"]
+__all__ = ["LoadRequest", "LoadedModel", "MemoryPlan", "ModelRuntime", "OffloadRuntime", "Reserves", "RuntimeOptions",
+           "generate_offloaded", "load_offloaded", "resolve_options"]

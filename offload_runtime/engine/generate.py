@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from offload_runtime.engine.memory_guard import major_faults
 from offload_runtime.engine.memory_plan import Reserves, model_context
 from offload_runtime.engine.options import RuntimeOptions
-from offload_runtime.engine.resolve import options_for
+from offload_runtime.engine.resolve import LoadRequest
 from prescient.errors import PrescientError
 from prescient.proc_io import storage_reads
 from prescient.model_dir import ModelDirectory
@@ -85,36 +85,53 @@ def check_prompt(prompt_tokens: int, max_new_tokens: int, model_dir: str | Path 
                               "--max-new-tokens")
 
 
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation: what to load (`load`, a `LoadRequest`), the `prompt`, how many new tokens,
+    greedy or with `sampling`. `prescient generate` builds it from its flags, `generate_offloaded`
+    from its arguments; `generate` runs it."""
+
+    load: LoadRequest
+    prompt: str
+    max_new_tokens: int = 32
+    sampling: Sampling | None = None
+
+
 def generate_offloaded(model_dir: str | Path | ModelDirectory, prompt: str, max_new_tokens: int = 32, *,
                        predictor: str | Path | None = None, options: RuntimeOptions | None = None,
                        sampling: Sampling | None = None, **settings: Any) -> dict[str, Any]:
     """Generate with the experts offloaded (`load_offloaded`'s options, whole or as keywords),
     greedily or with `sampling`; the record holds the settings (every option, the decoding), the
     new token ids and text, the runtime's statistics, prefill seconds and decode tokens/s."""
-    from offload_runtime.engine.loader import load_offloaded
+    request = GenerateRequest(LoadRequest(model_dir, predictor, options, settings), prompt, max_new_tokens, sampling)
+    return generate(request)
 
-    options = options_for(model_dir, predictor, options, settings)
-    directory = ModelDirectory.of(model_dir)
+
+def generate(request: GenerateRequest) -> dict[str, Any]:
+    """`generate_offloaded` of a `GenerateRequest`: its options resolved once, the prompt checked,
+    the model loaded with KV reserved for this request, then timed generation."""
+    from offload_runtime.engine.loader import load
+
+    asked = request.load.resolved()
+    options, directory = asked.options, ModelDirectory.of(asked.model_dir)
     tokenizer = directory.tokenizer()
-    inputs = tokenizer(prompt, return_tensors="pt")
-    check_prompt(inputs["input_ids"].shape[1], max_new_tokens, directory)
-    request = Reserves(context_tokens=inputs["input_ids"].shape[1] + max_new_tokens)  # not 4096 tokens
-    model = load_offloaded(directory, predictor, options, reserves=request)
-    with model.offload_runtime as runtime:
-        timed = timed_generate(model, tokenizer, inputs.to(options.device), max_new_tokens, sampling)
-        stats = runtime.stats()
-        plan = runtime.memory_plan
+    inputs = tokenizer(request.prompt, return_tensors="pt")
+    check_prompt(inputs["input_ids"].shape[1], request.max_new_tokens, directory)
+    reserves = Reserves(context_tokens=inputs["input_ids"].shape[1] + request.max_new_tokens)  # not 4096 tokens
+    with load(replace(asked, model_dir=directory, reserves=reserves)) as loaded:
+        timed = timed_generate(loaded, tokenizer, inputs.to(options.device), request.max_new_tokens, request.sampling)
+        stats = loaded.runtime.stats()
     # the tokens a memory cap's plan reserved KV for: the options' own, else this request's
-    reserved = options.context_tokens or (request.context_tokens if options.memory is not None else None)
+    reserved = options.context_tokens or (reserves.context_tokens if options.memory is not None else None)
     return {
-        "settings": {"model": str(model_dir), "predictor": predictor and str(predictor),
-                     "max_new_tokens": max_new_tokens, **options.to_json(), "context_tokens": reserved,
-                     "decoding": "greedy" if sampling is None else {"sampled": asdict(sampling)}},
-        "prompt": prompt,
+        "settings": {"model": str(asked.model_dir), "predictor": asked.predictor and str(asked.predictor),
+                     "max_new_tokens": request.max_new_tokens, **options.to_json(), "context_tokens": reserved,
+                     "decoding": "greedy" if request.sampling is None else {"sampled": asdict(request.sampling)}},
+        "prompt": request.prompt,
         **timed,
         "text": tokenizer.decode(timed["token_ids"], skip_special_tokens=True),
         "stats": stats.to_dict(),
-        "memory_plan": plan.to_json() if plan is not None else None,
+        "memory_plan": loaded.plan.to_json() if loaded.plan is not None else None,
     }
 
 

@@ -1,4 +1,4 @@
-"""`load_offloaded`: the one-call entry point that returns a servable offloaded model."""
+"""`load_offloaded`: the one-call entry point that returns a servable offloaded model (a `LoadedModel`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from typing import Any
 from cache import make_serving_policy
 from offload_runtime.engine.expert_layout import LAYOUT_BYTES_PER_ELEMENT, expert_spec
 from offload_runtime.engine.hash_builder import warm_up
+from offload_runtime.engine.loaded import LoadedModel
 from offload_runtime.engine.mapped import load_mmap_model
 from offload_runtime.engine.memory_plan import MemoryPlan, MemoryPlanner, Reserves
 from offload_runtime.engine.options import RuntimeOptions
-from offload_runtime.engine.resolve import options_for
+from offload_runtime.engine.resolve import LoadRequest
 from offload_runtime.engine.resident import ResidentRuntime
 from offload_runtime.engine.runtime import OffloadRuntime
 from offload_runtime.engine.slots import SlotPool, TieredSlotPool
@@ -33,16 +34,17 @@ log = logging.getLogger(__name__)
 
 
 def load_offloaded(model_dir: str | Path | ModelDirectory, predictor: str | Path | ExpertPredictor | None = None,
-                   options: RuntimeOptions | None = None, *, reserves: Reserves = Reserves(), **settings: Any):
-    """A transformers model whose routed experts live in `options.store` and are loaded into
-    `options.budget` worth of slots on `options.device` (see `RuntimeOptions`). `options` given
-    whole is used as it is; else `settings`, its fields as keywords, are resolved as the command
-    line resolves its flags (`resolve_options`: with `memory`, the settings `prescient tune`
-    measured best; the policy that measured best with `predictor`). With `memory`, `reserves` is
-    what the run keeps free beside the weights and the slots (its longest sequence, a prefix
-    cache; see `memory_plan.Reserves`). `predictor`
-    (an artifact path, or a predictor) drives SiDA-style prefetching; one built for another
-    model is a `FingerprintMismatchError`. `transfer_workers` copies run at once (on our CPU
+                   options: RuntimeOptions | None = None, *, reserves: Reserves = Reserves(),
+                   **settings: Any) -> LoadedModel:
+    """A `LoadedModel`: the transformers model, its routed experts living in `options.store` and
+    loaded into `options.budget` worth of slots on `options.device` (see `RuntimeOptions`), with the
+    runtime that serves them, its memory plan and its options. `options` given whole is used as it
+    is; else `settings`, its fields as keywords, are resolved as the command line resolves its flags
+    (`resolve_options`: with `memory`, the settings `prescient tune` measured best; the policy that
+    measured best with `predictor`). With `memory`, `reserves` is what the run keeps free beside
+    the weights and the slots (its longest sequence, a prefix cache; see `memory_plan.Reserves`).
+    `predictor` (an artifact path, or a predictor) drives SiDA-style prefetching; one built for
+    another model is a `FingerprintMismatchError`. `transfer_workers` copies run at once (on our CPU
     machine two made no measurable difference to decode speed from disk; see docs/results). With
     `link_timing` (e.g. `experiments.timing_calibration.load_timing(...).timing`) a predicted
     expert is prefetched only if its copy can end before its layer runs; the others are left to
@@ -50,24 +52,32 @@ def load_offloaded(model_dir: str | Path | ModelDirectory, predictor: str | Path
     reaches into the next token: the experts its forecast gives at least that chance of use
     (cross-token prefetch).
 
-    `generate(...)` works as usual. `model.offload_runtime` holds the runtime: `stats()`, and
-    `close()`, which stops its threads; or run the model inside `with model.offload_runtime:`. A
-    model dropped without either stops them once garbage-collected.
+    `generate(...)` works as on the transformers model, whose attributes it reads through to.
+    `runtime` (also named `offload_runtime`) holds `stats()`, and `close()`, which stops its
+    threads; or run the model inside `with loaded:`. A model dropped without either stops them once
+    garbage-collected.
     """
-    options = options_for(model_dir, predictor, options, settings)  # every option checked before any file is read
-    model_dir = ModelDirectory.of(model_dir)
-    planner = None if options.memory is None else MemoryPlanner(model_dir, options, reserves)
+    request = LoadRequest(model_dir, predictor, options, settings, reserves)
+    return load(request)
+
+
+def load(request: LoadRequest) -> LoadedModel:
+    """`load_offloaded` of a `LoadRequest`: its options resolved once, then the model loaded whole
+    or into slots as the memory plan says (or into the budget's slots)."""
+    request = request.resolved()  # every option checked before any file is read
+    model_dir, options = ModelDirectory.of(request.model_dir), request.options
+    planner = None if options.memory is None else MemoryPlanner(model_dir, options, request.reserves)
     if planner is not None and options.fine_model is None:
         whole = _load_whole(model_dir, options, planner.whole_model(process_footprint(reads=False)))
         if whole is not None:
-            if predictor is not None:
+            if request.predictor is not None:
                 log.info("every expert is loaded with the model: the predictor is not needed (nothing to prefetch)")
             return whole
-    return _load_into_slots(model_dir, predictor, options, planner)
+    return _load_into_slots(model_dir, request.predictor, options, planner)
 
 
 def _load_into_slots(model_dir: ModelDirectory, predictor: str | Path | ExpertPredictor | None,
-                     options: RuntimeOptions, planner: MemoryPlanner | None):
+                     options: RuntimeOptions, planner: MemoryPlanner | None) -> LoadedModel:
     """The model without its experts, with an `OffloadRuntime` that loads them into slots: as many
     as `planner` finds room for beside this process as loaded (a memory cap), else the budget's."""
     model, layers = load_without_experts(model_dir, dtype=options.torch_dtype)  # experts stay on disk
@@ -88,9 +98,8 @@ def _load_into_slots(model_dir: ModelDirectory, predictor: str | Path | ExpertPr
                                   slot_format=options.slot_format, read_depth=options.read_depth))
         plan = None if planner is None else planner.slots(process_footprint(), _expert_bytes(stores[0]), layers, at_work)
         pool = _slot_pool(options, plan, fingerprint, model, layers, stores)
-        model.offload_runtime = OffloadRuntime(model, layers, stores[0], pool, fingerprint, eviction, options,
-                                               predictor=predictor, fine_store=stores[1] if len(stores) > 1 else None,
-                                               memory_plan=plan)
+        runtime = OffloadRuntime(model, layers, stores[0], pool, fingerprint, eviction, options, predictor=predictor,
+                                 fine_store=stores[1] if len(stores) > 1 else None, memory_plan=plan)
     except BaseException:
         for store in stores:
             store.close()
@@ -104,7 +113,7 @@ def _load_into_slots(model_dir: ModelDirectory, predictor: str | Path | ExpertPr
              pool.num_slots, len(layers) * layers[0].num_experts, pool.nbytes / 2**20)
     if plan is not None:
         log.info("%s", plan.line())
-    return model
+    return LoadedModel(model, runtime)
 
 
 def whole_model_memory(model_dir: str | Path | ModelDirectory, options: RuntimeOptions | None = None) -> int:
@@ -166,7 +175,7 @@ def _slot_pool(options: RuntimeOptions, plan: MemoryPlan | None, fingerprint: Mo
                                      options.device)
 
 
-def _load_whole(model_dir: ModelDirectory, options: RuntimeOptions, plan: MemoryPlan | None):
+def _load_whole(model_dir: ModelDirectory, options: RuntimeOptions, plan: MemoryPlan | None) -> LoadedModel | None:
     """The whole model as `plan` says (`MemoryPlanner.whole_model`): copied into memory (the plain
     transformers model, its own forward), or every weight mapped from the checkpoint; None where
     the plan is slots, or where mapping was not asked for and this checkpoint cannot be mapped."""
@@ -183,27 +192,27 @@ def _load_whole(model_dir: ModelDirectory, options: RuntimeOptions, plan: Memory
         return None
 
 
-def _load_mapped(model_dir: ModelDirectory, options: RuntimeOptions, plan: MemoryPlan):
+def _load_mapped(model_dir: ModelDirectory, options: RuntimeOptions, plan: MemoryPlan) -> LoadedModel:
     """The model with every weight a view of its memory-mapped checkpoint (`mapped`), with a
-    `ResidentRuntime` as its `offload_runtime`."""
+    `ResidentRuntime`."""
     model, layers = load_mmap_model(model_dir, options.torch_dtype)
     fingerprint = loaded_fingerprint(model_dir, model, layers, options.torch_dtype)
-    model.offload_runtime = ResidentRuntime(model, layers, fingerprint, plan, options)
+    runtime = ResidentRuntime(model, layers, fingerprint, plan, options)
     log.info("%s", plan.line())
-    return model
+    return LoadedModel(model, runtime)
 
 
-def _load_resident(model_dir: ModelDirectory, options: RuntimeOptions, plan: MemoryPlan):
-    """The plain transformers model, whole, with a `ResidentRuntime` as its `offload_runtime`."""
+def _load_resident(model_dir: ModelDirectory, options: RuntimeOptions, plan: MemoryPlan) -> LoadedModel:
+    """The plain transformers model, whole, with a `ResidentRuntime`."""
     model, layers = load_model(model_dir, dtype=options.torch_dtype)
     model.to(options.device)
     if plan.drop_page_cache:  # what reading the checkpoint left in the page cache
         for file in set(model_dir.weight_index.values()):
             drop_file_pages(file)
     fingerprint = loaded_fingerprint(model_dir, model, layers, options.torch_dtype)
-    model.offload_runtime = ResidentRuntime(model, layers, fingerprint, plan, options)
+    runtime = ResidentRuntime(model, layers, fingerprint, plan, options)
     log.info("%s", plan.line())
-    return model
+    return LoadedModel(model, runtime)
 
 
 def _fine_store(options: RuntimeOptions, fingerprint: ModelFingerprint, model, layers,

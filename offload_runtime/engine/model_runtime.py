@@ -1,8 +1,8 @@
-"""`ModelRuntime`: what `model.offload_runtime` is, whichever runtime `load_offloaded` made.
+"""`ModelRuntime`: what `LoadedModel.runtime` is, whichever runtime `load_offloaded` made.
 
-A model whose experts are offloaded carries an `OffloadRuntime` (slots, transfers, the predictor);
-one whose memory cap holds every expert carries a `ResidentRuntime` (the plain model, copied or
-mapped). `generate`, `serve` and `bench` use either through this protocol alone, and a test holds
+A model whose experts are offloaded runs with an `OffloadRuntime` (slots, transfers, the
+predictor); one whose memory cap holds every expert with a `ResidentRuntime` (the plain model,
+copied or mapped). `generate`, `serve` and `bench` use either through this protocol alone, and a test holds
 both to it.
 """
 
@@ -20,7 +20,7 @@ from prescient.fingerprint import ModelFingerprint
 
 @runtime_checkable
 class ModelRuntime(Protocol):
-    """The runtime a loaded model carries, and what owns it: the `model`, the `options` it was
+    """The runtime of a loaded model, and what it holds: the `model`, the `options` it was
     loaded with, its `memory_plan` (None under a budget), its `fingerprint` (what predictors are
     checked against), the server's `sequence_ids` (each batch row's sequence, set before a forward)
     and `on_predictor_error` ("raise", or "demand": serve on without the predictor)."""

@@ -5,7 +5,7 @@ threads or cache, so it is at least as fast as transformers: with `expert_kernel
 experts run `expert_kernels.streamed_experts_forward` where they would run grouped_mm on the CPU
 (the same numbers bit for bit, without grouped_mm's per-call work), with "gemv" its decode rows
 through `rowdot.product` (the last bits differ, the weights stream faster). This object stands where an
-`OffloadRuntime` would (`model.offload_runtime`): both are a `model_runtime.ModelRuntime`, so that
+`OffloadRuntime` would (`LoadedModel.runtime`): both are a `model_runtime.ModelRuntime`, so that
 generate, serve and bench treat them alike: statistics, closing, the server's sequence bookkeeping.
 """
 

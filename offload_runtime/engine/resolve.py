@@ -14,6 +14,11 @@ What a run uses, first found first:
 4. the built-in defaults (`RuntimeOptions`' own).
 
 A lookahead probe named without `lookahead_layers` looks one layer ahead.
+
+What a run asks for travels as one value, a `LoadRequest` (vLLM's engine arguments, shared by its
+`LLM(...)` and `vllm serve`, are the model): the command line builds it from its flags
+(`cli.args.runtime_settings` turns them into values), the Python API from its arguments, and the
+engine resolves it once (`LoadRequest.resolved`) where the model is loaded.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from cache import make_serving_policy
+from offload_runtime.engine.memory_plan import Reserves
 from offload_runtime.engine.options import RuntimeOptions
 from offload_runtime.engine.tuned import tuned_settings
 from predictor.base import ExpertPredictor
@@ -86,6 +93,28 @@ def options_for(model_dir: str | Path | ModelDirectory, predictor: Predictor, op
     if settings:
         raise TypeError(f"give the runtime options whole or as keywords, not both ({', '.join(settings)})")
     return options
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """What a run asks to load: `model_dir`, `predictor` (an artifact path, a loaded predictor, or
+    None), its options whole (`options`, used as they are) or the fields a user named (`settings`,
+    resolved by `resolve_options`), and the `reserves` it keeps free under a memory cap (see
+    `memory_plan.Reserves`)."""
+
+    model_dir: str | Path | ModelDirectory
+    predictor: Predictor = None
+    options: RuntimeOptions | None = None
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    reserves: Reserves = Reserves()
+
+    def resolved(self) -> LoadRequest:
+        """This request with its options resolved (`options_for`): every option checked, before
+        any file of the model is read."""
+        if self.options is not None and not self.settings:
+            return self
+        return replace(self, options=options_for(self.model_dir, self.predictor, self.options, self.settings),
+                       settings={})
 
 
 def _without_forecasts(tuned: dict[str, Any]) -> dict[str, Any]:

@@ -106,11 +106,11 @@ class RuntimeStats:
 
 
 class OffloadRuntime:
-    """The runtime of an offloaded model (`model.offload_runtime`, made by `load_offloaded`): the
+    """The runtime of an offloaded model (`LoadedModel.runtime`, made by `load_offloaded`): the
     expert cache over its slots, the transfer engine that fills them, the hash-building thread that
     predicts ahead. `stats()` counts hits, misses, prefetches and stalls (`RuntimeStats`);
     `memory_plan` is what the memory cap bought (None under a budget); `close()`, or leaving
-    `with model.offload_runtime:`, stops its threads."""
+    `with loaded:`, stops its threads."""
 
     def __init__(self, model: nn.Module, layers: list[MoELayer], store: ExpertStore, pool: SlotPool | TieredSlotPool,
                  fingerprint: ModelFingerprint, policy: EvictionPolicy, options: RuntimeOptions,

@@ -131,7 +131,7 @@ class Scheduler:
                  prefix_cache: PrefixCache | None = None) -> None:
         self.model, self.eos_token_ids = model, eos_token_ids
         self.prefix_cache = prefix_cache
-        self.runtime: ModelRuntime | None = getattr(model, "offload_runtime", None)
+        self.runtime: ModelRuntime | None = getattr(model, "runtime", None)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.on_finish = on_finish
         self.counters = SchedulerCounters()

@@ -106,10 +106,10 @@ class Service:
             tokenizer = model_dir.tokenizer()
             model = _load_within(model_dir, c.predictor, c.options, c.prefix_cache_bytes)
             if model.config.is_encoder_decoder:
-                model.offload_runtime.close()
+                model.close()
                 raise UnsupportedModelError(f"{c.model_dir} is an encoder-decoder model; serving decodes "
                                             "decoder-only models (use the Python API for encoder-decoders)")
-            model.offload_runtime.on_predictor_error = "demand"  # a failing predictor must not stop serving
+            model.runtime.on_predictor_error = "demand"  # a failing predictor must not stop serving
             eos = model.generation_config.eos_token_id
             eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
             if tokenizer.eos_token_id is not None:
@@ -118,7 +118,7 @@ class Service:
             self.scheduler = Scheduler(model, eos, max_batch=c.max_batch, max_queue=c.max_queue,
                                        on_finish=self.metrics.observe_finished,
                                        prefix_cache=PrefixCache(c.prefix_cache_bytes) if c.prefix_cache_bytes else None)
-            plan = model.offload_runtime.memory_plan
+            plan = model.plan
             if plan is not None and plan.resident:  # every expert loaded with the model: no cache policy runs
                 self.metrics.labels["policy"] = "none"
             self.metrics.scheduler = self.scheduler
@@ -138,7 +138,7 @@ class Service:
         if self.scheduler is not None:
             self.scheduler.close()
         if self.model is not None:
-            self.model.offload_runtime.close()
+            self.model.close()
 
     # -- requests ---------------------------------------------------------------------------
 

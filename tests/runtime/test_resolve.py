@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from cli.args import runtime_options
+from cli.args import runtime_options, runtime_settings
 from cli.main import build_parser
 from offload_runtime.engine import tuned as tuned_module
 from offload_runtime.engine.options import RuntimeOptions
-from offload_runtime.engine.resolve import best_policy, resolve_options
+from offload_runtime.engine.resolve import LoadRequest, best_policy, resolve_options
 from offload_runtime.engine.tuned import save_tuned
 from tests.conftest import random_sida
 
@@ -30,8 +30,13 @@ def tuned_model(tiny_moe_dir, tmp_path, monkeypatch):
 
 
 def cli_options(command: str, *argv: str) -> RuntimeOptions:
+    """The options a command runs with: `runtime_options`, or (`generate`) its flags' values handed
+    to the engine in a `LoadRequest`, resolved there; both the same."""
     parser, _ = build_parser(command)
-    return runtime_options(parser.parse_args([command, *argv]))
+    args = parser.parse_args([command, *argv])
+    options = runtime_options(args)
+    assert LoadRequest(args.model, args.predictor, settings=runtime_settings(args)).resolved().options == options
+    return options
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

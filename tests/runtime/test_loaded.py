@@ -1,0 +1,53 @@
+"""`load_offloaded` returns a `LoadedModel`: one object that owns the transformers model, its
+runtime, its memory plan and its options, and reads as the transformers model it wraps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload_runtime import LoadedModel, LoadRequest, ModelRuntime, load_offloaded, resolve_options
+from offload_runtime.engine.offloaded_experts import OffloadedExperts
+from offload_runtime.engine.resident import ResidentRuntime
+from offload_runtime.engine.runtime import OffloadRuntime
+from prescient.loading import load_model, load_tokenizer
+from tests.runtime.test_runtime_faults import runtime_threads
+
+
+def greedy(model, path, new_tokens: int = 4) -> torch.Tensor:
+    inputs = load_tokenizer(path)("def f(x):", return_tensors="pt")
+    with torch.inference_mode():
+        return model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
+
+
+def test_the_loaded_model_owns_its_parts_and_reads_as_the_transformers_model(tiny_moe_dir):
+    path = tiny_moe_dir("mixtral")
+    reference = greedy(load_model(path, dtype=torch.float32)[0], path)
+    loaded = load_offloaded(path, budget="25%", expert_kernel="model")
+    with loaded:
+        assert isinstance(loaded, LoadedModel) and isinstance(loaded.runtime, OffloadRuntime)
+        assert isinstance(loaded.runtime, ModelRuntime) and loaded.runtime.model is loaded.module
+        assert loaded.options == resolve_options(path, None, {"budget": "25%", "expert_kernel": "model"})
+        assert loaded.plan is None and loaded.offload_runtime is loaded.runtime  # a budget plans nothing
+        # the transformers model's own attributes read through: its base model, config, experts replaced
+        assert loaded.model is loaded.module.model and loaded.config is loaded.module.config
+        assert isinstance(loaded.model.layers[0].mlp.experts, OffloadedExperts)
+        assert torch.equal(greedy(loaded, path), reference)
+        assert runtime_threads()  # the transfer worker runs ...
+    assert runtime_threads() == []  # ... until `with loaded:` ends
+
+
+def test_a_cap_that_holds_every_expert_owns_a_resident_runtime_and_its_plan(tiny_moe_dir):
+    path = tiny_moe_dir("mixtral")
+    with load_offloaded(path, memory="16GiB") as loaded:
+        assert isinstance(loaded.runtime, ResidentRuntime) and loaded.plan.resident
+        assert loaded.plan is loaded.runtime.memory_plan and loaded.options.memory == 16 * 2**30
+
+
+def test_a_request_is_resolved_once_and_options_whole_or_named_not_both(tiny_moe_dir):
+    path = tiny_moe_dir("mixtral")
+    asked = LoadRequest(path, settings={"budget": "25%"}).resolved()
+    assert asked.options == resolve_options(path, None, {"budget": "25%"}) and not asked.settings
+    assert asked.resolved() is asked  # already resolved: as it is
+    with pytest.raises(TypeError, match="not both"):
+        LoadRequest(path, options=asked.options, settings={"policy": "lru"}).resolved()
