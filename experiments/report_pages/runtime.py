@@ -4,7 +4,9 @@ agreement."""
 from __future__ import annotations
 
 from functools import partial
+from statistics import median
 
+from experiments.report_pages.memory import systems_rows
 from experiments.report_pages.rows import bench_rows, compressed_rows, quality_rows
 from experiments.report_tables import Headline, Page, Rows, Table, load, num, pct, spread
 
@@ -41,17 +43,21 @@ def link_rows() -> Rows:
 
 def decode_kernel_rows(name: str) -> Rows:
     """Per thread count and expert kernel: decode tokens/s and the experts' GB/s (median, range),
-    beside the machine's measured read bandwidth, and whether the tokens and logits equal the model's."""
+    beside the machine's measured read bandwidth, the ms a token spends outside the experts where
+    measured, and whether the tokens and logits equal the model's."""
     result = load(name)
+    overhead = any("outside_experts_ms_per_token" in m for kernels in result["summary"].values() for m in kernels.values())
     rows = []
     for threads, kernels in result["summary"].items():
         bus = result["bus"][threads.split()[0]]["read_gb_s"]
         for kernel, m in kernels.items():
-            speed, rate = m["decode_tokens_per_s"], m.get("experts_gb_s")
+            speed, rate, rest = m["decode_tokens_per_s"], m.get("experts_gb_s"), m.get("outside_experts_ms_per_token")
             rows.append([threads, kernel, spread(speed["median"], [speed["min"], speed["max"]], 1),
                          spread(rate["median"], [rate["min"], rate["max"]], 1) if rate else "–", num(bus, 1),
+                         *([spread(rest["median"], [rest["min"], rest["max"]], 2) if rest else "–"] if overhead else []),
                          _against(result["exactness"].get(kernel))])
-    return ["threads", "expert kernel", "decode tokens/s", "experts GB/s", "bus read GB/s", "against the model's own"], rows
+    return ["threads", "expert kernel", "decode tokens/s", "experts GB/s", "bus read GB/s",
+            *(["ms a token outside the experts"] if overhead else []), "against the model's own"], rows
 
 
 def llama_note(name: str) -> str:
@@ -61,6 +67,30 @@ def llama_note(name: str) -> str:
              f"x llama.cpp, {num(m['gemv']['decode_tokens_per_s']['median'] / m['model']['decode_tokens_per_s']['median'])}"
              "x transformers' kernel" for threads, m in summary.items()]
     return "Medians: " + "; ".join(parts) + "."
+
+
+def llama_memory_note(name: str) -> str:
+    """Per cap of a `bench --memory` run with llama.cpp: each of our systems' tokens/s over llama.cpp's
+    on the same prompt (medians over the repeats), and the median of that over the prompts (range)."""
+    parts = []
+    for cap in load(name)["per_prompt"]:
+        ratios: dict[str, list[float]] = {}
+        for prompt in cap["prompts"]:
+            speeds = prompt["tokens_per_s"]
+            for system, speed in speeds.items():
+                if system != "llama.cpp" and speed and speeds.get("llama.cpp"):
+                    ratios.setdefault(system, []).append(speed / speeds["llama.cpp"])
+        parts.append(f"at {num(cap['cap_bytes'] / 1e9, 1)} GB over {len(cap['prompts'])} prompt(s): " + ", ".join(
+            f"{system} {spread(median(r), [min(r), max(r)])}x" for system, r in ratios.items()))
+    return "Over llama.cpp, prompt by prompt: " + "; ".join(parts) + "."
+
+
+def demo_user_note() -> str:
+    """The whole ms of a decoded token of the demo's model as `prescient generate` runs it: the bound of its overhead."""
+    speed = {e["system"]: e["tokens_per_s"]["median"] for e in load(DEMO_USER)["summary"]}
+    return (f"A decoded token of the runtime takes {num(1e3 / speed['prescient'])} ms with SiDA's predictor and "
+            f"{num(1e3 / speed['no-predictor'])} ms without (medians), the experts' work included: issue 52's target "
+            f"for the per-token overhead is 2 ms. llama.cpp's takes {num(1e3 / speed['llama.cpp'])} ms.")
 
 
 def _against(exact: dict | None) -> str:
@@ -108,6 +138,23 @@ before the expert pipeline existed: their runs are `+serial` runs in today's ter
                               ("bench-decode-tb-rowdot.json", "runs/tb (733 MB of float32 experts)"),
                               ("bench-decode-demo-llama.json", "the demo's tiny model (its expert matrices are "
                                "under 1 MiB: `gemv` runs torch's `linear` there, as before the row kernel)"))),
+        Table(llama.format(model="the demo's tiny model", gemv=ROWDOT, load=num(
+                  load(DEMO)["machine"]["load_average_at_start"][0], 2)) + ", and the per-token overhead: a decoded "
+              "token's ms less its layers' experts' ms, those timed alone",
+              (DEMO,), load(DEMO)["command"], partial(decode_kernel_rows, DEMO), note=llama_note(DEMO)),
+        Table("The demo's tiny model as `prescient generate` runs it (the memory plan holds it whole: the resident "
+              "runtime), plain transformers, the model memory-mapped and llama.cpp, each run a fresh process in a "
+              "memory cgroup of 2 GB; 3 held-out prompts, 96 greedy tokens, 2 interleaved repeats (medians and "
+              "ranges; through ../shared/bin/quiet, load average 1.27 at the start)", (DEMO_USER,),
+              "prescient bench --model runs/demo/model --predictor runs/demo/predictor/sida --memory 2GB --systems "
+              "plain,no-predictor,prescient,mmap,llama.cpp --llama-cpp /work/llama/llama.cpp/build/bin --gguf "
+              "runs/gguf/demo-f32.gguf --prompts 3 --repeats 2 --new-tokens 96 --run-timeout 120 --json "
+              "results/bench-memory-demo-resident.json", partial(systems_rows, DEMO_USER), note=demo_user_note()),
+        *(Table(f"runs/tw at {cap} beside llama.cpp, the experts that do not fit read from disk: " + CAPPED, (name,),
+                command, partial(systems_rows, name),
+                note=llama_memory_note(name) + f" Load average {num(load(name)['machine']['load_average_at_start'][0])} "
+                "at the start." + note)
+          for name, cap, command, note in CAPPED_RUNS),
         *(Table("Earlier, before the row kernel: " + llama.format(model=model, gemv=ONEDNN, load=num(
                     load(name)["machine"]["load_average_at_start"][0], 2)), (name,),
                 load(name)["command"], partial(decode_kernel_rows, name), note=llama_note(name))
@@ -173,11 +220,39 @@ def _bench(name: str, label: str) -> float:
 
 
 SAMPLED = "bench-runtime-base-sampled.json"
+DEMO = "bench-decode-demo-overhead.json"  # the demo's per-token overhead (issue 52)
+DEMO_USER = "bench-memory-demo-resident.json"  # the same through the runtime, fresh processes
 BF16 = "bench-decode-tb-bf16.json"  # the default kernel in bfloat16 (issue 52)
 ROWDOT = ("the default since issue 52: a decode row against a float32 matrix of 1 MiB or more through `rowdot`, a dot "
           "product per row compiled by numba")
 ONEDNN = ("then a decode row through oneDNN's matrix-vector product, where a timing in each process found it faster "
           "than torch's `linear`")
+CAPPED = ("the runtime without a predictor and with SiDA's (`runs/demo/predictor/sida`; `--memory`'s defaults: gemv, "
+          "2 threads), the model memory-mapped, plain transformers where named, and llama.cpp's `llama-completion` on "
+          "an f32 GGUF, memory-mapped; each run a fresh "
+          "process in a memory cgroup at the cap, page cache dropped first; held-out prompts of 16 tokens, 96 greedy "
+          "tokens, systems interleaved per prompt in each repeat (medians and ranges over every run; through "
+          "../shared/bin/quiet); llama.cpp is exact when its greedy text is the plain model's as far as both go")
+FAIR = " llama.cpp's process was started by a child that holds nothing of torch (b18ef03)."
+MEMORY_BENCH = ("prescient bench --model runs/tw --memory {cap} --systems {systems} --llama-cpp "
+                "/work/llama/llama.cpp/build/bin --gguf runs/gguf/tw-f32.gguf --new-tokens 96 {rest} --json results/{name}")
+CAPPED_RUNS = (  # (results file, cap, command, what the note adds)
+    ("bench-memory-tw-1.7-llama.json", "1.7 GB", MEMORY_BENCH.format(
+        cap="1.7GB", systems="plain,no-predictor,prescient,mmap,llama.cpp", name="bench-memory-tw-1.7-llama.json",
+        rest="--predictor runs/demo/predictor/sida --prompts 2 --repeats 2 --run-timeout 90"), FAIR),
+    ("bench-memory-tw-1.1-llama.json", "1.1 GB", MEMORY_BENCH.format(
+        cap="1.1GB", systems="no-predictor,prescient,mmap,llama.cpp", name="bench-memory-tw-1.1-llama.json",
+        rest="--predictor runs/demo/predictor/sida --prompts 4 --repeats 2 --run-timeout 150"),
+     FAIR + " Plain transformers is left out: it is killed or thrashes to the limit at 1.1 GB (the memory page)."),
+    ("bench-memory-tw-1.1-llama-heavy-child.json", "1.1 GB, llama.cpp handicapped (a first run, kept as the record)",
+     MEMORY_BENCH.format(cap="1.1GB", systems="no-predictor,prescient,mmap,llama.cpp",
+                         name="bench-memory-tw-1.1-llama-heavy-child.json",
+                         rest="--predictor runs/demo/predictor/sida --prompts 4 --repeats 2 --run-timeout 150"),
+     " This run's llama.cpp was started by a child that had imported torch, transformers and numba (since "
+     "f7a0339, through `engine.generate.storage_reads`): ~290 MB of anonymous memory and 130 MB of library pages "
+     "held inside llama.cpp's cgroup, so it read ~460 MiB a token where it reads tens; fixed in b18ef03. The "
+     "row-kernel run at 1.7 GB on the memory page (bench-memory-tw-rowdot.json) had the same handicap."),
+)
 HEADLINES: tuple[Headline, ...] = (
     Headline("Learned eviction (SiDA-h8 forecasts) against on-demand LRU, half the experts in memory, measured",
              lambda: f"{num(_bench(SAMPLED, 'sida8+learned-belady@0.5') / _bench(SAMPLED, 'none+lru@0.5'))}×",
