@@ -62,7 +62,12 @@ def best_policy(predictor: Predictor) -> str:
     results/bench-runtime-base-sampled.json, no other policy within its spread; with the demo's two,
     a median 1.06x no predictor at 0.66 GB, results/bench-prediction-tb-guard2.json); else LRU (no
     policy measured beyond LRU's spread there)."""
-    return "learned-belady" if has_forecasts(predictor) else "lru"
+    return _best_policy(has_forecasts(predictor))
+
+
+def _best_policy(forecasts: bool) -> str:
+    """`best_policy` of a predictor with (`forecasts`) or without forecast heads."""
+    return "learned-belady" if forecasts else "lru"
 
 
 def resolve_options(model_dir: str | Path | ModelDirectory | None, predictor: Predictor = None,
@@ -75,10 +80,11 @@ def resolve_options(model_dir: str | Path | ModelDirectory | None, predictor: Pr
     memory = named.get("memory")
     if isinstance(memory, str):
         memory = parse_memory(memory)
+    forecasts = has_forecasts(predictor)  # the predictor's meta read once
     tuned = tuned_settings(model_dir, memory) if memory is not None else {}
-    if tuned and not has_forecasts(predictor):
+    if tuned and not forecasts:
         tuned = _without_forecasts(tuned)
-    settings = {"policy": best_policy(predictor), **tuned, **named}
+    settings = {"policy": _best_policy(forecasts), **tuned, **named}
     if settings.get("lookahead_probe") and not settings.get("lookahead_layers"):
         settings["lookahead_layers"] = 1  # a probe given is a probe used: one layer ahead unless named
     return RuntimeOptions(**settings)
