@@ -104,33 +104,15 @@ def _against(exact: dict | None) -> str:
             f"{exact['max_logit_difference']:.1e}")
 
 
-def page() -> Page:
-    runs = "R (G): the run labels of the table, in order. "
-    bench = ("prescient bench --model runs/reference-bench --predictors {p} --runs {r} --new-tokens 24 --prompts 3 "
-             "--threads 1 --baselines all_resident,accelerate_disk {x}")
+def _per_token_tables() -> tuple[Table, ...]:
+    """The per-token path beside llama.cpp: every expert in memory (per kernel and thread count), the demo's
+    per-token overhead, runs/tw under caps, and the earlier and bfloat16 measurements."""
     llama = ("The per-token path on {model}, every expert in memory, beside llama.cpp: transformers' own experts "
              "kernel (`model`), `streamed` and `gemv` ({gemv}) in the plain model, and llama.cpp's "
              "`llama-completion` on the model converted to an f32 GGUF, memory-mapped (its own 'eval time' line), the "
              "same prompt, 96 greedy tokens, thread counts and kernels interleaved in each of 3 repeats (medians and "
              "ranges; through ../shared/bin/quiet, load average {load} at the start)")
-    return Page("runtime", "The offloading runtime", """
-With half of the bench model's experts in memory and the rest read from disk, loads dominate a
-decode step, so what pays is fewer bytes: learned eviction with SiDA-h8's forecasts is about a third
-faster than on-demand LRU, while prefetching alone moves about as many bytes as it saves. Perfect
-forecasts would double LRU's speed, so the forecasts, not the runtime, are the limit. Every run
-generates exactly the plain model's tokens, decodes several times faster than accelerate's disk
-offload at a third of the all-resident model's memory, and the time-true simulator predicts its
-speed within a few percent. The decode loop's schedulers (the expert pipeline, Klotski's compute-while-loading order; in-token
-lookahead after HybriMoE) keep every output exact, bf16 with fewer slots than a layer's routed experts
-included, but their speed is not measured on the bench model yet. On a barely trained stand-in the
-expert pipeline cuts the stall per token by a sixth (16 against 20 ms at 12.5%, 10 against 11 at
-25%, bf16) for tokens/s within the noise, and in-token lookahead from untrained routers evicts more than it saves
-(hit rate 0.73 to 0.34 with 8 slots), which is why it is off by default, while a trained probe's
-guesses raise the hit rate (0.84 to 0.95 at 25%) for a few more bytes moved, a gain in stall within
-this machine's noise, and with 8 slots double the bytes moved for a longer stall. Random reads of one
-expert run faster with several in flight than with one. The first three tables were measured
-before the expert pipeline existed: their runs are `+serial` runs in today's terms.
-""", (
+    return (
         *(Table(llama.format(model=model, gemv=ROWDOT, load=num(load(name)["machine"]["load_average_at_start"][0], 2)),
                 (name,),
                 load(name)["command"], partial(decode_kernel_rows, name), note=llama_note(name))
@@ -174,6 +156,32 @@ before the expert pipeline existed: their runs are `+serial` runs in today's ter
                 partial(decode_kernel_rows, name))
           for name, model in (("bench-decode-tw.json", "runs/tw (2.2 GB of float32 experts)"),
                               ("bench-decode-demo.json", "the demo's tiny model"))),
+    )
+
+
+def page() -> Page:
+    runs = "R (G): the run labels of the table, in order. "
+    bench = ("prescient bench --model runs/reference-bench --predictors {p} --runs {r} --new-tokens 24 --prompts 3 "
+             "--threads 1 --baselines all_resident,accelerate_disk {x}")
+    return Page("runtime", "The offloading runtime", """
+With half of the bench model's experts in memory and the rest read from disk, loads dominate a
+decode step, so what pays is fewer bytes: learned eviction with SiDA-h8's forecasts is about a third
+faster than on-demand LRU, while prefetching alone moves about as many bytes as it saves. Perfect
+forecasts would double LRU's speed, so the forecasts, not the runtime, are the limit. Every run
+generates exactly the plain model's tokens, decodes several times faster than accelerate's disk
+offload at a third of the all-resident model's memory, and the time-true simulator predicts its
+speed within a few percent. The decode loop's schedulers (the expert pipeline, Klotski's compute-while-loading order; in-token
+lookahead after HybriMoE) keep every output exact, bf16 with fewer slots than a layer's routed experts
+included, but their speed is not measured on the bench model yet. On a barely trained stand-in the
+expert pipeline cuts the stall per token by a sixth (16 against 20 ms at 12.5%, 10 against 11 at
+25%, bf16) for tokens/s within the noise, and in-token lookahead from untrained routers evicts more than it saves
+(hit rate 0.73 to 0.34 with 8 slots), which is why it is off by default, while a trained probe's
+guesses raise the hit rate (0.84 to 0.95 at 25%) for a few more bytes moved, a gain in stall within
+this machine's noise, and with 8 slots double the bytes moved for a longer stall. Random reads of one
+expert run faster with several in flight than with one. The first three tables were measured
+before the expert pipeline existed: their runs are `+serial` runs in today's terms.
+""", (
+        *_per_token_tables(),
         Table("Sampled decoding, 50% and 25% of the experts in slots", ("bench-runtime-base-sampled.json",),
               bench.format(p="none,freq,corr,oracle,sida=runs/base-predictor/sida,sida8=runs/forecast-base/sida-h8",
                            r="R,R,R", x="--sample 0 --hash-cost off --simulate --link-timing "
