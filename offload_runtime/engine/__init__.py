@@ -7,7 +7,9 @@ many slots), and either runtime is a `model_runtime.ModelRuntime`.
 A miss, top to bottom (a decode step whose layer l selects expert e, not resident):
 
 1. `offloaded_experts.py`: the model's router has chosen; the module that replaced the block's
-   experts calls `OffloadRuntime.use(l, [e, ...])` before the model's own expert math runs.
+   experts asks `OffloadRuntime.parts(l, [e, ...])` for them (the one call that fetches experts:
+   each group as it lands, or all together) before the model's own expert math runs; `parts`
+   calls `use`.
 2. `runtime.py`, `OffloadRuntime.use`, the whole miss in one function: `ExpertCache.access_many`
    (`cache/`) counts the miss, inserts (l, e) and pins it; if the cache is full its policy picks
    a victim, and `_on_evict` cancels the victim's queued copy and frees its slot

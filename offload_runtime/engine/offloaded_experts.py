@@ -27,7 +27,7 @@ slots, then int4 ones), each expert parameter a `PackedWeights` over both.
 
 When a layer selects more experts than slots exist (a long prefill under a small budget), or the
 runtime computes experts as their copies land (the expert pipeline, Klotski's order; CGOPipe), the experts
-run in groups given by the runtime's `parts`, each (token, choice) row at routing weight one;
+run in groups given by the runtime's `parts` (the one call every kind makes of it), each (token, choice) row at routing weight one;
 the outputs are then weighted and summed as the model's own experts code does (`_combine`), so
 that bf16, where a sum of partial sums rounds differently from one sum, stays bit-identical.
 """
@@ -38,7 +38,7 @@ import copy as shallow
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import AbstractContextManager
+from contextlib import closing
 from typing import Protocol
 
 import torch
@@ -58,17 +58,17 @@ from prescient.checkpoint_schemes import CompressionError
 
 class ExpertSlots(Protocol):
     """What an offloaded experts module needs of the runtime (`OffloadRuntime`): the slot pool,
-    and the calls that make experts resident while they compute."""
+    the one call that makes a layer's experts resident while they compute (`parts`: each group
+    of them as it lands, with the slot table, or all together), whether they have all landed
+    already (`landed`: then one call computes them), and HybriMoE's choice of the experts that
+    compute where they live instead (`where_it_lives`)."""
 
     pool: SlotPool
     arrival_order: bool
     hybrid: "HybridExperts | None"  # HybriMoE's scheduler (`RuntimeOptions.hybrid_schedule`), else None
 
-    def use(self, layer: int, experts: list[int], device: torch.device,
-            wait: bool = True) -> AbstractContextManager[torch.Tensor]: ...
-
-    def parts(self, layer: int, experts: list[int],
-              device: torch.device) -> Iterator[tuple[list[int], torch.Tensor]]: ...
+    def parts(self, layer: int, experts: list[int], device: torch.device,
+              together: bool = False) -> Iterator[tuple[list[int], torch.Tensor]]: ...
 
     def landed(self, layer: int, experts: list[int]) -> bool: ...
 
@@ -266,18 +266,23 @@ class OffloadedExperts(_Offloaded):
         if lives:  # HybriMoE's scheduler (`hybrid`): these compute where they live, the rest in slots
             experts = [e for e in experts if e not in lives]
         fits = len(experts) <= self._runtime.pool.num_slots
-        if kernel is None and not lives:
-            # one call of the twin on slot ids sums as the model does, unless the eager loop adds more
-            # than two outputs a token: it adds in expert-id order, and slot order is not expert order
-            if (fits and (sums_in_router_order or self._k <= 2)
-                    and (not pipelined or self._runtime.landed(self.layer, experts))):
-                with self._runtime.use(self.layer, experts, device) as slots:
-                    if streamed is not None:
-                        return streamed(hidden_states, self._ids(slots, top_k_index), top_k_weights)
-                    twin, ids = self._windowed(experts, self._ids(slots, top_k_index), implementation)
-                    return twin(hidden_states, ids, top_k_weights)
-        if streamed is not None and not lives and weighted is None and len(top_k_index) == 1:
-            return self._decode_as_they_land(hidden_states, top_k_index, top_k_weights, experts, streamed)
+        # one call of the twin on slot ids sums as the model does, unless the eager loop adds more
+        # than two outputs a token: it adds in expert-id order, and slot order is not expert order
+        one_call = kernel is None and not lives and fits and (sums_in_router_order or self._k <= 2) and (
+            not pipelined or self._runtime.landed(self.layer, experts))
+        decode = streamed is not None and not lives and weighted is None and len(top_k_index) == 1
+        # all in one group once all land: one call, or (EPS-MoE) too few tokens per expert for parts to pay
+        together = one_call or (fits and not pipelined and not decode) or not experts
+        arriving = self._runtime.parts(self.layer, experts, device, together=together)
+        if one_call:
+            with closing(arriving):
+                _, slots = next(arriving)
+                if streamed is not None:
+                    return streamed(hidden_states, self._ids(slots, top_k_index), top_k_weights)
+                twin, ids = self._windowed(experts, self._ids(slots, top_k_index), implementation)
+                return twin(hidden_states, ids, top_k_weights)
+        if decode:
+            return self._decode_as_they_land(hidden_states, top_k_index, top_k_weights, arriving, streamed)
         if weighted is None:
             weighted = top_k_index < self.num_experts
         # each group of experts runs on its own (token, choice) rows at routing weight one (on the
@@ -292,13 +297,8 @@ class OffloadedExperts(_Offloaded):
             unweighted[token, choice] = out.reshape(len(token), -1).to(unweighted.dtype)
 
         computing = (streamed or self._twin) if kernel is None else self._kernel_twins[kernel]
-        if (fits and not pipelined) or not experts:  # EPS-MoE: too few tokens per expert for parts to pay
-            with self._runtime.use(self.layer, experts, device) as slots:  # one call once all land
-                if experts:
-                    run(weighted & torch.isin(top_k_index, torch.tensor(experts, device=device)) if lives
-                        else weighted, slots, computing, experts)
-        else:
-            for part, slots in self._runtime.parts(self.layer, experts, device):
+        for part, slots in arriving:
+            if part:
                 run(torch.isin(top_k_index, torch.tensor(part, device=device)), slots, computing, part)
         if elsewhere is not None:  # the CPU side's rows, once its thread is done
             for token, choice, out in elsewhere.result():
@@ -308,14 +308,15 @@ class OffloadedExperts(_Offloaded):
         combined = self._combine(unweighted, top_k_index, top_k_weights, sums_in_router_order)
         return combined.reshape(hidden_states.shape)
 
-    def _decode_as_they_land(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                             top_k_weights: torch.Tensor, experts: list[int], kernel_twin: nn.Module) -> torch.Tensor:
+    def _decode_as_they_land(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                             arriving: Iterator[tuple[list[int], torch.Tensor]], kernel_twin: nn.Module) -> torch.Tensor:
         """One decode token on our kernel's twin (`OURS`), each expert as its part lands
-        (`ExpertSlots.parts`), unweighted; then weighted and summed in router order as the kernel
-        sums them (`_combine`): the row bookkeeping of `_rows_out` done on the token's k ids."""
+        (`arriving`, from `ExpertSlots.parts`), unweighted; then weighted and summed in router order
+        as the kernel sums them (`_combine`): the row bookkeeping of `_rows_out` done on the token's
+        k ids."""
         choices = top_k_index[0].tolist()
         unweighted: list[torch.Tensor | None] = [None] * len(choices)
-        for part, slots in self._runtime.parts(self.layer, experts, hidden_states.device):
+        for part, slots in arriving:
             for expert in part:
                 out = expert_rows(kernel_twin, int(slots[expert]), hidden_states)
                 for j, choice in enumerate(choices):

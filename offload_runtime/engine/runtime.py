@@ -305,13 +305,21 @@ class OffloadRuntime:
         ticket = self._tickets.get(key)
         return ticket is not None and ticket.ready()
 
-    def parts(self, layer: int, experts: list[int], device: torch.device) -> Iterator[tuple[list[int], torch.Tensor]]:
+    def parts(self, layer: int, experts: list[int], device: torch.device,
+              together: bool = False) -> Iterator[tuple[list[int], torch.Tensor]]:
         """`experts` of `layer` in the groups they compute in, each with the slot table while it
-        is resident and pinned: the resident ones first, at most the slot count made resident at a
-        time (a long prefill under a small budget). With `arrival_order` (EPS-MoE's expert
-        pipeline, `RuntimeOptions.expert_pipeline`; CGOPipe turns it on too) the experts whose
-        copies have landed compute while the others' copies run, then each as it lands; without
-        it, a group computes once all its copies are in."""
+        is resident and pinned: the one way an experts module asks for its experts (mixtral-
+        offloading's shape: a layer's experts yielded as they land). `together`: all of them in one
+        group, in the order given, once every copy is in (a layer that fits its slots and computes
+        in one call). Else the resident ones first, at most the slot count made resident at a time
+        (a long prefill under a small budget); with `arrival_order` (EPS-MoE's expert pipeline,
+        `RuntimeOptions.expert_pipeline`; CGOPipe turns it on too) the experts whose copies have
+        landed compute while the others' copies run, then each as it lands; without it, a group
+        computes once all its copies are in."""
+        if together:
+            with self.use(layer, experts, device) as slots:
+                yield experts, slots
+            return
         resident_first = sorted(experts, key=lambda e: self.pool.map.slot_of((layer, e)) is None)
         room = self.pool.num_slots - self.pool.map.retired
         for start in range(0, len(resident_first), room):

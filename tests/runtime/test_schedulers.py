@@ -141,10 +141,10 @@ def test_generate_computes_misses_as_they_land_only_with_the_pipeline(tiny_moe_d
                 missing.append(any(runtime.pool.map.slot_of((layer, e)) is None for e in experts))
             return use(layer, experts, device, wait)
 
-        def recorded_parts(layer, experts, device):
-            if runtime.step > 0:
+        def recorded_parts(layer, experts, device, together=False):
+            if runtime.step > 0 and not together:
                 pipelined.append(layer)
-            yield from parts(layer, experts, device)
+            yield from parts(layer, experts, device, together)
 
         runtime.use, runtime.parts = recorded_use, recorded_parts
         ids = load_tokenizer(path)(PROMPT, return_tensors="pt").input_ids
