@@ -98,7 +98,9 @@ class RuntimeOptions:
     experts split between the GPU and the CPU beside it by measured costs; on a CPU-only host,
     admission: a miss whose predicted reuse is later than every resident expert's computes from a
     scratch buffer without evicting anything; False: every routed expert computes in a slot),
-    `prediction_guard` (with a predictor: act on its predictions only while they load fewer experts
+    `use_predictor` (False: a predictor given is not loaded, and the run is the runtime without one:
+    what `prescient tune` keeps where that measured faster on this machine), `prediction_guard`
+    (with a predictor: act on its predictions only while they load fewer experts
     than LRU would, see `prediction_guard`; not with mixed precision or `hybrid_schedule`, whose rules
     decide on the forecasts themselves), `table_wait` (SiDA's rule: seconds a forward's first
     MoE layer waits for its hash table; 0: never wait; default 10 ms: the wait hands the GIL to the
@@ -132,6 +134,7 @@ class RuntimeOptions:
     hybrid_schedule: bool = False
     map_experts: bool | None = None
     context_tokens: int | None = None
+    use_predictor: bool = True
     prediction_guard: bool = True
     table_wait: float = 0.01  # a SiDA step takes 0.2 ms; without the wait the GIL's 5 ms switch interval made tables late
     hash_thread: bool | None = None
@@ -147,7 +150,7 @@ class RuntimeOptions:
         if self.store == "host" and self.memory is not None:
             raise OptionsError("the host store keeps every expert in this process's memory; a memory cap sizes "
                                "the disk store's slots (drop --store host, or give --budget instead of --memory)")
-        for flag in ("drop_page_cache", "expert_pipeline", "hybrid_schedule", "prediction_guard"):
+        for flag in ("drop_page_cache", "expert_pipeline", "hybrid_schedule", "use_predictor", "prediction_guard"):
             if not isinstance(getattr(self, flag), bool):
                 raise OptionsError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.hash_thread is not None and not isinstance(self.hash_thread, bool):

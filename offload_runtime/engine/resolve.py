@@ -9,7 +9,8 @@ What a run uses, first found first:
 1. what the user named (`overrides`: `RuntimeOptions` fields);
 2. with a memory cap, what `prescient tune` measured best for this model on this machine nearest
    that cap (`tuned_settings`), less what needs forecasts where the predictor has no forecast heads
-   (a learned policy, cross-token prefetch);
+   (a learned policy, cross-token prefetch); where tune measured the runtime without the predictor
+   faster (`use_predictor=False`), the predictor given is not loaded;
 3. the policy that measured best with this predictor (`best_policy`);
 4. the built-in defaults (`RuntimeOptions`' own).
 
@@ -80,8 +81,9 @@ def resolve_options(model_dir: str | Path | ModelDirectory | None, predictor: Pr
     memory = named.get("memory")
     if isinstance(memory, str):
         memory = parse_memory(memory)
-    forecasts = has_forecasts(predictor)  # the predictor's meta read once
     tuned = tuned_settings(model_dir, memory) if memory is not None else {}
+    # the predictor's meta read once; a run without the predictor (tune measured it faster) has no forecasts
+    forecasts = {**tuned, **named}.get("use_predictor", True) is not False and has_forecasts(predictor)
     if tuned and not forecasts:
         tuned = _without_forecasts(tuned)
     settings = {"policy": _best_policy(forecasts), **tuned, **named}

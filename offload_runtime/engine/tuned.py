@@ -2,7 +2,8 @@
 as defaults by `engine.resolve.resolve_options` (`generate`, `serve`, `bench --memory`, the Python API).
 
 A tuned file holds, per memory size measured, the settings that decode fastest there (transfer
-workers, parallel reads, policy, cross-token prefetch, in-token lookahead, the expert pipeline, mapped experts). It is keyed by the
+workers, parallel reads, policy, cross-token prefetch, in-token lookahead, the expert pipeline, mapped experts,
+whether to run the predictor at all). It is keyed by the
 checkpoint (its config.json and its weight files' names and sizes: cheap to read on every start,
 unlike the fingerprint, which hashes the weights) and this machine (its processor, cores and
 memory): `$PRESCIENT_CACHE/tuned/` or `~/.cache/moe-prescient/tuned/`. A setting the user names
@@ -32,7 +33,7 @@ from prescient.model_dir import ModelDirectory
 log = logging.getLogger(__name__)
 
 TUNED_SETTINGS = ("transfer_workers", "read_depth", "policy", "next_token_min_chance", "lookahead_layers", "expert_pipeline",
-                  "map_experts")
+                  "map_experts", "use_predictor")
 
 
 def machine_key() -> str:

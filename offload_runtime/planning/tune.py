@@ -9,7 +9,8 @@ What decides speed here, measured rather than assumed:
    short greedy decodes of a few held-out prompts (one load, the prompts in turn, as a server meets
    requests) for the starting configuration, then for each mechanism in turn — each read split at that depth, transfer workers at that depth, the other serving policy, cross-token prefetch
    (SiDA's forecasts one token ahead), in-token lookahead (HybriMoE's next-layer routers), the
-   layer waiting for all its copies instead of the expert pipeline — the configuration with that
+   layer waiting for all its copies instead of the expert pipeline, the runtime without its predictor
+   (`use_predictor=False`: where LRU already hits well a predictor can cost more than it saves) — the configuration with that
    change, and last the experts mapped from the checkpoint with the page cache as their cache instead
    of slots (`mapped`; what llama.cpp's mmap runs do), each interleaved with the best so far (A B A B).
    A change is kept when the paired statistic says it wins beyond the spread: per prompt, its median
@@ -118,17 +119,21 @@ def _scores_zero(prompts: list[str], killed: bool = False, timed_out: bool = Fal
 def starting_settings(predictor: str | Path | None) -> dict[str, Any]:
     """The built-in defaults, where tuning starts."""
     return {"transfer_workers": 1, "read_depth": 1, "policy": best_policy(predictor), "next_token_min_chance": None,
-            "lookahead_layers": 0, "expert_pipeline": True, "map_experts": None}
+            "lookahead_layers": 0, "expert_pipeline": True, "map_experts": None, "use_predictor": True}
 
 
-def candidate_changes(depth: int, forecasts: bool, mapped: bool = True) -> list[tuple[str, dict[str, Any]]]:
+def candidate_changes(depth: int, forecasts: bool, mapped: bool = True,
+                      predictor: bool = False) -> list[tuple[str, dict[str, Any]]]:
     """Each mechanism's change to try on top of the best so far, in order (`mapped`: mapped experts
-    too, last, where the runs are capped)."""
+    too, last, where the runs are capped; `predictor`: the runtime without it, before them: issue 50
+    measured it faster than the predictor on prompts LRU decodes fast)."""
     changes = [("parallel reads", {"read_depth": depth}), ("transfer workers", {"transfer_workers": TRIED_WORKERS})] \
         if depth != 1 else []
     if forecasts:
         changes += [("policy lru", {"policy": "lru"}), ("cross-token prefetch", {"next_token_min_chance": 0.5})]
     changes += [("in-token lookahead", {"lookahead_layers": 1}), ("serial layers", {"expert_pipeline": False})]
+    if predictor:
+        changes.append(("no predictor", {"use_predictor": False, "policy": "lru", "next_token_min_chance": None}))
     return changes + ([("mapped experts", {"map_experts": True})] if mapped else [])  # last: then slots do not matter
 
 
@@ -148,7 +153,7 @@ def tune(model_dir: str | Path, predictor: str | Path | None = None, memories: l
     forecasts = predictor is not None and best_policy(predictor) == "learned-belady"
     sizes = memories or [int(share * whole_model_memory(directory)) for share in DEFAULT_SHARES]
     prompts = prompts or calibration_prompts()
-    changes = candidate_changes(curve.depth, forecasts, mapped=capped)
+    changes = candidate_changes(curve.depth, forecasts, mapped=capped, predictor=predictor is not None)
     record: dict[str, Any] = {
         "model": str(directory), "predictor": predictor and str(predictor), "machine": machine_key(),
         "capped": capped,

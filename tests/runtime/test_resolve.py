@@ -17,7 +17,8 @@ from offload_runtime.engine.tuned import save_tuned
 from tests.conftest import random_sida
 
 TUNED = {"transfer_workers": 2, "read_depth": 4, "policy": "learned-belady", "next_token_min_chance": 0.5,
-         "lookahead_layers": 1, "expert_pipeline": False, "map_experts": False}
+         "lookahead_layers": 1, "expert_pipeline": False, "map_experts": False,
+         "use_predictor": True}
 
 
 @pytest.fixture

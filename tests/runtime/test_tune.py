@@ -188,3 +188,30 @@ def test_a_run_far_slower_than_the_fastest_at_its_size_is_stopped_and_scores_zer
     assert set(limits[1:]) == {max(tune_module.MIN_LIMIT_S, tune_module.SLOWER_LIMIT * 30.0)}
     assert "serial layers" not in record["best"][0]["kept"]
     assert any(run["timed_out"] for run in record["runs"])
+
+
+def test_tune_can_choose_the_runtime_without_its_predictor(tiny_moe_dir, tuned_home, monkeypatch, tmp_path):
+    """Where the runtime without the predictor measured faster, tune keeps it, and `--memory` with that
+    predictor then runs without it: not loaded, LRU."""
+    from offload_runtime.engine.loader import load_offloaded
+    from offload_runtime.engine.resolve import resolve_options
+    from tests.runtime.test_offloaded_generate import save_tiny_predictor
+
+    path = tiny_moe_dir("mixtral")
+    size = _sizes(path, monkeypatch)[1]
+    predictor = save_tiny_predictor("frequency", path, tmp_path)
+
+    def fake_decode(directory, prompts, new_tokens, given, options, timeout_s):
+        return {"tokens_per_s": [20.0 if not options.use_predictor else 10.0] * len(prompts), "stats": {},
+                "memory_plan": None}
+
+    record = tune_module.tune(path, predictor, memories=[size], new_tokens=4, repeats=1, prompts=["def f(x):"],
+                              decode=fake_decode)
+    (best,) = record["best"]
+    assert best["kept"] == ["no predictor"] and best["settings"]["use_predictor"] is False
+    save_tuned(path, record)
+    options = resolve_options(path, predictor, {"memory": size})
+    assert options.use_predictor is False and options.policy == "lru"
+    assert resolve_options(path, predictor, {"memory": size, "use_predictor": True}).use_predictor  # named wins
+    with load_offloaded(path, predictor, options).offload_runtime as runtime:
+        assert runtime.builder is None
