@@ -43,11 +43,12 @@ def _bf16_rows_dot(weight: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     for i in range(weight.shape[0]):
         total = np.float32(0.0)
         for start in range(0, weight.shape[1], BLOCK):
-            stop = min(weight.shape[1], start + BLOCK)
-            for j in range(start, stop):
-                wide[j - start] = np.uint32(weight[i, j]) << 16
-            for j in range(start, stop):
-                total += as_float[j - start] * x[j]
+            size = min(BLOCK, weight.shape[1] - start)
+            bits, part = weight[i, start:start + size], x[start:start + size]  # indices from 0: no wraparound checks
+            for j in range(size):
+                wide[j] = np.uint32(bits[j]) << 16
+            for j in range(size):
+                total += as_float[j] * part[j]
         out[i] = total
 
 
