@@ -85,6 +85,24 @@ def llama_memory_note(name: str) -> str:
     return "Over llama.cpp, prompt by prompt: " + "; ".join(parts) + "."
 
 
+def half_rows(name: str) -> Rows:
+    """Per thread count and expert matrix: each decode-row kernel's GB/s of weights, and how much
+    sooner the bfloat16 row kernel finishes a matrix than the float32 one (half the bytes)."""
+    runs = load(name)["runs"]
+    kernels = list(next(iter(runs.values()))["gb_s"])
+    rows = [[label, *(num(run["gb_s"][k], 1) for k in kernels),
+             num(2 * run["gb_s"]["bfloat16 rows"] / run["gb_s"]["float32 rowdot"])] for label, run in runs.items()]
+    return ["threads, matrix", *(f"{k} GB/s" for k in kernels), "bfloat16 rows over float32 rowdot (speed)"], rows
+
+
+def half_note() -> str:
+    """The row kernels' largest error against float64 products, over every matrix measured."""
+    runs = load(HALF)["runs"].values()
+    worst = {k: max(run["relative_error"][k] for run in runs) for k in next(iter(runs))["relative_error"]}
+    return ("Largest error of a product against float64's, relative to its largest entry: "
+            + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()) + ".")
+
+
 def demo_user_note() -> str:
     """The whole ms of a decoded token of the demo's model as `prescient generate` runs it: the bound of its overhead."""
     speed = {e["system"]: e["tokens_per_s"]["median"] for e in load(DEMO_USER)["summary"]}
@@ -142,6 +160,13 @@ def _per_token_tables() -> tuple[Table, ...]:
                 load(name)["command"], partial(decode_kernel_rows, name), note=llama_note(name))
           for name, model in (("bench-decode-tw-llama.json", "runs/tw (2.2 GB of float32 experts)"),
                               ("bench-decode-tb-llama.json", "runs/tb (733 MB of float32 experts)"))),
+        Table("Half precision on this CPU, one decode row against an expert matrix: torch's `linear` in float32, "
+              "bfloat16 and float16, the default kernel's `rowdot` (float32) and a bfloat16 row kernel of the same "
+              "shape (each weight widened to float32 exactly, in blocks that stay in L1, summed in float32; a "
+              "measurement, not in the engine: it rounds otherwise than torch's bfloat16 `linear`); 16 distinct "
+              "matrices read in turn, best of 7 passes (through ../shared/bin/quiet, load average "
+              f"{num(load(HALF)['machine']['load_average_at_start'][0], 2)} at the start)", (HALF,),
+              load(HALF)["command"], partial(half_rows, HALF), note=half_note()),
         Table("bfloat16 on runs/tb, every expert in memory, 2 threads: the default kernel (`gemv`) runs no row "
               "kernel in bfloat16 (then none of oneDNN's either), so it is `streamed`, transformers' grouped_mm "
               "numbers bit for bit; 96 greedy "
@@ -228,6 +253,7 @@ def _bench(name: str, label: str) -> float:
 
 
 SAMPLED = "bench-runtime-base-sampled.json"
+HALF = "bench-half-rows.json"  # half-precision decode rows (issue 52 item 3)
 DEMO = "bench-decode-demo-overhead.json"  # the demo's per-token overhead (issue 52)
 DEMO_USER = "bench-memory-demo-resident.json"  # the same through the runtime, fresh processes
 BF16 = "bench-decode-tb-bf16.json"  # the default kernel in bfloat16 (issue 52)
