@@ -18,10 +18,10 @@ that persists (those two saturate at `WINDOW` times a forward's cost, under thei
 at 0.66 GB a prompt LRU decodes at 146 tok/s ran a millisecond a token of predictions to save 0.01
 loads, 0.89x): the prediction time plus the demand loads beyond LRU's misses at the run's wait
 per miss (counts, not the measured waits, whose noise is a whole load's; a prefetch in time is no
-demand load), against `COST_SHARE` of the forwards' own time. A predictor paused for its cost alone sleeps `COST_SLEEP` forwards (its cost
-is the decode's speed, not a passing mistake: probing it every 32 forwards, each probe acting 20
-forwards and catching up on the tokens it slept through, cost that prompt 9%), unless LRU's misses
-grow past twice theirs when it paused (the decode left the experts it cycled through). It pauses predictions (a fixed slack alone paused right predictions on the noise of a
+demand load), against `COST_SHARE` of the forwards' own time (a paused predictor is probed as after any
+other loss: sleeping 128 forwards after a pause for the cost alone was measured and not kept, since a
+prompt whose predictions pay was paused at its 20th forward and lost its 1.5x,
+results/bench-prediction-tb-costsleep.json). It pauses predictions (a fixed slack alone paused right predictions on the noise of a
 prompt's first tokens, where LRU misses a few experts a token): the live cache's learned ranks
 are cleared (with no forecast, learned eviction is LRU by its tiebreak), nothing is prefetched,
 and the predictor sleeps, costing nothing (`HashBuilder.sleep`: the ids it is handed are kept,
@@ -51,7 +51,6 @@ PROBE_AFTER = 2  # windows asleep before the first probe; each lost probe double
 WARMUP = 4  # forwards acting before a judgement (at the start, and after each wake)
 COST_WINDOW = 32  # forwards the cost comparison remembers
 COST_SHARE = 0.02  # of the forwards' time: the net cost of acting on predictions that pauses them
-COST_SLEEP = 8 * WINDOW  # forwards asleep after a pause for the cost alone
 
 
 class Spent(NamedTuple):
@@ -98,7 +97,6 @@ class PredictionGuard:
         self._last_time = clock()
         self._acted = self._asleep_for = 0  # forwards since acting resumed; since it paused
         self._sleep_length = PROBE_AFTER * WINDOW
-        self._misses_at_pause = 0.0  # LRU's misses (moving sum) when predictions paused for their cost; else inf
         self._last = self._counts(spent())
 
     def __contains__(self, key: Key) -> bool:
@@ -135,7 +133,7 @@ class PredictionGuard:
         self._last_time = now
         if not self.acting:
             self._asleep_for += 1
-            if self._asleep_for < self._sleep_length and self.lru_misses <= 2 * self._misses_at_pause + SLACK:
+            if self._asleep_for < self._sleep_length:
                 self.paused_forwards += 1
             else:  # a probe: this forward acts again, judged afresh
                 self.acting, self._acted = True, 0
@@ -151,18 +149,15 @@ class PredictionGuard:
         losing = self.excess > slack or self.excess_seconds > slack * per_miss
         costly = self._acted > WARMUP + WINDOW and self.cost_seconds > COST_SHARE * self.forward_seconds
         if self._acted > WARMUP and (losing or costly):
-            self._pause(for_cost=not losing)
+            self._pause()
 
     def _forget(self) -> None:
         """Judge afresh from here: the sums of what acting cost start over."""
         self.excess = self.excess_seconds = self.cost_seconds = self.forward_seconds = 0.0
 
-    def _pause(self, for_cost: bool) -> None:
+    def _pause(self) -> None:
         if self.lost_windows and self._acted < 2 * WINDOW:  # a probe that lost at once: sleep twice as long
             self._sleep_length *= 2
-        if for_cost:
-            self._sleep_length = max(self._sleep_length, COST_SLEEP)
-        self._misses_at_pause = self.lru_misses if for_cost else float("inf")
         self.lost_windows += 1
         if self.lost_windows == 1:
             log.info("prediction guard: over the last %d tokens acting on the predictor loaded %+.0f experts and "
