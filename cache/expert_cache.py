@@ -287,13 +287,16 @@ class ExpertCache:
         if chances.ndim != 2:
             raise CacheError(f"forecast chances must be [layers, experts], got shape {list(chances.shape)}")
         layers = np.arange(chances.shape[0]) if layer is None else np.array([layer])
+        ids = self._forecast_ids(layers, chances.shape[1])
         values = checks.chances(chances[layers].ravel())  # with `layer`: that row alone is read (and checked)
         with self._lock:
-            on_forecast(self.state.struct, self._forecast_ids(layers, chances.shape[1]), values)
+            on_forecast(self.state.struct, ids, values)
 
     def _forecast_ids(self, layers: np.ndarray, n_experts: int) -> np.ndarray:
         """The ids of every expert of `layers`, as an array: numbered without a Python loop (the
         runtime calls `on_forecast` at every layer of every forward)."""
+        if not len(layers):
+            return np.zeros(0, dtype=np.int64)
         if self._stride == n_experts and 0 <= layers.min() and layers.max() < self.n_layers:
             return (layers[:, None] * n_experts + np.arange(n_experts)).ravel()
         pairs = np.stack([np.repeat(layers, n_experts), np.tile(np.arange(n_experts), len(layers))], axis=1)

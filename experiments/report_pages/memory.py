@@ -35,6 +35,11 @@ LLAMA = "bench-memory-tw-llama.json"  # runs/tw beside llama.cpp at 1.7 and 1.1 
 LLAMA_ROWDOT = "bench-memory-tw-rowdot.json"  # the same at 1.7 GB with gemv's row kernel (issue 52)
 ONE_THREAD = "bench-memory-tw-1.1-threads1.json"  # the runtime at 1.1 GB with one thread
 HOLDS = "bench-memory-holds-tb.json"  # --memory from plain's need down: faults, RSS, reads per token (issue 53)
+# the guard's steady cost sum (ce108ba): runs/tb's two caps, runs/tw at 1.7 GB, runs/tb at plain's need
+COST_GUARD, COST_GUARD_WIDE = "bench-prediction-tb-costguard.json", "bench-prediction-tw-1.7-costguard.json"
+PARITY = "bench-memory-tb-parity.json"
+COST_SLEEP = "bench-prediction-tb-costsleep.json"  # a53fe87: 128 forwards asleep after a cost pause (not kept)
+COST_GUARD_WIDE_2X = "bench-prediction-tw-1.7-2x.json"  # runs/tw at 1.7 GB at 6a7adf3, 2 repeats
 RUNTIMES = ("no-predictor", "prescient", "prefetch", "oracle")  # in their columns' order
 SYSTEM_NAMES = {"no-predictor": "no predictor", "prescient": "predictor", "prefetch": "predictor + prefetch",
                 "oracle": "oracle"}
@@ -214,7 +219,33 @@ def tune_rows(name: str) -> Rows:
 
 
 CONCLUSION = """
-**Learned eviction that keeps the experts in steady use (today's defaults).** The first tables run
+**The guard weighs a small cost that persists (today's defaults).** The first tables run runs/tb at
+0.66 and 0.85 GB as the run after them did, at commit ce108ba, with one change to the guard: a third
+moving sum over 32 forwards pauses predictions whose net cost (the time predicting, plus the demand
+loads beyond the shadow LRU's misses at the run's wait per load) exceeds 2% of the forwards' own time
+(through ../shared/bin/quiet, load average 1.39 before). At 0.66 GB the predictor decoded a median
+1.26x the runtime without it (0.91x to 2.25x per prompt), the oracle 1.74x (1.09x to 2.26x); at 0.85 GB
+1.04x (0.95x to 1.69x) and 1.20x. By median speed: 36.4 and 115.7 tokens/s with the predictor, 22.2 and
+115.6 without, 40.6 and 139.9 for the oracle, the model memory-mapped 20.9 and 78.9, plain transformers
+killed in all 32 runs. The lowest prompts rose (0.89x to 0.91x at 0.66 GB, 0.92x to 0.95x at 0.85 GB)
+and the median at 0.66 GB fell (1.38x to 1.26x) between two runs an hour apart, which is within what
+one run to the next moves a prompt here; on prompt 2 at 0.66 GB the predictor was paused 55-59 of 96
+forwards and still cost 9%: each probe acted 20 forwards and first caught up on the tokens it slept
+through. Sleeping 128 forwards after a pause for the cost alone (a53fe87, unless LRU's misses double;
+one run per prompt, load average 1.22 before) raised that prompt to 0.95x and paused prompt 4 at 0.66 GB,
+whose predictions pay 1.4-1.5x, at its 20th forward for the rest of the run (1.02x): the median fell
+to 1.21x (0.95x to 2.43x) and 1.03x (0.96x to 1.77x), so it was taken back (6a7adf3). Every run exact; the runtime's systems took at most 0.01
+major faults per token and read less from disk than their slots moved (0.66 GB, predictor: 19.8 MiB
+read against 25.0 MiB moved). On runs/tw at 1.7 GB (four prompts, one run each, same commit) the
+predictor decoded a median 1.20x the runtime without it, but 0.37x on one prompt whose stall and
+prediction times were lower than the run without it: that run overlapped a Python process started
+beside the bench (the session's own mistake), so it was run again with 2 repeats at 6a7adf3 (the
+tables after it, load average 1.35 before): the predictor a median 1.27x the runtime without it (1.02x
+to 1.44x: at least 1.0x on every prompt), the oracle 1.35x, the model memory-mapped 0.56x; by median
+speed 56.7 tokens/s with the predictor, 47.4 without, 67.4 for the oracle, 27.4 mapped; plain killed or
+stopped in every run.
+
+**Learned eviction that keeps the experts in steady use (the run before).** The tables after those run
 runs/tb at 0.66 and 0.85 GB, 8 held-out prompts, 2 interleaved repeats, every baseline in the same
 cgroups (through ../shared/bin/quiet, load average 1.14 before, 1.50 after). Learned eviction now
 blends the predictor's chances of use with each expert's history of use (`cache/history.py`: 0.7 of
@@ -295,17 +326,21 @@ moved 119 MiB per token against 136 without it (9.4 MiB of it wasted prefetches,
 84. At 1.7 GB the predictor decoded 1.15x the runtime without it in the median (0.98x to 1.32x).
 On both models every run computed the plain model's tokens.
 
-**`--memory` holds.** Under a cap the expert store now drops each read's pages in a cgroup too, the
-plan books what the predictor holds at work and 96 MiB of library pages, and a guard gives slots back
-when major faults climb. In every run of the tables below but two (of 192 on runs/tb's prediction
-tables) the process took at most 0.12 major page faults per decoded token and read from disk no more
-than the slots moved (the two, the first or second run of a bench, took 6 per token). At the plain model's own need (1100 MiB,
-where plain itself was killed in 1 of 3 runs) `--memory` runs the plain model, 1.04x plain; at
-0.85 GB 0.80x and at 660 MiB 0.67x the plain model's uncapped speed. A cap too small is refused
-before the expert store opens, counting the peak while it derives the checkpoint's layout (about 118
-MiB on runs/tb): in a cgroup 400 and 435 MiB exit 2 in about 5 s naming 489 MiB, which decodes; they
-were killed by the kernel at 3.8 s before. Not met: at 660 MiB on the holds table's prompt the
-predictor's run is 0.92x the run without it (a paused predictor still runs its thread and shadows).
+**`--memory` holds, measured again at one commit (ce108ba).** Under a cap the expert store drops each
+read's pages in a cgroup too, the plan books what the predictor holds at work and 96 MiB of library
+pages, and a guard gives slots back when major faults climb. From runs/tb's 520 MiB up to 0.85 GB, on
+the holds table's prompt (3 interleaved runs), the runtime with and without the predictor took at
+most 0.02 major faults per token and read from disk less than its slots moved (520 MiB: 80.8 MiB read
+against 85.6 moved without the predictor, 55.8 against 60.9 with it); at 0.85 GB it decoded 1.54x
+(without) and 1.43x (with) the plain model's uncapped 100.0 tokens/s, at 660 MiB 0.94x and 0.84x (on
+this prompt LRU already hits well: the predictor's run is 0.89x the run without it), at 520 MiB 0.10x
+and 0.13x. At the plain model's own need (1100 MiB) `--memory` runs the plain model: 1.04x (without)
+and 0.99x (with) plain in the same cgroups (plain killed in 2 of 3 runs, its survivor 83.2 tokens/s),
+and over 4 prompts and 2 repeats 0.84x and 0.87x plain (plain killed in 3 of 8; the parity table).
+Not met there: 1.1-1.4 major faults and 3.6 MiB read per token, the process's own pages (the experts
+all resident leave the libraries' pages too little room at that cap). A cap too small is refused
+before the expert store opens: in a cgroup 400, 435 and 489 MiB exit 2 in 6.0-6.4 s naming 497 MiB,
+and 520 MiB decodes (12.0 tokens/s, 8 slots, no major fault).
 
 Each system decodes the same prompt greedily in a fresh process inside a memory cgroup capped at the
 size, which counts the page cache as a real machine does; the page cache is dropped before every run,
@@ -355,6 +390,48 @@ def _history_note(name: str) -> str:
         lines.append(f"At {num(cap['cap_bytes'] / GB, 2)} GB, per prompt over no predictor (median, range): "
                      f"{', '.join(parts)}; the predictor below 1.0x on prompt(s) {', '.join(below) or 'none'}.")
     return " ".join(lines)
+
+
+def _cost_guard_tables() -> tuple[Table, ...]:
+    """The guard with its steady cost sum, every baseline in the same run: runs/tb at its two caps,
+    runs/tw at 1.7 GB, and runs/tb at the plain model's own need."""
+    cmd = ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory 0.66GB,0.85GB --prompts 8 "
+           "--new-tokens 96 --repeats 2 --threads 2 --systems plain,mmap,no-predictor,prescient,oracle "
+           f"--json results/{COST_GUARD}")
+    wide_cmd = ("prescient bench --model runs/tw --predictor runs/demo/predictor/sida --memory 1.7GB --prompts 4 "
+                "--new-tokens 64 --repeats 1 --threads 2 --run-timeout 120 --systems plain,mmap,no-predictor,prescient,"
+                f"oracle --json results/{COST_GUARD_WIDE}")
+    wide_2x_cmd = wide_cmd.replace("--repeats 1", "--repeats 2").replace(COST_GUARD_WIDE, COST_GUARD_WIDE_2X)
+    sleep_cmd = (cmd.replace("--repeats 2", "--repeats 1 --run-timeout 120").replace(",oracle", "")
+                 .replace(COST_GUARD, COST_SLEEP))
+    parity_cmd = ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory 1100MiB --prompts 4 "
+                  f"--new-tokens 96 --repeats 2 --threads 2 --systems plain,no-predictor,prescient --json results/{PARITY}")
+    setup = ("runs/tb (733 MB of experts) at 0.66 and 0.85 GB, 8 held-out prompts of 16 tokens, 96 new tokens, 2 "
+             "interleaved repeats, `--memory`'s defaults (gemv, 2 threads, the hash builder inline, learned eviction "
+             "blending the history, nothing prefetched on the CPU)")
+    return (
+        Table(f"The prediction guard with its steady cost sum ({setup}): per prompt the runtime without a predictor, "
+              "with it and with the oracle", (COST_GUARD,), cmd, partial(prediction_rows, COST_GUARD),
+              note=_history_note(COST_GUARD)),
+        Table("The same run's baselines over all prompts and repeats: plain transformers, the model memory-mapped, "
+              "and the runtime's systems", (COST_GUARD,), cmd, partial(systems_rows, COST_GUARD)),
+        Table("Measured and not kept (a53fe87): a predictor paused for its cost alone sleeping 128 forwards (unless "
+              "LRU's misses double); the same prompts and caps, one run per prompt and system, interleaved, without "
+              "the oracle",
+              (COST_SLEEP,), sleep_cmd, partial(prediction_rows, COST_SLEEP), note=_history_note(COST_SLEEP)),
+        Table("That run's baselines", (COST_SLEEP,), sleep_cmd, partial(systems_rows, COST_SLEEP)),
+        Table("The same systems on runs/tw (2.2 GB of experts) at 1.7 GB at ce108ba, 4 prompts, 64 new tokens, one "
+              "run per prompt and system, interleaved", (COST_GUARD_WIDE,), wide_cmd,
+              partial(prediction_rows, COST_GUARD_WIDE), note=_history_note(COST_GUARD_WIDE)),
+        Table("runs/tw at 1.7 GB again with today's guard (6a7adf3: ce108ba's), 2 interleaved repeats",
+              (COST_GUARD_WIDE_2X,), wide_2x_cmd, partial(prediction_rows, COST_GUARD_WIDE_2X),
+              note=_history_note(COST_GUARD_WIDE_2X)),
+        Table("runs/tw's baselines in that run", (COST_GUARD_WIDE_2X,), wide_2x_cmd,
+              partial(systems_rows, COST_GUARD_WIDE_2X)),
+        Table("runs/tb at the plain model's own need (1100 MiB), the plain model and `--memory` in the same cgroups, "
+              "4 prompts, 2 interleaved repeats: faults, reads and memory per token", (PARITY,), parity_cmd,
+              partial(holds_rows, PARITY)),
+    )
 
 
 def _history_tables() -> tuple[Table, ...]:
@@ -458,10 +535,11 @@ def page() -> Page:
                 "--json ...")
     tune_wide_cmd = ("prescient tune --model runs/tw --predictor runs/tb-predictor/sida --memory 1.1GB,1.7GB "
                      "--new-tokens 32 --json ...")
-    holds_cmd = ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory 1100MiB,0.85GB,660MiB "
-                 "--prompts 1 --new-tokens 96 --repeats 3 --systems plain,no-predictor,prescient --run-timeout 120 "
-                 "--json ...")
+    holds_cmd = ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory "
+                 "1100MiB,0.85GB,660MiB,520MiB --prompts 1 --new-tokens 96 --repeats 3 --threads 2 --systems "
+                 "plain,no-predictor,prescient --run-timeout 120 --json ...")
     return Page("memory", "Speed against memory", CONCLUSION, (
+        *_cost_guard_tables(),
         *_history_tables(),
         *_guard_tables(),
         *_earlier_prediction_tables(),
@@ -474,7 +552,10 @@ def page() -> Page:
         Table("The file-backed pages a decoded token of runs/tb touches under `--memory` (referenced bits cleared "
               "after the prefill and 4 tokens, read after 32 more): what the plan's 96 MiB of library pages covers",
               ("code-pages-tb.json",), load("code-pages-tb.json")["command"], partial(code_pages_rows, "code-pages-tb.json")),
-        Table("runs/tw beside llama.cpp at 1.7 GB with `gemv`'s row kernel (`rowdot`): plain transformers, the model "
+        Table("runs/tw beside llama.cpp at 1.7 GB with `gemv`'s row kernel (`rowdot`), measured while the bench's "
+              "llama.cpp child still imported torch inside llama.cpp's cgroup (about 290 MB anonymous and 130 MB of "
+              "library pages: llama.cpp handicapped; fixed in b18ef03, the runtime page has the fair runs): plain "
+              "transformers, the model "
               "memory-mapped, the runtime without a predictor (`--memory`'s defaults: gemv, 2 threads) and llama.cpp's "
               "`llama-completion` on an f32 GGUF, memory-mapped, each run a fresh process in a memory cgroup, the page "
               "cache dropped before it; one prompt, 96 new tokens, 3 interleaved repeats (medians and ranges); "
