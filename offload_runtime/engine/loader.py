@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +66,6 @@ def load(request: LoadRequest) -> LoadedModel:
     or into slots as the memory plan says (or into the budget's slots)."""
     request = request.resolved()  # every option checked before any file is read
     model_dir, options = ModelDirectory.of(request.model_dir), request.options
-    if request.predictor is not None and not options.use_predictor:
-        log.info("configuration: the runtime without the predictor (use_predictor=False)")
-        request = replace(request, predictor=None)
     planner = None if options.memory is None else MemoryPlanner(model_dir, options, request.reserves)
     if planner is not None and options.fine_model is None:
         whole = _load_whole(model_dir, options, planner.whole_model(process_footprint(reads=False)))

@@ -118,11 +118,15 @@ class LoadRequest:
 
     def resolved(self) -> LoadRequest:
         """This request with its options resolved (`options_for`): every option checked, before
-        any file of the model is read."""
-        if self.options is not None and not self.settings:
-            return self
-        return replace(self, options=options_for(self.model_dir, self.predictor, self.options, self.settings),
-                       settings={})
+        any file of the model is read; without its predictor where the options say not to use it
+        (`use_predictor=False`, what tune keeps where the runtime without one measured faster)."""
+        if self.options is not None and not self.settings and (self.predictor is None or self.options.use_predictor):
+            return self  # resolved already
+        options = options_for(self.model_dir, self.predictor, self.options, self.settings)
+        predictor = self.predictor if options.use_predictor else None
+        if self.predictor is not None and predictor is None:
+            log.info("configuration: the runtime without the predictor (use_predictor=False)")
+        return replace(self, options=options, settings={}, predictor=predictor)
 
 
 def _without_forecasts(tuned: dict[str, Any]) -> dict[str, Any]:

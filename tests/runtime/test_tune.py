@@ -194,7 +194,7 @@ def test_tune_can_choose_the_runtime_without_its_predictor(tiny_moe_dir, tuned_h
     """Where the runtime without the predictor measured faster, tune keeps it, and `--memory` with that
     predictor then runs without it: not loaded, LRU."""
     from offload_runtime.engine.loader import load_offloaded
-    from offload_runtime.engine.resolve import resolve_options
+    from offload_runtime.engine.resolve import LoadRequest, resolve_options
     from tests.runtime.test_offloaded_generate import save_tiny_predictor
 
     path = tiny_moe_dir("mixtral")
@@ -213,5 +213,6 @@ def test_tune_can_choose_the_runtime_without_its_predictor(tiny_moe_dir, tuned_h
     options = resolve_options(path, predictor, {"memory": size})
     assert options.use_predictor is False and options.policy == "lru"
     assert resolve_options(path, predictor, {"memory": size, "use_predictor": True}).use_predictor  # named wins
+    assert LoadRequest(path, predictor, options).resolved().predictor is None  # the one resolver drops it
     with load_offloaded(path, predictor, options).offload_runtime as runtime:
         assert runtime.builder is None
