@@ -80,6 +80,19 @@ def anonymous_bytes() -> int:
     return memory.rss - getattr(memory, "shared", 0)  # Linux: `shared` is the file-backed resident pages
 
 
+def file_backed_bytes() -> int:
+    """This process's resident file-backed pages now (`RssFile`: the libraries it imported and has
+    touched, the files it maps), in bytes; 0 where /proc cannot tell."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024  # kB
+    return 0
+
+
 def process_footprint(reads: bool = True) -> int:
     """What a cap must leave this process: its anonymous memory (which only swap could take back),
     measured after the allocator's free pages are handed back, and file pages for the library code

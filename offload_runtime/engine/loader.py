@@ -27,7 +27,7 @@ from prescient.checkpoint_schemes import CompressionError
 from prescient.errors import ModelFilesError
 from prescient.fingerprint import ModelFingerprint, fingerprint_model_dir, loaded_fingerprint
 from prescient.loading import load_model, load_without_experts
-from prescient.memory_cap import READ_HEADROOM_BYTES, drop_file_pages, process_footprint
+from prescient.memory_cap import READ_HEADROOM_BYTES, drop_file_pages, file_backed_bytes, process_footprint
 from prescient.model_dir import ModelDirectory
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,8 @@ def load(request: LoadRequest) -> LoadedModel:
     model_dir, options = ModelDirectory.of(request.model_dir), request.options
     planner = None if options.memory is None else MemoryPlanner(model_dir, options, request.reserves)
     if planner is not None and options.fine_model is None:
-        whole = _load_whole(model_dir, options, planner.whole_model(process_footprint(reads=False)))
+        plan = planner.whole_model(process_footprint(reads=False), file_backed_bytes())
+        whole = _load_whole(model_dir, options, plan)
         if whole is not None:
             if request.predictor is not None:
                 log.info("every expert is loaded with the model: the predictor is not needed (nothing to prefetch)")

@@ -4,8 +4,9 @@ decided here alone (`MemoryPlanner`): the loader asks, and builds what the plan 
 The cap counts everything the process holds (see `prescient.memory_cap`): the imported libraries,
 the non-expert weights, the expert slots, the predictor, the KV cache and activations, and the page
 cache its reads leave. Four outcomes:
-- every expert fits beside the rest: they are copied into memory with the model (the plain
-  transformers model, its own forward and kernels, no hooks);
+- every expert fits beside the rest, the file pages the process runs (measured) included: they are
+  copied into memory with the model (the plain transformers model, its own forward and kernels, no
+  hooks);
 - the page cache can hold at least `MAPPED_SHARE` of the experts beside the rest: every weight is a
   view of the memory-mapped checkpoint (`mapped`: nothing copied, the page cache is the expert
   cache, the kernel reads back what it drops) and the model runs with no hooks; `tune` measures
@@ -19,14 +20,14 @@ cache is then kept: the kernel reclaims it first); elsewhere by dropping the pag
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from offload_runtime.engine.expert_kernels import kernel_workspace_bytes
 from offload_runtime.engine.options import RuntimeOptions
 from prescient.arch import MoELayer, find_moe_layers
 from prescient.errors import CapacityError
 from prescient.fingerprint import expert_tensor_names
-from prescient.memory_cap import HOT_LIBRARY_BYTES, cgroup_limit
+from prescient.memory_cap import CODE_BYTES, HOT_LIBRARY_BYTES, cgroup_limit
 from prescient.model_dir import ModelDirectory
 
 MiB = 2**20
@@ -54,6 +55,8 @@ class MemoryPlan:
     held_by: str  # "cgroup" (the kernel holds the cap), "dropped pages" (the store drops its reads), or nothing (mapped)
     mapped: bool = False  # resident as views of the memory-mapped checkpoint: the page cache holds the experts
     predictor_work: int = 0  # of `reserve`: what the predictor adds while it runs (measured over a warm-up)
+    file_pages: int = HOT_LIBRARY_BYTES  # of `footprint`: the file-backed pages (library code, reads) it leaves room for
+    why: str = ""  # why not a plan the cap looked as if it bought (every expert copied), where it was stepped down from
 
     @property
     def drop_page_cache(self) -> bool:
@@ -71,9 +74,10 @@ class MemoryPlan:
         else:
             where = f"{self.slots} of {self.total_experts} experts in slots ({self.slots * self.expert_bytes / gib:.2f} GiB)"
         work = f", the predictor at work {self.predictor_work / 2**20:.0f} MiB of it" if self.predictor_work else ""
+        why = f"; {self.why}" if self.why else ""
         return (f"memory {self.cap / gib:.2f} GiB: {where}; process {self.footprint / gib:.2f} GiB (with "
-                f"{HOT_LIBRARY_BYTES / 2**20:.0f} MiB of library code it runs), reserve {self.reserve / gib:.2f} GiB"
-                f"{work}; held by {self.held_by}")
+                f"{self.file_pages / 2**20:.0f} MiB of file pages it runs), reserve {self.reserve / gib:.2f} GiB"
+                f"{work}; held by {self.held_by}{why}")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -137,27 +141,31 @@ def reserve_bytes(config, dtype_bytes: int, copy_buffers: int, context_tokens: i
             + workspace_bytes(config, dtype_bytes, min(context, PREFILL_TOKENS)) + copy_buffers)
 
 
-def plan_resident(cap: int, footprint: int, reserve: int, experts_bytes: int, total_experts: int
-                  ) -> MemoryPlan | None:
+def plan_resident(cap: int, footprint: int, reserve: int, experts_bytes: int, total_experts: int,
+                  file_pages: int = CODE_BYTES) -> MemoryPlan | None:
     """The plan that copies every expert into memory with the model, if `cap` holds the process's
-    estimated `footprint` (non-expert weights loaded), the reserve and `experts_bytes` (all
-    experts); else None. No predictor is loaded then: with every expert resident there is nothing
-    to prefetch."""
+    estimated `footprint` (non-expert weights loaded, `CODE_BYTES` of file pages), the file pages
+    it runs beyond those (`file_pages`, measured), the reserve and `experts_bytes` (all experts);
+    else None. Copied experts are anonymous memory the cgroup cannot reclaim (no swap): where they
+    leave less than the file pages, the kernel evicts the libraries' code, which every token reads
+    back (runs/tb at 1100 MiB: 1.0-1.4 major faults a token, 0.84x plain, results/bench-memory-tb-parity.json).
+    No predictor is loaded then: with every expert resident there is nothing to prefetch."""
+    footprint += max(0, file_pages - CODE_BYTES)
     if footprint + reserve + experts_bytes > cap:
         return None
     return MemoryPlan(cap, footprint, reserve, experts_bytes // total_experts, total_experts, total_experts,
-                      True, held_by(cap))
+                      True, held_by(cap), file_pages=max(file_pages, CODE_BYTES))
 
 
 def plan_mapped(cap: int, footprint: int, reserve: int, expert_bytes: int, total_experts: int,
-                min_cached: int) -> MemoryPlan:
+                min_cached: int, why: str = "") -> MemoryPlan:
     """Every expert mapped from the checkpoint: the page cache holds what is left
     beside the process's estimated `footprint` and the reserve; a CapacityError naming the smallest
     cap that works when that is fewer than `min_cached` experts (one layer's top-k)."""
     _require(cap, footprint, reserve, expert_bytes, min_cached, "experts in the page cache")
     held = held_by(cap)  # without a cgroup no page is dropped for the cap: the machine's pressure trims the cache
     return MemoryPlan(cap, footprint, reserve, expert_bytes, total_experts, total_experts, True,
-                      held if held == "cgroup" else "nothing (mapped, no cgroup)", True)
+                      held if held == "cgroup" else "nothing (mapped, no cgroup)", True, file_pages=CODE_BYTES, why=why)
 
 
 def plan_offloaded(cap: int, footprint: int, reserve: int, expert_bytes: int, total_experts: int,
@@ -228,6 +236,7 @@ class MemoryPlanner:
 
     def __init__(self, model_dir: ModelDirectory, options: RuntimeOptions, reserves: Reserves = Reserves()) -> None:
         self.model_dir, self.options, self.reserves = model_dir, options, reserves
+        self.why = ""  # why the whole model was not copied, where it looked as if it fitted: said by the plan taken
 
     def reserve(self, copy_buffers: int) -> int:
         """`reserve_bytes` for the options' context (else the reserves'), what the expert kernel
@@ -250,21 +259,28 @@ class MemoryPlanner:
         return WholeModelNeed(process + sum(sizes.values()) - experts_bytes, self.reserve(0), experts_bytes,
                               len(layers) * layers[0].num_experts, layers[0].top_k)
 
-    def whole_model(self, process: int) -> MemoryPlan | None:
-        """The whole model's plan beside this process's `process` bytes now: mapped where
-        `map_experts` asks; copied into memory where every expert fits (the plain transformers
-        model); mapped where the page cache can hold `MAPPED_SHARE` of them on the CPU and
-        `map_experts` is automatic; else None (slots)."""
+    def whole_model(self, process: int, file_pages: int = CODE_BYTES) -> MemoryPlan | None:
+        """The whole model's plan beside this process's `process` bytes now (`CODE_BYTES` of file
+        pages counted) and the `file_pages` it has resident now (measured: the libraries it runs):
+        mapped where `map_experts` asks; copied into memory where every expert fits beside both (the
+        plain transformers model); mapped where the page cache can hold `MAPPED_SHARE` of them on
+        the CPU and `map_experts` is automatic; else None (slots). Where every expert fits beside
+        `CODE_BYTES` but not beside the measured file pages, the plan taken says so (`why`)."""
         need, map_experts, cap = self.need(process), self.options.map_experts, self.options.memory
-        mapped = (need.footprint, need.reserve, need.expert_bytes, need.total_experts, need.top_k)
         if map_experts:
-            return plan_mapped(cap, *mapped)
-        resident = plan_resident(cap, need.footprint, need.reserve, need.experts_bytes, need.total_experts)
+            return plan_mapped(cap, need.footprint, need.reserve, need.expert_bytes, need.total_experts, need.top_k)
+        resident = plan_resident(cap, need.footprint, need.reserve, need.experts_bytes, need.total_experts, file_pages)
         if resident is not None:
             return resident
+        if need.total <= cap:
+            self.why = (f"not every expert copied: {need.experts_bytes / 2**30:.2f} GiB of them beside the process "
+                        f"and the {file_pages / 2**20:.0f} MiB of file pages it runs (measured) need "
+                        f"{(need.total + file_pages - CODE_BYTES) / 2**30:.2f} GiB, and the copies would evict "
+                        f"the libraries' code")
         room = cap - need.footprint - need.reserve
         if map_experts is None and self.options.device == "cpu" and room >= MAPPED_SHARE * need.experts_bytes:
-            return plan_mapped(cap, *mapped)
+            return plan_mapped(cap, need.footprint, need.reserve, need.expert_bytes, need.total_experts, need.top_k,
+                               self.why)
         return None
 
     def slots(self, footprint: int, expert_bytes: int, layers: list[MoELayer], predictor_work: int) -> MemoryPlan:
@@ -272,5 +288,6 @@ class MemoryPlanner:
         `footprint` (non-expert weights and predictor loaded), the reserve (with one expert's read
         in flight per transfer worker) and what its predictor holds at work (`predictor_work`); a
         CapacityError naming the smallest cap that works below one layer's top-k."""
-        return plan_offloaded(self.options.memory, footprint, self.reserve(self.options.transfer_workers * expert_bytes),
+        plan = plan_offloaded(self.options.memory, footprint, self.reserve(self.options.transfer_workers * expert_bytes),
                               expert_bytes, len(layers) * layers[0].num_experts, layers[0].top_k, predictor_work)
+        return replace(plan, why=self.why) if self.why else plan
