@@ -24,7 +24,6 @@ from predictor.base import ExpertPredictor, PredictorError
 from prescient.arch import is_encoder_decoder
 from prescient.budget import Budget
 from prescient.checkpoint_schemes import CompressionError
-from prescient.errors import ModelFilesError
 from prescient.fingerprint import ModelFingerprint, fingerprint_model_dir, loaded_fingerprint
 from prescient.loading import load_model, load_without_experts
 from prescient.memory_cap import READ_HEADROOM_BYTES, drop_file_pages, file_backed_bytes, process_footprint
@@ -178,19 +177,11 @@ def _slot_pool(options: RuntimeOptions, plan: MemoryPlan | None, fingerprint: Mo
 
 def _load_whole(model_dir: ModelDirectory, options: RuntimeOptions, plan: MemoryPlan | None) -> LoadedModel | None:
     """The whole model as `plan` says (`MemoryPlanner.whole_model`): copied into memory (the plain
-    transformers model, its own forward), or every weight mapped from the checkpoint; None where
-    the plan is slots, or where mapping was not asked for and this checkpoint cannot be mapped."""
+    transformers model, its own forward), or every weight mapped from the checkpoint (asked for:
+    a checkpoint that cannot be mapped is a ModelFilesError); None where the plan is slots."""
     if plan is None:
         return None
-    if not plan.mapped:
-        return _load_resident(model_dir, options, plan)
-    try:
-        return _load_mapped(model_dir, options, plan)
-    except ModelFilesError as exc:  # another dtype or expert layout than the mapped model computes with
-        if options.map_experts:
-            raise
-        log.info("the experts are not mapped: %s", exc)
-        return None
+    return _load_resident(model_dir, options, plan) if not plan.mapped else _load_mapped(model_dir, options, plan)
 
 
 def _load_mapped(model_dir: ModelDirectory, options: RuntimeOptions, plan: MemoryPlan) -> LoadedModel:

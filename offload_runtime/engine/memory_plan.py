@@ -7,12 +7,14 @@ cache its reads leave. Four outcomes:
 - every expert fits beside the rest, the file pages the process runs (measured) included: they are
   copied into memory with the model (the plain transformers model, its own forward and kernels, no
   hooks);
-- the page cache can hold at least `MAPPED_SHARE` of the experts beside the rest: every weight is a
-  view of the memory-mapped checkpoint (`mapped`: nothing copied, the page cache is the expert
-  cache, the kernel reads back what it drops) and the model runs with no hooks; `tune` measures
-  mapping at every size it tunes, and it can be asked for at any cap (`map_experts`);
+- where asked (`map_experts`, or what `tune` kept, which measures mapping at every size it tunes):
+  every weight is a view of the memory-mapped checkpoint (`mapped`: nothing copied, the page cache
+  is the expert cache, the kernel reads back what it drops) and the model runs with no hooks;
 - otherwise the experts are offloaded: what is left of the cap after the measured footprint of the
-  process (non-expert weights and predictor loaded) and the reserve buys slots;
+  process (non-expert weights and predictor loaded) and the reserve buys slots. No longer mapped by
+  default where the page cache could hold 80% of the experts: the slots' kernels decode faster
+  there (runs/tb at 1100 MiB, 61 of 64 slots: 137-221 tokens/s, mapped 82-105, plain 87-90;
+  results/bench-memory-tb-parity-*.json, the memory page);
 - a cap that cannot buy one layer's top-k is refused, naming the smallest cap that works.
 The limit is held by the kernel where the process runs in a cgroup at or under the cap (the page
 cache is then kept: the kernel reclaims it first); elsewhere by dropping the pages the store reads.
@@ -33,9 +35,6 @@ from prescient.model_dir import ModelDirectory
 MiB = 2**20
 SLACK = 16 * MiB  # the allocator's free lists, small buffers
 PREFILL_TOKENS = 512  # activations are reserved for a prefill this long; longer prompts need more room
-# mapped from here: the memory-mapped model 1.2x the slots where 80% fit and a tie at 60% in
-# results/bench-memory-tb.json as of e0dfb74 (1.12x at 60% in the curve after it: not yet moved)
-MAPPED_SHARE = 0.8
 RESERVED_CONTEXT = 4096  # tokens of KV cache kept free (the model's context, or the request's, where shorter)
 
 
@@ -158,14 +157,14 @@ def plan_resident(cap: int, footprint: int, reserve: int, experts_bytes: int, to
 
 
 def plan_mapped(cap: int, footprint: int, reserve: int, expert_bytes: int, total_experts: int,
-                min_cached: int, why: str = "") -> MemoryPlan:
+                min_cached: int) -> MemoryPlan:
     """Every expert mapped from the checkpoint: the page cache holds what is left
     beside the process's estimated `footprint` and the reserve; a CapacityError naming the smallest
     cap that works when that is fewer than `min_cached` experts (one layer's top-k)."""
     _require(cap, footprint, reserve, expert_bytes, min_cached, "experts in the page cache")
     held = held_by(cap)  # without a cgroup no page is dropped for the cap: the machine's pressure trims the cache
     return MemoryPlan(cap, footprint, reserve, expert_bytes, total_experts, total_experts, True,
-                      held if held == "cgroup" else "nothing (mapped, no cgroup)", True, file_pages=CODE_BYTES, why=why)
+                      held if held == "cgroup" else "nothing (mapped, no cgroup)", True, file_pages=CODE_BYTES)
 
 
 def plan_offloaded(cap: int, footprint: int, reserve: int, expert_bytes: int, total_experts: int,
@@ -263,9 +262,8 @@ class MemoryPlanner:
         """The whole model's plan beside this process's `process` bytes now (`CODE_BYTES` of file
         pages counted) and the `file_pages` it has resident now (measured: the libraries it runs):
         mapped where `map_experts` asks; copied into memory where every expert fits beside both (the
-        plain transformers model); mapped where the page cache can hold `MAPPED_SHARE` of them on
-        the CPU and `map_experts` is automatic; else None (slots). Where every expert fits beside
-        `CODE_BYTES` but not beside the measured file pages, the plan taken says so (`why`)."""
+        plain transformers model); else None (slots). Where every expert fits beside `CODE_BYTES`
+        but not beside the measured file pages, the slots' plan says so (`why`)."""
         need, map_experts, cap = self.need(process), self.options.map_experts, self.options.memory
         if map_experts:
             return plan_mapped(cap, need.footprint, need.reserve, need.expert_bytes, need.total_experts, need.top_k)
@@ -277,10 +275,6 @@ class MemoryPlanner:
                         f"and the {file_pages / 2**20:.0f} MiB of file pages it runs (measured) need "
                         f"{(need.total + file_pages - CODE_BYTES) / 2**30:.2f} GiB, and the copies would evict "
                         f"the libraries' code")
-        room = cap - need.footprint - need.reserve
-        if map_experts is None and self.options.device == "cpu" and room >= MAPPED_SHARE * need.experts_bytes:
-            return plan_mapped(cap, need.footprint, need.reserve, need.expert_bytes, need.total_experts, need.top_k,
-                               self.why)
         return None
 
     def slots(self, footprint: int, expert_bytes: int, layers: list[MoELayer], predictor_work: int) -> MemoryPlan:

@@ -15,7 +15,7 @@ from offload_runtime.engine import generate as generate_module
 from offload_runtime.engine.generate import generate_offloaded, storage_reads
 from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.mapped import mapped_share
-from offload_runtime.engine.memory_plan import MAPPED_SHARE, MemoryPlanner, MiB, plan_offloaded, plan_resident, reserve_bytes, workspace_bytes
+from offload_runtime.engine.memory_plan import MemoryPlanner, MiB, plan_offloaded, plan_resident, reserve_bytes, workspace_bytes
 from offload_runtime.engine.model_runtime import ModelRuntime
 from offload_runtime.engine.options import OptionsError, RuntimeOptions
 from offload_runtime.engine.resident import ResidentRuntime
@@ -99,16 +99,18 @@ def test_a_cap_that_holds_every_expert_runs_the_plain_model_without_hooks(tiny_m
     assert not runtime.memory_plan.mapped and not hasattr(model, "mmaps")
 
 
-def test_mapped_experts_are_the_checkpoint_itself_and_map_where_most_but_not_all_fit(tiny_moe_dir, monkeypatch):
+def test_mapped_experts_are_the_checkpoint_itself_and_only_where_asked(tiny_moe_dir, monkeypatch):
+    """Mapped where `map_experts` asks; not by default where most experts fit (the slots' kernels
+    decoded runs/tb 1.6x the mapped model with 61 of 64 experts in slots)."""
     path, directory, reference = _model(tiny_moe_dir)
     mapped = load_offloaded(path, memory="16GiB", map_experts=True)
     assert mapped_share(mapped) == 1.0  # nothing copied
     assert mapped.offload_runtime.fingerprint == fingerprint_model_dir(path)  # the same model, as predictors know it
     monkeypatch.setattr(loader, "process_footprint", lambda reads=True: FOOTPRINT)
     need = MemoryPlanner(directory, RuntimeOptions()).need(FOOTPRINT)
-    fixed = need.footprint + need.reserve
-    for share, is_mapped in ((MAPPED_SHARE + 0.05, True), (MAPPED_SHARE - 0.05, False)):
-        model = load_offloaded(path, memory=fixed + int(share * need.experts_bytes))  # not every expert fits
+    cap = need.footprint + need.reserve + int(0.9 * need.experts_bytes)  # not every expert fits
+    for map_experts, is_mapped in ((None, False), (True, True)):
+        model = load_offloaded(path, memory=cap, map_experts=map_experts)
         assert model.offload_runtime.memory_plan.mapped == is_mapped == hasattr(model, "mmaps")
         assert torch.equal(generate(model, encode(path, False)), reference)
         model.offload_runtime.close()
@@ -127,7 +129,7 @@ def test_mapping_asked_for_below_the_whole_model_runs_exact_and_refuses_below_a_
         load_offloaded(path, memory=FOOTPRINT, map_experts=True)
 
 
-def test_a_cap_at_the_whole_models_need_maps_or_slots_where_copies_would_evict_the_file_pages_it_runs(
+def test_a_cap_at_the_whole_models_need_takes_slots_where_copies_would_evict_the_file_pages_it_runs(
         tiny_moe_dir, monkeypatch):
     path, directory, reference = _model(tiny_moe_dir)
     monkeypatch.setattr(loader, "process_footprint", lambda reads=True: FOOTPRINT)
@@ -135,12 +137,11 @@ def test_a_cap_at_the_whole_models_need_maps_or_slots_where_copies_would_evict_t
     monkeypatch.setattr(loader, "file_backed_bytes", lambda: CODE_BYTES)
     assert load_offloaded(path, memory=need.total).offload_runtime.memory_plan.resident  # fits beside the code
     monkeypatch.setattr(loader, "file_backed_bytes", lambda: CODE_BYTES + 134 * MiB)  # the libraries' pages, measured
-    for map_experts, mapped in ((None, True), (False, False)):
-        with load_offloaded(path, memory=need.total, map_experts=map_experts).offload_runtime as runtime:
-            plan = runtime.memory_plan
-            assert plan.mapped == mapped and plan.resident == mapped  # mapped, or slots: never every expert copied
-            assert "not every expert copied" in plan.line() and "166 MiB of file pages" in plan.line()
-            assert torch.equal(generate(runtime.model, encode(path, False)), reference)
+    with load_offloaded(path, memory=need.total).offload_runtime as runtime:
+        plan = runtime.memory_plan
+        assert not plan.resident and not plan.mapped  # slots, sized by their own plan
+        assert "not every expert copied" in plan.line() and "166 MiB of file pages it runs (measured)" in plan.line()
+        assert torch.equal(generate(runtime.model, encode(path, False)), reference)
 
 
 def test_memory_settings_need_a_memory_cap_and_the_request_sizes_the_reserve(tiny_moe_dir):
