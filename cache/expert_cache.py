@@ -277,18 +277,19 @@ class ExpertCache:
 
     # -- policy hook -------------------------------------------------------------------------
 
-    def on_forecast(self, chances: np.ndarray, layer: int | None = None) -> None:
+    def on_forecast(self, chances: np.ndarray, layer: int | Sequence[int] | None = None) -> None:
         """Learned eviction: [L, E] predicted chances of use soon, each in [0, 1] (see
-        `predictor.forecast.chances_of_use`), for every key of every layer; with `layer`, for that
-        layer's keys only (a token has run the layer: pass the chances of use by later tokens)."""
+        `predictor.forecast.chances_of_use`), for every key of every layer; with `layer` (one or
+        several), for those layers' keys only (a token has run the layer: pass the chances of use
+        by later tokens)."""
         if not self.policy.uses_forecasts:
             return
         chances = np.asarray(chances, dtype=np.float64)
         if chances.ndim != 2:
             raise CacheError(f"forecast chances must be [layers, experts], got shape {list(chances.shape)}")
-        layers = np.arange(chances.shape[0]) if layer is None else np.array([layer])
+        layers = np.arange(chances.shape[0]) if layer is None else np.atleast_1d(np.asarray(layer, dtype=np.int64))
         ids = self._forecast_ids(layers, chances.shape[1])
-        values = checks.chances(chances[layers].ravel())  # with `layer`: that row alone is read (and checked)
+        values = checks.chances(chances[layers].ravel())  # with `layer`: those rows alone are read (and checked)
         with self._lock:
             on_forecast(self.state.struct, ids, values)
 

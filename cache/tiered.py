@@ -66,7 +66,7 @@ class TieredCache:
             for expert, score in items:
                 self.weights[layer, expert] = score
 
-    def on_forecast(self, chances: np.ndarray, layer: int | None = None) -> None:
+    def on_forecast(self, chances: np.ndarray, layer: int | Sequence[int] | None = None) -> None:
         for tier in self.tiers:
             tier.on_forecast(chances, layer)
 

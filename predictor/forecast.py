@@ -9,6 +9,7 @@ so that it compares with the chances of the layers still to run)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -26,10 +27,16 @@ def chances_of_use(current: torch.Tensor, forecasts: torch.Tensor, top_k: int, d
     picked (the predictor's `chance_selected`; default `chance_selected` below)."""
     steps = torch.cat([current.unsqueeze(-3), forecasts], dim=-3)
     selected = (to_chances or chance_selected)(steps, top_k)  # [..., H+1, L, E]
-    weights = discount ** torch.arange(steps.shape[-3], dtype=torch.float32)
-    weights = weights / weights.sum()
-    later = torch.einsum("...hle,h->...le", selected[..., 1:, :, :], weights[1:])
+    weights = _weights(steps.shape[-3], discount)
+    later = (selected[..., 1:, :, :] * weights[1:]).sum(-3)
     return later + selected[..., 0, :, :] * weights[0], later
+
+
+@functools.cache
+def _weights(steps: int, discount: float) -> torch.Tensor:
+    """[steps, 1, 1] the weights γ^h, summing to 1 (made once: the runtime asks at every token)."""
+    weights = discount ** torch.arange(steps, dtype=torch.float32)
+    return (weights / weights.sum())[:, None, None]
 
 
 def chance_selected(scores: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -43,6 +43,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from predictor import sida_decode
 from predictor.base import ExpertPredictor, PredictorError, PredictorMeta, register_predictor
 from prescient.errors import ModelFilesError
 
@@ -253,6 +254,9 @@ class SiDAPredictor(ExpertPredictor):
     def __init__(self, hash_fn: SiDAHash, meta: PredictorMeta):
         self.hash = hash_fn.folded().eval()
         self.meta = meta
+        # the causal decode step as one compiled call (`sida_decode`: what the runtime runs inline
+        # once a token); the bidirectional variant re-encodes its window with the module instead
+        self._decode = None if self.hash.sizes.bidirectional else sida_decode.DecodeWeights.of(self.hash)
 
     @property
     def horizon(self) -> int:
@@ -271,19 +275,27 @@ class SiDAPredictor(ExpertPredictor):
         return self.hash.logits(features), self.hash.forecasts(features)[..., :horizon, :, :]
 
     @torch.inference_mode()
-    def forecast(self, state: SiDAState, horizon: int | None = None) -> torch.Tensor:
+    def forecast(self, state: SiDAState | sida_decode.DecodeState, horizon: int | None = None) -> torch.Tensor:
         horizon = self.horizon if horizon is None else horizon
         self.require_horizon(horizon)
         if state.feature is None:
             raise PredictorError("forecast needs a token: call step at least once after start")
+        if isinstance(state, sida_decode.DecodeState):
+            return torch.from_numpy(state.forecasts).view(-1, self.horizon, self.n_layers, self.n_experts)[:, :horizon]
         return self.hash.forecasts(state.feature)[:, :horizon]
 
     @torch.inference_mode()
-    def start(self, batch_size: int) -> SiDAState:
+    def start(self, batch_size: int) -> SiDAState | sida_decode.DecodeState:
+        if self._decode is not None:
+            sizes = self.hash.sizes
+            return sida_decode.DecodeState.start(batch_size, sizes.lstm_layers, sizes.hidden_dim, sizes.attn_window)
         return self.hash.start(batch_size)
 
     @torch.inference_mode()
-    def step(self, state: SiDAState, token_ids: torch.Tensor) -> torch.Tensor:
+    def step(self, state: SiDAState | sida_decode.DecodeState, token_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(state, sida_decode.DecodeState):
+            logits = sida_decode.step(self._decode, state, token_ids.cpu())
+            return torch.from_numpy(logits).view(-1, self.n_layers, self.n_experts)
         return self.hash.step(state, token_ids)
 
     def tensors(self) -> dict[str, torch.Tensor]:

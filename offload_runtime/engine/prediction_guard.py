@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -102,7 +102,7 @@ class PredictionGuard:
     def __contains__(self, key: Key) -> bool:
         return key in self.cache
 
-    def on_forecast(self, chances: np.ndarray, layer: int | None = None) -> None:
+    def on_forecast(self, chances: np.ndarray, layer: int | Sequence[int] | None = None) -> None:
         """The prefetcher's forecasts reach the live cache while acting (a late table of a forward
         run before a pause reaches nothing)."""
         if self.acting:

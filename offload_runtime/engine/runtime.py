@@ -123,8 +123,10 @@ class OffloadRuntime:
         self.n_experts = layers[0].num_experts
         self.policy = policy
         if fine_store is None:
+            # with n_experts every key is numbered arithmetically: learned eviction renews a layer's
+            # chances at every layer of every forward, and looking keys up one by one cost ~0.2 ms a token
             self.cache = ExpertCache(pool.num_slots, self.policy, n_layers=len(layers), top_k=self.top_k,
-                                     on_evict=self._on_evict)
+                                     on_evict=self._on_evict, n_experts=max(layer.num_experts for layer in layers))
         else:
             policies = [policy, make_serving_policy(options.policy, self.top_k)]  # an instance per tier
             self.cache = tiered_cache([p.num_slots for p in pool.pools], policies, options.precision_rule,
@@ -190,6 +192,7 @@ class OffloadRuntime:
         """Each forward of a stack: a new step over its layers; hand its new input ids to the hash
         builder as token stream `stream`."""
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.prefetcher.send_forecasts()  # the last forward's, before the guards may evict or clear ranks
             if self.guard is not None:
                 self.guard.check()
             if self.prediction_guard is not None:
@@ -250,6 +253,7 @@ class OffloadRuntime:
     def _give_back_slots(self, count: int) -> int:
         """The memory guard's call: hold `count` fewer experts, evicting the policy's victims, and
         hand those slots' pages back to the kernel; returns the bytes freed."""
+        self.prefetcher.send_forecasts()
         evicted = self.cache.shrink(self.cache.capacity - count)
         if self.prediction_guard is not None:
             self.prediction_guard.shrink(self.cache.capacity)
@@ -268,6 +272,9 @@ class OffloadRuntime:
         """Make `experts` of `layer` resident and pinned while the block runs; yields the
         layer's [E] expert → slot table (-1: no slot). `wait=False`: the copies may still run."""
         keys = [(layer, e) for e in experts]
+        if self.prefetcher.unsent and (layer in self.prefetcher.unsent
+                                       or any(self.pool.map.rows[layer][e] < 0 for e in experts)):
+            self.prefetcher.send_forecasts()  # the ranks this access reads, or its misses evict by
         # the decision: the cache counts each hit and miss, inserts the misses (evicting what its
         # policy chooses: `_on_evict` cancels the victim's queued copy and frees its slot) and
         # pins every key, so nothing this layer needs is evicted while it runs
@@ -342,6 +349,7 @@ class OffloadRuntime:
         whether each holds a slot, the cache and the forward's chances of use by later tokens."""
         if self.builder is not None and self.prefetcher.wanted is None:
             self._take_table(layer)
+        self.prefetcher.send_forecasts()  # the ranks it decides by
         row = self.pool.map.rows[layer]
         return self.hybrid.decide(layer, experts, loads, [bool(row[e] >= 0) for e in experts], self.cache,
                                   self.prefetcher.later)
@@ -356,6 +364,7 @@ class OffloadRuntime:
         """Insert `keys` that are not resident (a prefetch: not an access; none of `keys` is
         evicted for another) and request their copies in the given order, after every demand
         load; returns the keys inserted."""
+        self.prefetcher.send_forecasts()  # the ranks it evicts by
         inserted = self.cache.prefetch_many(keys)
         for rank, key in enumerate(inserted):
             self._load(key, priority=priority - rank)
@@ -363,6 +372,7 @@ class OffloadRuntime:
 
     def pin_resident(self, keys: list[Key]) -> None:
         """Load `keys` and keep them resident for good (pinned: never evicted)."""
+        self.prefetcher.send_forecasts()
         inserted = self.cache.prefetch_many(keys, pin=True)  # pins what it inserts
         for key in inserted:
             self._load(key)

@@ -33,12 +33,13 @@ def forecasting_sida(path, horizon: int = 2) -> SiDAPredictor:
 
 def record_forecasts(runtime) -> list[tuple[int | None, np.ndarray]]:
     """Every (layer, chances) the runtime hands its cache's `on_forecast` from now on, in order
-    (layer None: a forward's whole table), still passed on to the cache."""
+    (layer None: a forward's whole table; a call for several layers: one entry per layer), still
+    passed on to the cache."""
     fed = []
     on_forecast = runtime.cache.on_forecast
 
     def record(chances, layer=None):
-        fed.append((layer, np.array(chances)))
+        fed.extend((one, np.array(chances)) for one in ([None] if layer is None else np.atleast_1d(layer).tolist()))
         on_forecast(chances, layer=layer)
 
     runtime.cache.on_forecast = record
@@ -57,6 +58,10 @@ def test_learned_eviction_is_exact_and_ranks_by_the_forecasts(tiny_moe_dir, poli
     recorded = record_forecasts(runtime)
     with runtime:
         out = generate(model, inputs, new_tokens=6)
+        # a layer's renewed chances reach the cache once they can decide something: the last
+        # forward's wait for a next one (which sends them first)
+        assert runtime.prefetcher.unsent[-1] == len(runtime.layers) - 1
+        runtime.prefetcher.send_forecasts()
     assert torch.equal(out, want)
     fed = [(layer, chances) for layer, chances in recorded if layer is None]
     after_layer = [(layer, chances) for layer, chances in recorded if layer is not None]
@@ -81,6 +86,7 @@ def test_a_late_table_gives_the_layers_already_run_their_later_chances(tiny_moe_
         fed = record_forecasts(runtime)
         last = n_layers - 1
         runtime._prefetch_after(last)  # the forward's table comes while its last layer runs
+        runtime.prefetcher.send_forecasts()
         (whole_layer, whole), (run_layer, run) = fed
         assert whole_layer is None and np.allclose(whole[:last], 0.2 * FORECAST_WEIGHT)
         assert np.allclose(whole[last:], 0.8 * FORECAST_WEIGHT)
@@ -216,3 +222,35 @@ def test_a_certain_predictors_forecasts_rank_alone(tiny_moe_dir):
         runtime.prefetcher.history.average[:] = 1.0
         chances = np.full((len(runtime.layers), runtime.n_experts), 0.25)
         assert np.array_equal(runtime.prefetcher.history.blend(chances), chances)
+
+
+def test_renewed_chances_sent_late_evict_as_if_sent_at_each_layer(tiny_moe_dir, monkeypatch):
+    """The prefetcher holds a layer's renewed chances until they can decide an eviction (one call
+    a forward instead of one a layer): the cache evicts exactly what it evicts when each is sent
+    as its layer runs."""
+    from offload_runtime.engine.prefetch import Prefetcher
+
+    path = tiny_moe_dir("mixtral")
+    inputs = encode(path, encoder_decoder=False)
+
+    def evictions() -> list:
+        model = load_offloaded(path, prediction_guard=False, predictor=forecasting_sida(path),
+                               policy="learned-belady", budget=0.3)
+        wait_for_tables(model)
+        evicted = []
+        with model.offload_runtime as runtime:
+            on_evict = runtime.cache.on_evict
+            runtime.cache.on_evict = lambda key: (evicted.append(key), on_evict(key))
+            generate(model, inputs, new_tokens=8)
+        return evicted
+
+    late = evictions()
+    keys_after = Prefetcher.keys_after
+
+    def sent_at_once(self, layer, demand_loads=0):
+        keys = keys_after(self, layer, demand_loads)
+        self.send_forecasts()
+        return keys
+
+    monkeypatch.setattr(Prefetcher, "keys_after", sent_at_once)
+    assert late and evictions() == late
