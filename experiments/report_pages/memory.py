@@ -6,6 +6,7 @@ and what `prescient tune` measured at two of those sizes."""
 from __future__ import annotations
 
 from functools import partial
+from statistics import median
 from typing import Any
 
 from experiments.report_tables import Headline, Page, Rows, Table, load, num, spread
@@ -38,6 +39,10 @@ HOLDS = "bench-memory-holds-tb.json"  # --memory from plain's need down: faults,
 # the guard's steady cost sum (ce108ba): runs/tb's two caps, runs/tw at 1.7 GB, runs/tb at plain's need
 COST_GUARD, COST_GUARD_WIDE = "bench-prediction-tb-costguard.json", "bench-prediction-tw-1.7-costguard.json"
 PARITY = "bench-memory-tb-parity.json"
+# issue 53 item 5: every expert copied no longer where that leaves less than the file pages the process runs;
+# stepped down to the mapped model (3f37558, one run per prompt: not kept), then to slots (ebeb4f2)
+PARITY_MAPPED, PARITY_SLOTS = "bench-memory-tb-parity-mapped.json", "bench-memory-tb-parity-slots.json"
+PARITY_HOLDS = "bench-memory-tb-parity-holds.json"  # the holds table's two middle caps again at ebeb4f2
 COST_SLEEP = "bench-prediction-tb-costsleep.json"  # a53fe87: 128 forwards asleep after a cost pause (not kept)
 COST_GUARD_WIDE_2X = "bench-prediction-tw-1.7-2x.json"  # runs/tw at 1.7 GB at 6a7adf3, 2 repeats
 RUNTIMES = ("no-predictor", "prescient", "prefetch", "oracle")  # in their columns' order
@@ -334,11 +339,20 @@ most 0.02 major faults per token and read from disk less than its slots moved (5
 against 85.6 moved without the predictor, 55.8 against 60.9 with it); at 0.85 GB it decoded 1.54x
 (without) and 1.43x (with) the plain model's uncapped 100.0 tokens/s, at 660 MiB 0.94x and 0.84x (on
 this prompt LRU already hits well: the predictor's run is 0.89x the run without it), at 520 MiB 0.10x
-and 0.13x. At the plain model's own need (1100 MiB) `--memory` runs the plain model: 1.04x (without)
+and 0.13x. At the plain model's own need (1100 MiB) `--memory` then ran the plain model: 1.04x (without)
 and 0.99x (with) plain in the same cgroups (plain killed in 2 of 3 runs, its survivor 83.2 tokens/s),
-and over 4 prompts and 2 repeats 0.84x and 0.87x plain (plain killed in 3 of 8; the parity table).
-Not met there: 1.1-1.4 major faults and 3.6 MiB read per token, the process's own pages (the experts
-all resident leave the libraries' pages too little room at that cap). A cap too small is refused
+and over 4 prompts and 2 repeats 0.84x and 0.87x plain (plain killed in 3 of 8; the parity table),
+with 1.1-1.4 major faults and 3.6 MiB read per token, the process's own pages: the experts copied are
+anonymous memory the cgroup cannot reclaim, and they left the libraries' pages too little room.
+**Parity at plain's need, since ebeb4f2:** the plan copies every expert only where they fit beside
+the file pages the process runs, measured before loading (130 MiB there), and otherwise takes slots,
+saying why in its line. At 1100 MiB it keeps 60-61 of 64 experts in slots: over 4 prompts and 2
+interleaved repeats the runtime decoded 1.42-1.95x plain without the predictor and 0.96-1.76x with it
+(per prompt, where plain finished: plain was killed or ran past the 120 s limit in 4 of 8 runs), at
+most 0.01 major faults and 1.5 MiB read per token against 6.0-7.0 MiB its slots moved, every token
+the plain model's (the parity tables). The same step down to the memory-mapped model was measured
+first and not kept: 0.94-1.04x plain (one run per prompt), its forward being the plain model's,
+where the slots' kernels are faster. A cap too small is refused
 before the expert store opens: in a cgroup 400, 435 and 489 MiB exit 2 in 6.0-6.4 s naming 497 MiB,
 and 520 MiB decodes (12.0 tokens/s, 8 slots, no major fault).
 
@@ -348,10 +362,11 @@ and every run that finished computed the plain model's tokens. The plain transfo
 every weight into anonymous memory: on runs/tb it is killed below 1.3 GB, on runs/tw it runs from
 2.8 GB and below that thrashes past the run limit. The project's runtime (`--memory`, with what
 `prescient tune` kept on this machine where it was tuned, else the built-in defaults) copies every
-expert into memory where they all fit (the plain model), maps every weight from the checkpoint where
-the page cache can hold 80% of the experts, and below that keeps a share of the experts in slots (the
-plan column says which; the runs/tw curve at 2.8 and 3.3 GB predates copying where all fit, and the
-table after it measures the copy there).
+expert into memory where they all fit beside the file pages it runs (the plain model), maps every
+weight from the checkpoint where asked (`--map-experts`; by default until ebeb4f2 where the page
+cache could hold 80% of the experts), and otherwise keeps a share of the experts in slots (the plan
+column says which; the runs/tw curve at 2.8 and 3.3 GB predates copying where all fit, and the table
+after it measures the copy there).
 
 Two models, one trained router: on runs/tb (733 MB of experts) importing torch and transformers
 holds about 0.46 GB, most of any cap that would be "0.4x the plain model's need", so nothing runs
@@ -431,6 +446,59 @@ def _cost_guard_tables() -> tuple[Table, ...]:
         Table("runs/tb at the plain model's own need (1100 MiB), the plain model and `--memory` in the same cgroups, "
               "4 prompts, 2 interleaved repeats: faults, reads and memory per token", (PARITY,), parity_cmd,
               partial(holds_rows, PARITY)),
+    )
+
+
+def _parity_note(name: str) -> str:
+    """Per runtime system: its median tokens/s over plain's per prompt where both ran (median and
+    range over the prompts), the largest major faults and reads per token, the plan it took."""
+    result = load(name)
+    (cap,) = result["per_prompt"]
+    uncapped = {reference["prompt_index"]: reference["tokens_per_s"] for reference in result["references"]}
+    parts = []
+    for system in ("no-predictor", "prescient"):
+        ratios = [row["tokens_per_s"][system] / row["tokens_per_s"]["plain"] for row in cap["prompts"]
+                  if row["tokens_per_s"].get("plain") and row["tokens_per_s"].get(system)]
+        alone = [row["tokens_per_s"][system] / uncapped[row["prompt_index"]] for row in cap["prompts"]
+                 if row["tokens_per_s"].get(system)]
+        done = [run for run in result["runs"] if run["system"] == system and run["status"] == "ok"]
+        plan = done[0]["memory_plan"]
+        where = "mapped" if plan["mapped"] else f"{plan['slots']} of {plan['total_experts']} experts in slots"
+        faults = max(run["decode_major_faults_per_token"] for run in done)
+        reads = max(run["decode_read_bytes_per_token"] for run in done)
+        parts.append(f"{SYSTEM_NAMES[system]}: {where}, {spread(median(ratios), [min(ratios), max(ratios)])}x plain "
+                     f"over the {len(ratios)} prompts plain ran ({spread(median(alone), [min(alone), max(alone)])}x "
+                     f"plain uncapped over all {len(alone)}), at most {num(faults, 2)} major faults and "
+                     f"{num(reads / 2**20, 2)} MiB read per token")
+    plain = [run["status"] for run in result["runs"] if run["system"] == "plain"]
+    return (f"Per prompt, the median over the repeats against plain's in the same run; {'; '.join(parts)}. Plain did "
+            f"not finish {len(plain) - plain.count('ok')} of its {len(plain)} runs (killed, or past the run limit).")
+
+
+def _parity_tables() -> tuple[Table, ...]:
+    """runs/tb at the plain model's own need after the plan counts the file pages the process runs:
+    stepped down to the mapped model (measured, not kept), then to slots."""
+    cmd = ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory 1100MiB --prompts 4 "
+           "--new-tokens 96 --repeats 2 --threads 2 --systems plain,no-predictor,prescient --run-timeout 120 "
+           f"--json results/{PARITY_SLOTS}")
+    mapped_cmd = cmd.replace("--repeats 2", "--repeats 1").replace(PARITY_SLOTS, PARITY_MAPPED)
+    holds_cmd = ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory 0.85GB,660MiB "
+                 "--prompts 1 --new-tokens 96 --repeats 3 --threads 2 --systems no-predictor,prescient --run-timeout "
+                 f"120 --json results/{PARITY_HOLDS}")
+    return (
+        Table("runs/tb at the plain model's own need (1100 MiB) once the plan leaves room for the file pages the "
+              "process runs (ebeb4f2: not every expert copied, slots instead), the plain model in the same cgroups, "
+              "4 prompts, 2 interleaved repeats", (PARITY_SLOTS,), cmd, partial(holds_rows, PARITY_SLOTS),
+              note=_parity_note(PARITY_SLOTS)),
+        Table("Measured and not kept (3f37558): the same step down to the model memory-mapped from its checkpoint, "
+              "one run per prompt and system", (PARITY_MAPPED,), mapped_cmd, partial(holds_rows, PARITY_MAPPED),
+              note=_parity_note(PARITY_MAPPED)),
+        Table("The holds table's caps below plain's need again at ebeb4f2 (the plan's step down does not reach them): "
+              "its prompt, 3 interleaved repeats, the runtime's two systems", (PARITY_HOLDS,), holds_cmd,
+              partial(holds_rows, PARITY_HOLDS),
+              note="The plans are ce108ba's (34 and 20 slots, the same hit rates, bytes moved and reads per token as "
+                   "the holds table); at 660 MiB both systems decoded slower than there (69.4 and 72.9 against 94.3 "
+                   "and 84.1 tokens/s) with the same reads and no major fault: not the plan, and not explained here."),
     )
 
 
@@ -540,6 +608,7 @@ def page() -> Page:
                  "plain,no-predictor,prescient --run-timeout 120 --json ...")
     return Page("memory", "Speed against memory", CONCLUSION, (
         *_cost_guard_tables(),
+        *_parity_tables(),
         *_history_tables(),
         *_guard_tables(),
         *_earlier_prediction_tables(),
