@@ -437,3 +437,17 @@ def _forecast_arrays(forecasts: Forecasts | None) -> tuple[np.ndarray, ...]:
         return np.zeros(0, np.int64), none, none, np.zeros(1, np.int64)
     keys, soon, later, steps = forecasts
     return keys, soon, none if later is None else later, steps
+
+
+def load_kernels(policy: EvictionPolicy, n_layers: int, n_experts: int, top_k: int) -> None:
+    """Run the compiled kernels a serving cache calls (access, forecasts, prefetch, shrink) once on
+    a throwaway cache with `policy`: numba's runtime and their machine code (about 27 MiB at their
+    first call in a process, measured on this machine) are then in the process, where a memory plan
+    measuring it next counts them, as it must with or without a predictor."""
+    cache = ExpertCache(max(top_k, 2), policy, n_layers=n_layers, top_k=top_k, n_experts=n_experts)
+    keys = [(0, expert) for expert in range(min(top_k, n_experts))]
+    cache.access_many(keys, pin=True)
+    cache.unpin_many(keys)
+    cache.on_forecast(np.zeros((n_layers, n_experts)))
+    cache.prefetch_many([(n_layers - 1, n_experts - 1)])
+    cache.shrink(top_k)

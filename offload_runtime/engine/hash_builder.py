@@ -269,8 +269,9 @@ def warm_up(predictor: Any, forecasts: bool, next_token: bool, tokens: int = 16)
     """Run `predictor` as the hash-building thread runs it while decoding, on a thread of its
     own, over a prompt and `tokens` decode steps; returns how much anonymous memory the process
     gained meanwhile, measured while the predictor still holds it (its state, its forecasts, the
-    thread's allocator arena): what a memory plan must leave it. A later thread takes over the
-    arena the warm-up thread leaves."""
+    thread's allocator arena), less what stays once it is closed (compiled code loaded at its first
+    step, which the process's footprint measured after this counts): what a memory plan must leave
+    it beyond the footprint. A later thread takes over the arena the warm-up thread leaves."""
     release_free_memory()
     before = anonymous_bytes()
     builder = HashBuilder(predictor, forecasts=forecasts, next_token=next_token)
@@ -284,4 +285,6 @@ def warm_up(predictor: Any, forecasts: bool, next_token: bool, tokens: int = 16)
     finally:
         grown = max(0, anonymous_bytes() - before)
         builder.close()
-    return grown
+    del builder  # its states with it: what stays is the predictor's own
+    release_free_memory()
+    return max(0, grown - max(0, anonymous_bytes() - before))

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from cache import make_serving_policy
+from cache.expert_cache import load_kernels
 from offload_runtime.engine.expert_layout import LAYOUT_BYTES_PER_ELEMENT, expert_spec
 from offload_runtime.engine.hash_builder import warm_up
 from offload_runtime.engine.loaded import LoadedModel
@@ -84,6 +85,9 @@ def _load_into_slots(model_dir: ModelDirectory, predictor: str | Path | ExpertPr
     eviction = make_serving_policy(options.policy, layers[0].top_k)
     fingerprint = loaded_fingerprint(model_dir, model, layers, options.torch_dtype)
     predictor = _checked_predictor(predictor, fingerprint, model, options, eviction.uses_forecasts)
+    if planner is not None:  # the compiled cache kernels are in the process before the plan measures it
+        load_kernels(make_serving_policy(options.policy, layers[0].top_k), len(layers), layers[0].num_experts,
+                     layers[0].top_k)
     # under a cap the predictor runs once first, so that the plan measures what it holds at work
     at_work = 0 if predictor is None or planner is None else warm_up(
         predictor, eviction.uses_forecasts, options.next_token_min_chance is not None)

@@ -245,3 +245,30 @@ def test_inline_a_failure_is_raised_by_the_submit_that_met_it():
     with pytest.raises(HashBuilderError):
         builder.poll(1)
     builder.close()
+
+
+class LoadsCodeOnceFrequencyPredictor(FrequencyPredictor):
+    """At its first step keeps 40 MB for good (compiled code loaded once, say); each state holds
+    16 MB while it lives (the predictor at work)."""
+
+    kept: list = []
+
+    def start(self, batch_size: int):
+        return b"\1" * (16 * 2**20)
+
+    def step(self, state, token_ids: torch.Tensor) -> torch.Tensor:
+        if not self.kept:
+            self.kept.append(b"\1" * (40 * 2**20))
+        return super().step(None, token_ids)
+
+
+def test_the_warm_up_counts_what_the_predictor_holds_at_work_not_what_stays(tiny_moe_dir):
+    """What stays after the warm-up is in the footprint the plan measures next: counted there once."""
+    from offload_runtime.engine.hash_builder import warm_up
+
+    plain, layers = load_model(tiny_moe_dir("olmoe"), dtype=torch.float32)
+    fingerprint = fingerprint_model(plain, layers)
+    predictor = LoadsCodeOnceFrequencyPredictor(torch.ones(fingerprint.n_moe_layers, fingerprint.n_experts),
+                                                PredictorMeta("frequency", fingerprint))
+    at_work = warm_up(predictor, forecasts=False, next_token=False)
+    assert predictor.kept and 12 * 2**20 < at_work < 28 * 2**20
