@@ -43,6 +43,8 @@ PARITY = "bench-memory-tb-parity.json"
 # stepped down to the mapped model (3f37558, one run per prompt: not kept), then to slots (ebeb4f2)
 PARITY_MAPPED, PARITY_SLOTS = "bench-memory-tb-parity-mapped.json", "bench-memory-tb-parity-slots.json"
 PARITY_HOLDS = "bench-memory-tb-parity-holds.json"  # the holds table's two middle caps again at ebeb4f2
+FUSED = "bench-prediction-tb-fused.json"  # c1d9968: the fused SiDA step, forecasts sent when they decide
+FUSED_WIDE = "bench-prediction-tw-1.1-fused.json"  # the same commit on runs/tw at 1.1 GB, llama.cpp beside it
 COST_SLEEP = "bench-prediction-tb-costsleep.json"  # a53fe87: 128 forwards asleep after a cost pause (not kept)
 COST_GUARD_WIDE_2X = "bench-prediction-tw-1.7-2x.json"  # runs/tw at 1.7 GB at 6a7adf3, 2 repeats
 RUNTIMES = ("no-predictor", "prescient", "prefetch", "oracle")  # in their columns' order
@@ -224,7 +226,42 @@ def tune_rows(name: str) -> Rows:
 
 
 CONCLUSION = """
-**The guard weighs a small cost that persists (today's defaults).** The first tables run runs/tb at
+**The predictor at a third of its inline cost, and a plan that counts the compiled kernels (today's
+defaults, 8c2e022).** Inline, the predictor ran with the CPU's caches cold from the experts' weights,
+so its torch ops cost several times their standalone time: SiDA's step is now one compiled call
+(`predictor/sida_decode.py`) and a layer's renewed chances reach the cache only when they can decide
+an eviction, about 0.55 ms a token of predictor work where it was 1.3 (scratch profiles). The plan now
+loads numba's runtime and the cache kernels (about 27 MiB) before it measures the process, with or
+without a predictor; the runtime without one ran on them unplanned before, so every system holds 2
+fewer slots than at ce108ba (15 at 0.66 GB, 31-32 at 0.85 GB). The first tables run runs/tb as the
+runs after them did (8 prompts, 2 interleaved repeats, every baseline in the same cgroups; through
+../shared/bin/quiet, load average 0.89 before): at 0.66 GB the predictor decoded a median 1.26x the
+runtime without it (0.75x to 2.00x), the oracle 1.53x (0.98x to 2.12x); by median speed 24.1 tokens/s
+with the predictor, 19.2 without, 28.5 for the oracle (1.18x the predictor), 23.4 memory-mapped, plain
+killed in all 32 runs. On the four prompts where the oracle gains 1.5x or more (1, 3, 4 and 8) the
+predictor gained 1.33x to 2.00x. At 0.85 GB: 1.05x (0.97x to 1.55x), the oracle 1.35x; 97.3, 92.1 and
+112.3 tokens/s, 69.1 mapped; where the oracle gains 1.5x or more there (prompts 3, 6 and 8) the predictor
+gained 1.55x, 1.25x and 1.03x. Below the runtime without a predictor: prompt 2 at 0.66 GB (0.75x, where
+the oracle itself decodes 0.98x: LRU hits 0.91 and nothing is left to win; the windows acting before
+the guard pauses cost a few misses more than LRU, 78 against 72 in one run, each about 10 ms from
+disk at this cap, more than the predictor's own work) and prompt 1 at 0.85 GB (0.97x). The first run
+of the bench (prompt 1, without a predictor) compiled a cache kernel inside its cgroup (process 453
+MiB, 11 slots, 9.3 tokens/s): prompt 1's 1.96x at 0.66 GB is the median of that run and one with 15
+slots. Every run exact, no wasted prefetch (none is issued on the CPU), tables on time for every
+forward, at most 0.02 major faults per token, and the runtime's reads below the bytes its slots moved
+(0.66 GB, the predictor: a median 28.1 MiB read against 32.9 MiB moved per token).
+On runs/tw at its tightest cap, 1.1 GB, at the same commit (8 prompts, one run per prompt and system,
+interleaved, llama.cpp f32 memory-mapped beside the others in the same cgroups; load average 1.21
+before): the predictor decoded a median 1.36x the runtime without it (0.88x to 2.16x), the oracle 1.55x
+(1.08x to 2.61x); on the five prompts where the oracle gains 1.5x or more (1, 3, 4, 6 and 8) the
+predictor gained 1.34x to 2.16x; below 1.0x only prompt 2 (0.88x, where LRU decodes 66 tokens/s and
+the oracle gains 1.08x). By median speed the predictor and the oracle both decoded 11.9 tokens/s, the
+runtime without a predictor 8.1, llama.cpp 11.0 (the predictor 1.08x llama.cpp, the runtime without
+it 0.74x), the model memory-mapped 13.6 (its spread 5.1 to 31.1: on prompts 1, 2 and 4 the page cache
+held what that prompt's tokens use), plain transformers past the 60 s limit in every run. The
+predictor read 75.4 MiB from disk per token where the runtime without it read 118.2 and llama.cpp
+117.2. Every run exact (llama.cpp's text the plain model's as far as both go), 16 slots each.
+**The guard weighs a small cost that persists (the run before).** The first tables run runs/tb at
 0.66 and 0.85 GB as the run after them did, at commit ce108ba, with one change to the guard: a third
 moving sum over 32 forwards pauses predictions whose net cost (the time predicting, plus the demand
 loads beyond the shadow LRU's misses at the run's wait per load) exceeds 2% of the forwards' own time
@@ -405,6 +442,32 @@ def _history_note(name: str) -> str:
         lines.append(f"At {num(cap['cap_bytes'] / GB, 2)} GB, per prompt over no predictor (median, range): "
                      f"{', '.join(parts)}; the predictor below 1.0x on prompt(s) {', '.join(below) or 'none'}.")
     return " ".join(lines)
+
+
+def _fused_tables() -> tuple[Table, ...]:
+    """The predictor's inline work cut to about 0.55 ms a token (c1d9968), every baseline in the same
+    run: runs/tb at its two caps, runs/tw at its tightest with llama.cpp beside it."""
+    cmd = ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory 0.66GB,0.85GB --prompts 8 "
+           "--new-tokens 96 --repeats 2 --threads 2 --systems plain,mmap,no-predictor,prescient,oracle "
+           f"--run-timeout 120 --json results/{FUSED}")
+    wide_cmd = ("prescient bench --model runs/tw --predictor runs/demo/predictor/sida --memory 1.1GB --prompts 8 "
+                "--new-tokens 96 --repeats 1 --threads 2 --run-timeout 60 --systems plain,mmap,no-predictor,prescient,"
+                "oracle,llama.cpp --llama-cpp /work/llama/llama.cpp/build/bin --gguf runs/gguf/tw-f32.gguf "
+                f"--json results/{FUSED_WIDE}")
+    setup = ("runs/tb (733 MB of experts) at 0.66 and 0.85 GB, 8 held-out prompts of 16 tokens, 96 new tokens, 2 "
+             "interleaved repeats, `--memory`'s defaults (SiDA's step fused into one compiled call, the hash "
+             "builder inline, learned eviction blending the history, nothing prefetched on the CPU, the guard)")
+    return (
+        Table(f"The predictor at a third of its inline cost ({setup}): per prompt the runtime without a predictor, "
+              "with it and with the oracle", (FUSED,), cmd, partial(prediction_rows, FUSED), note=_history_note(FUSED)),
+        Table("The same run's baselines over all prompts and repeats: plain transformers, the model memory-mapped, "
+              "and the runtime's systems", (FUSED,), cmd, partial(systems_rows, FUSED)),
+        Table("runs/tw (2.2 GB of experts) at its tightest cap, 1.1 GB, at the same commit: 8 prompts, one run per "
+              "prompt and system, interleaved", (FUSED_WIDE,), wide_cmd, partial(prediction_rows, FUSED_WIDE),
+              note=_history_note(FUSED_WIDE)),
+        Table("runs/tw's baselines in that run, llama.cpp (f32, memory-mapped) among them", (FUSED_WIDE,), wide_cmd,
+              partial(systems_rows, FUSED_WIDE)),
+    )
 
 
 def _cost_guard_tables() -> tuple[Table, ...]:
@@ -607,6 +670,7 @@ def page() -> Page:
                  "1100MiB,0.85GB,660MiB,520MiB --prompts 1 --new-tokens 96 --repeats 3 --threads 2 --systems "
                  "plain,no-predictor,prescient --run-timeout 120 --json ...")
     return Page("memory", "Speed against memory", CONCLUSION, (
+        *_fused_tables(),
         *_cost_guard_tables(),
         *_parity_tables(),
         *_history_tables(),

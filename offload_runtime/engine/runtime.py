@@ -124,7 +124,7 @@ class OffloadRuntime:
         self.policy = policy
         if fine_store is None:
             # with n_experts every key is numbered arithmetically: learned eviction renews a layer's
-            # chances at every layer of every forward, and looking keys up one by one cost ~0.2 ms a token
+            # chances at every layer of every forward, and a lookup and check per key cost more than the kernel
             self.cache = ExpertCache(pool.num_slots, self.policy, n_layers=len(layers), top_k=self.top_k,
                                      on_evict=self._on_evict, n_experts=max(layer.num_experts for layer in layers))
         else:
