@@ -255,6 +255,8 @@ MEANING: dict[str, tuple[str, Callable[[], str] | None]] = {
     "expert_kernel": ("gemv: ours where the model runs grouped_mm on the CPU, our one-row product (a dot product "
                       "per row) for float32 weights of 1 MiB or more", None),
     "expert_kernel_table": ("read only with `--expert-kernel auto`", None),
+    "on_predictor_error": ("a failing predictor (its hash-building thread) stops `generate`; `serve` always goes on "
+                           "with demand loads alone, the failure logged and counted (`predictor_failures`)", None),
     "max_batch": ("up to this many requests decoded together", _max_batch),
     "served_model_name": ("the `model` a request must name: by default the model directory's name (`--model "
                           "runs/my/model` serves `model`); any other name is a 404 `model_not_found`", None),

@@ -110,7 +110,7 @@ def serve_with_predictor(path: Path, export: Path, encoder_decoder: bool) -> str
     plain, _ = load_model(path, dtype=torch.float32)
     want = greedy(plain, inputs)
     model = load_offloaded(path, predictor=export, policy="mrs", budget=0.5)
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         got = greedy(model, inputs)
     stats = runtime.stats()
     if not torch.equal(got, want):
@@ -129,7 +129,7 @@ def check_cgopipe(path: Path) -> str:
     try:
         budget = budget_fraction(0.5, len(layers), max(layer.num_experts for layer in layers))
         model = load_offloaded(path, policy="fifo", budget=budget)
-        with model.offload_runtime, CGOPipe(model, 0.5) as pipe:
+        with model.runtime, CGOPipe(model, 0.5) as pipe:
             got = pipe.generate(prompts, CGOPIPE_NEW_TOKENS, micro_batch_size=2, n_micro=2, eos_token_id=None)
     except PrescientError as exc:
         return f"refused: {str(exc).strip().splitlines()[0]}"

@@ -97,7 +97,7 @@ def check_family(family: Family, workdir: Path) -> Support:
         served = layout(plain)
         for budget, policy in SETTINGS:
             model = load_offloaded(path, policy=policy, budget=budget)
-            with model.offload_runtime:
+            with model.runtime:
                 got = greedy(model, inputs)
             if not torch.equal(got, want):
                 return Support(family.model_type, "different", f"tokens differ at budget {budget}, {policy}")

@@ -114,7 +114,7 @@ def store_read_bandwidth(model_dir: str, options: RuntimeOptions) -> float:
     from offload_runtime.engine.loader import load_offloaded
 
     model = load_offloaded(model_dir, None, dataclasses.replace(options, budget=1 / 4))
-    runtime = model.offload_runtime
+    runtime = model.runtime
     rates = []
     with runtime:
         expert_bytes = runtime.pool.nbytes / runtime.pool.num_slots
@@ -208,7 +208,7 @@ def measure_schedule(model_dir: str, prompts: list[list[int]], gen_len: int, pol
     model = load_offloaded(model_dir, None, options)
     requests = prompts[:policy.requests]
     n_micro = -(-policy.requests // policy.micro_batch)
-    with model.offload_runtime as runtime, make_decoder(mode, model, policy, hot, table, hot_count) as pipe:
+    with model.runtime as runtime, make_decoder(mode, model, policy, hot, table, hot_count) as pipe:
         out = pipe.generate(requests, gen_len, micro_batch_size=policy.micro_batch, n_micro=n_micro,
                             pad_token_id=model.config.pad_token_id or 0)
         stats = runtime.stats()

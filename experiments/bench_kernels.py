@@ -106,7 +106,7 @@ def logits_check(model_dir: str, plain, prompts: list[list[int]], gen_len: int, 
 
     want_batch, want_tokens, want_logits = run(plain)
     model = load_offloaded(model_dir, None, options)
-    with model.offload_runtime:
+    with model.runtime:
         batch, tokens, logits = run(model)
     return {"expert_kernel": options.expert_kernel, "budget": options.budget.as_json(), "batch_prompts": len(prompts),
             "batch_logits_equal": bool(torch.equal(batch, want_batch)),

@@ -61,7 +61,7 @@ def measure(model_dir: str, predictor: str | None, memory: str | None, settle: i
     inputs = tokenizer("def read_config(path):\n", return_tensors="pt")
     options = {"memory": memory} if memory else {}
     model = load_offloaded(directory, predictor, **options)
-    with model.offload_runtime, torch.inference_mode():
+    with model.runtime, torch.inference_mode():
         model.generate(**inputs, max_new_tokens=settle + tokens, min_new_tokens=settle + tokens, do_sample=False,
                        streamer=ClearAfter(settle + 2), pad_token_id=tokenizer.pad_token_id)
         touched = referenced_file_bytes()

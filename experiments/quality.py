@@ -83,7 +83,7 @@ def _loaded(model_dir: str | Path, predictor: str | None, options: RuntimeOption
     `options.dtype`."""
     if offload:
         model = load_offloaded(model_dir, predictor, options=options)
-        return model, model.offload_runtime.fingerprint
+        return model, model.runtime.fingerprint
     model, layers = load_model(model_dir, dtype=options.torch_dtype)
     return model, loaded_fingerprint(model_dir, model, layers, options.torch_dtype)
 
@@ -122,22 +122,22 @@ def measure_quality(model_dir: str | Path, reference_dir: str | Path, datasets: 
               "split": split, "seq_len": seq_len, "windows": windows,
               "fingerprint_match": fingerprint == ref_fingerprint, "datasets": {}}
     if offload and options.memory is not None:
-        result["memory_plans"] = {name: loaded.offload_runtime.memory_plan.line()
+        result["memory_plans"] = {name: loaded.runtime.memory_plan.line()
                                   for name, loaded in (("reference", reference), ("model", model))}
     try:
         for dataset in datasets:
             held_out = corpus_windows(tokenizer, dataset, split, text_field, seq_len, windows)
-            before = model.offload_runtime.stats() if mixed else None
+            before = model.runtime.stats() if mixed else None
             figures = compare_logits(model, reference, held_out, batch_size, desc=dataset, decode=decode)
             if mixed:
-                after = model.offload_runtime.stats()
+                after = model.runtime.stats()
                 figures["fine_share"] = round((after.fine_accesses - before.fine_accesses)
                                               / max(after.accesses - before.accesses, 1), 4)
             result["datasets"][dataset] = figures
     finally:
         for loaded, offloaded in ((model, through_runtime), (reference, offload)):
             if offloaded:
-                loaded.offload_runtime.close()
+                loaded.runtime.close()
     return result
 
 

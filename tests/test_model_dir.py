@@ -109,7 +109,7 @@ def test_an_opened_directory_loads_the_same_offloaded_model_as_its_path(tiny_moe
     outputs = []
     for model_dir in (path, ModelDirectory.open(path)):
         model = load_offloaded(model_dir, None, budget=0.5)
-        with model.offload_runtime as runtime, torch.inference_mode():
+        with model.runtime as runtime, torch.inference_mode():
             outputs.append((model(ids).logits, runtime.fingerprint, runtime.store.model_dir))
     (logits, fingerprint, where), (logits_opened, fingerprint_opened, where_opened) = outputs
     torch.testing.assert_close(logits_opened, logits, rtol=0, atol=0)

@@ -38,8 +38,8 @@ def test_quality_command_under_a_memory_cap_runs_both_models_offloaded_and_equal
     model, dataset = tiny_moe_dir("mixtral"), f"json:{text_corpus}"
     whole = measure_quality(model, model, (dataset,), split="train", seq_len=16, windows=3)  # the command's batch
     probe = load_offloaded(model, None, budget=1.0)
-    expert_bytes = probe.offload_runtime.pool.spec.nbytes
-    probe.offload_runtime.close()
+    expert_bytes = probe.runtime.pool.spec.nbytes
+    probe.runtime.close()
     reserve = reserve_bytes(ModelDirectory.open(model).config, 4, expert_bytes)  # one transfer worker
     # a fixed process, which grows by what the reference's plan holds once it is loaded
     held = [FOOTPRINT]
@@ -49,7 +49,7 @@ def test_quality_command_under_a_memory_cap_runs_both_models_offloaded_and_equal
 
     def loaded_and_held(*args):
         loaded, fingerprint = real_loaded(*args)
-        plan = loaded.offload_runtime.memory_plan
+        plan = loaded.runtime.memory_plan
         held[0] += plan.reserve + plan.slots * plan.expert_bytes
         return loaded, fingerprint
 

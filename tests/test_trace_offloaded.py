@@ -39,7 +39,7 @@ def resident(tiny_moe_dir, text_corpus, tmp_path_factory):
 def test_trace_through_the_runtime_under_a_budget_is_bit_equal_to_the_whole_models(resident, tmp_path, dtype):
     model_dir, dataset, traces = resident
     model = load_offloaded(model_dir, None, budget="3slots", dtype=dtype)  # 2 layers x 8 experts, top-2
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         trace_model(model_dir, dataset, tmp_path / "trace", dtype=DTYPES[dtype], model=model, **ARGS)
         stats = runtime.stats()
     assert stats.misses > 0 and stats.evictions > 0  # it really ran offloaded
@@ -52,7 +52,7 @@ def test_trace_of_the_memory_mapped_model_is_bit_equal_too(resident, tmp_path):
     checkpoint's dtype, float32 here)."""
     model_dir, dataset, traces = resident
     model = load_offloaded(model_dir, None, memory="8GiB", map_experts=True)
-    with model.offload_runtime:
+    with model.runtime:
         trace_model(model_dir, dataset, tmp_path / "trace", model=model, **ARGS)
     same_trace(load_trace(tmp_path / "trace"), traces["float32"])
 
@@ -73,8 +73,8 @@ def test_a_whole_models_trace_cut_short_resumes_through_the_runtime(resident, tm
         with pytest.raises(KeyboardInterrupt):
             trace_model(model_dir, dataset, out, **ARGS)
     assert len(read_manifest(out).shards) == 1
-    with load_offloaded(model_dir, None, budget="3slots").offload_runtime as runtime:
-        trace_model(model_dir, dataset, out, model=runtime.model, **ARGS)
+    with load_offloaded(model_dir, None, budget="3slots") as model:
+        trace_model(model_dir, dataset, out, model=model, **ARGS)
     same_trace(load_trace(out), traces["float32"])
 
 

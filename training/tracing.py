@@ -196,10 +196,10 @@ def _hidden_size(model) -> int:
 def _traced_model(model_dir: str | Path, dtype: torch.dtype,
                   model: nn.Module | None) -> tuple[nn.Module, list[MoELayer], ModelFingerprint]:
     """(model, its MoE layers, the fingerprint of `model_dir`): `model` as given, loaded through the
-    offloading runtime (its `offload_runtime` knows the layers and the fingerprint), or the whole
+    offloading runtime (a `LoadedModel`, whose `runtime` knows the layers and the fingerprint), or the whole
     model loaded here in `dtype`."""
     if model is not None:
-        return model, model.offload_runtime.layers, model.offload_runtime.fingerprint
+        return model, model.runtime.layers, model.runtime.fingerprint
     model, layers = load_model(model_dir, dtype=dtype)
     return model, layers, loaded_fingerprint(model_dir, model, layers, dtype)
 

@@ -132,7 +132,7 @@ def load_job(job: Job, stack: ExitStack) -> tuple[nn.Module, Any, dict[str, Any]
                      else load_predictor(job.predictor_path))
         predictor = _IgnoredTables(predictor) if job.ignore_tables else predictor
     model = load_offloaded(job.model_dir, predictor, job.options)
-    runtime = stack.enter_context(model.offload_runtime)
+    runtime = stack.enter_context(model.runtime)
     layers, store = runtime.layers, runtime.store
     keys = [(layer, expert) for layer in range(len(layers)) for expert in range(layers[0].num_experts)]
     stored = sum(store.stored_nbytes(key) for key in keys)

@@ -12,7 +12,7 @@ layer i of a pass (the prefill, or a decode step):
        requests every activated expert that is not in (the cold ones) at once, right after the
        gate, and computes each expert once over every token of the group that chose it, the
        resident and hot ones (landed) first, then each cold one as its copy lands
-       (`OffloadRuntime.parts` with `arrival_order`)
+       (`OffloadRuntime.arriving` with `arrival_order`)
     4. the group's (layer i−1 → layer i) choices counted into the table: the online update
 
 The table is a copy of the one given (built from a trace by `CorrelationTable.from_trace`), so
@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from offload_runtime.cgopipe.zigzag import MicroBatch, ZigZagDecoder
+from offload_runtime.engine.loaded import LoadedModel
 from predictor.base import PredictorMeta
 from predictor.baselines import token_scores
 from predictor.correlation import CorrelationTable
@@ -62,7 +63,7 @@ def check_hot_count(hot_count: int, n_experts: int, resident_fraction: float) ->
 
 
 class KlotskiPipe(ZigZagDecoder):
-    def __init__(self, model: nn.Module, resident_fraction: float, table: CorrelationTable | None = None,
+    def __init__(self, model: LoadedModel, resident_fraction: float, table: CorrelationTable | None = None,
                  hot_count: int | None = None, hot: Sequence[Sequence[float]] | None = None,
                  attention_device: str | None = "cpu", record_events: bool = False, early_hot: bool = True) -> None:
         """`hot_count`: K, the hot experts requested during attention (default: the model's

@@ -38,10 +38,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from torch import nn
 
 from offload_runtime.cgopipe.zigzag import Event, MicroBatch, ZigZagDecoder, budget_fraction
 from offload_runtime.engine.hash_builder import HashBuilder
+from offload_runtime.engine.loaded import LoadedModel
 from predictor.base import ExpertPredictor
 
 __all__ = ["CGOPipe", "Event", "budget_fraction"]  # budget_fraction: where callers found it first
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 
 class CGOPipe(ZigZagDecoder):
-    def __init__(self, model: nn.Module, resident_fraction: float, hot: Sequence[Sequence[float]] | None = None,
+    def __init__(self, model: LoadedModel, resident_fraction: float, hot: Sequence[Sequence[float]] | None = None,
                  predictor: ExpertPredictor | None = None, overlap: bool = True,
                  attention_device: str | None = "cpu", record_events: bool = False) -> None:
         super().__init__(model, resident_fraction, hot=hot, attention_device=attention_device,

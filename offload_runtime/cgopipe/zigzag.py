@@ -11,7 +11,7 @@ a layer, micro-batch by micro-batch (a "block" of micro-batches shares each laye
 
 The prefill runs the same order over the prompts (so each layer's experts cross the link once
 per batch there too). FlexGen waits for all of layer i+1's weights before it computes layer i+1;
-here a micro-batch waits only for the experts it selected (`OffloadRuntime.use`), which is
+here a micro-batch waits only for the experts it selected (`OffloadRuntime.arriving`), which is
 kinder to the baseline.
 
 `ZigZagDecoder` owns the request loop (prefill, decode steps, end of sequence, statistics, the
@@ -26,10 +26,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from offload_runtime.cgopipe.batching import partition_requests
 from offload_runtime.cgopipe.decoder_stack import DecoderStack, MicroBatchInputs
+from offload_runtime.engine.loaded import LoadedModel
 from offload_runtime.engine.runtime import OffloadRuntime
 from prescient.errors import CapacityError, UnsupportedModelError
 
@@ -95,17 +95,17 @@ class ZigZagDecoder:
     runtime computes a layer's resident experts first, then each copy as it lands (Klotski's
     order, which CGOPipe and Klotski use); FlexGen computes in the model's order."""
 
-    def __init__(self, model: nn.Module, resident_fraction: float, hot: Sequence[Sequence[float]] | None = None,
+    def __init__(self, model: LoadedModel, resident_fraction: float, hot: Sequence[Sequence[float]] | None = None,
                  attention_device: str | None = "cpu", record_events: bool = False,
                  arrival_order: bool = False) -> None:
-        runtime: OffloadRuntime | None = getattr(model, "offload_runtime", None)
-        if runtime is None:
+        runtime = model.runtime if isinstance(model, LoadedModel) else None
+        if not isinstance(runtime, OffloadRuntime):
             raise ValueError(f"{type(self).__name__} needs a model from load_offloaded(...) (its experts offloaded)")
         if runtime.builder is not None:
             raise ValueError("load the model without a predictor; give it to the batch decoder, which hashes whole "
                              "batches")
         self.model, self.runtime = model, runtime
-        self.stack = DecoderStack(model, attention_device=attention_device)
+        self.stack = DecoderStack(model.module, attention_device=attention_device)
         self.n_layers, self.n_experts = len(runtime.layers), runtime.n_experts
         if self.n_layers != len(self.stack.layers):
             raise UnsupportedModelError(

@@ -10,8 +10,9 @@ exactness tests, tracing, the server's scheduler, lm-eval) keeps working as it w
 wrapped model is `module`, as a wrapper names it in torch (`DistributedDataParallel.module`), since
 `model` is already the name of a transformers model's base model.
 
-The transformers model keeps a reference back to its runtime (`offload_runtime`), so that code
-handed the bare model (CGOPipe's decoders, tracing) finds the runtime that serves its experts.
+The transformers model holds no reference back: code that needs the runtime (CGOPipe's decoders,
+tracing, `tune`) is handed the `LoadedModel` and reads `runtime` from it. The hooks the runtime
+puts on the model are its own bound methods, so the model's forward needs no way back either.
 """
 
 from __future__ import annotations
@@ -29,12 +30,10 @@ class LoadedModel:
     """A model loaded by `load_offloaded`: `module` (the transformers model), `runtime` (its
     `ModelRuntime`: `stats()`, `close()`), `plan` (its `MemoryPlan`, None under a budget) and
     `options` (its `RuntimeOptions`). Any other attribute, and calling it, is the transformers
-    model's (`loaded.generate(...)`; `offload_runtime` is the runtime again, by the name the
-    transformers model holds it under). `with loaded:` closes the runtime on leaving (it stops its
+    model's (`loaded.generate(...)`). `with loaded:` closes the runtime on leaving (it stops its
     threads); a model dropped unclosed stops them once garbage-collected."""
 
     def __init__(self, module: nn.Module, runtime: ModelRuntime) -> None:
-        module.offload_runtime = runtime  # the bare model finds its runtime (see the module doc)
         self.__dict__.update(module=module, runtime=runtime)
 
     @property

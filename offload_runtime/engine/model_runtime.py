@@ -22,15 +22,14 @@ from prescient.fingerprint import ModelFingerprint
 class ModelRuntime(Protocol):
     """The runtime of a loaded model, and what it holds: the `model`, the `options` it was
     loaded with, its `memory_plan` (None under a budget), its `fingerprint` (what predictors are
-    checked against), the server's `sequence_ids` (each batch row's sequence, set before a forward)
-    and `on_predictor_error` ("raise", or "demand": serve on without the predictor)."""
+    checked against) and the server's `sequence_ids` (each batch row's sequence, set before a
+    forward: the state of the forward being run, not a setting)."""
 
     model: nn.Module
     options: RuntimeOptions
     fingerprint: ModelFingerprint
     memory_plan: MemoryPlan | None
     sequence_ids: list | None
-    on_predictor_error: str
 
     def stats(self) -> RuntimeStats:
         """Hits, misses, prefetches, loads and stalls since the model loaded."""

@@ -27,7 +27,7 @@ slots, then int4 ones), each expert parameter a `PackedWeights` over both.
 
 When a layer selects more experts than slots exist (a long prefill under a small budget), or the
 runtime computes experts as their copies land (the expert pipeline, Klotski's order; CGOPipe), the experts
-run in groups given by the runtime's `parts` (the one call every kind makes of it), each (token, choice) row at routing weight one;
+run in groups given by the runtime's `arriving` (the one call every kind makes of it), each (token, choice) row at routing weight one;
 the outputs are then weighted and summed as the model's own experts code does (`_combine`), so
 that bf16, where a sum of partial sums rounds differently from one sum, stays bit-identical.
 """
@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy as shallow
 from collections import Counter
 from collections.abc import Iterator
+from itertools import chain
 from concurrent.futures import Future
 from contextlib import closing
 from typing import Protocol
@@ -50,29 +51,24 @@ from offload_runtime.engine.expert_kernels import (GEMV, KERNELS, STREAMED, Cros
                                                    with_kernel)
 from offload_runtime.engine.expert_layout import expert_spec
 from offload_runtime.engine.hybrid import HybridExperts, measure_times
-from offload_runtime.engine.options import OptionsError
+from offload_runtime.engine.options import OptionsError, RuntimeOptions
 from offload_runtime.engine.slots import SlotPool
 from prescient.arch import MoELayer
 from prescient.checkpoint_schemes import CompressionError
 
 
 class ExpertSlots(Protocol):
-    """What an offloaded experts module needs of the runtime (`OffloadRuntime`): the slot pool,
-    the one call that makes a layer's experts resident while they compute (`parts`: each group
-    of them as it lands, with the slot table, or all together), whether they have all landed
-    already (`landed`: then one call computes them), and HybriMoE's choice of the experts that
-    compute where they live instead (`where_it_lives`)."""
+    """What an offloaded experts module needs of the runtime (`OffloadRuntime`): the slot pool it
+    computes on, HybriMoE's scheduler (`hybrid`: the weights where they live), its `options` (the
+    expert kernel) and the one call that hands it a layer's experts (`arriving`: each group of them
+    as it lands, with the slot table, or those that compute where they live first)."""
 
     pool: SlotPool
-    arrival_order: bool
     hybrid: "HybridExperts | None"  # HybriMoE's scheduler (`RuntimeOptions.hybrid_schedule`), else None
+    options: RuntimeOptions
 
-    def parts(self, layer: int, experts: list[int], device: torch.device,
-              together: bool = False) -> Iterator[tuple[list[int], torch.Tensor]]: ...
-
-    def landed(self, layer: int, experts: list[int]) -> bool: ...
-
-    def where_it_lives(self, layer: int, experts: list[int], loads: list[int]) -> list[int]: ...
+    def arriving(self, layer: int, experts: list[int], device: torch.device, as_they_land: bool = True,
+                 loads: list[int] | None = None) -> Iterator[tuple[list[int], torch.Tensor | None]]: ...
 
 
 def most_routed_first(chosen: torch.Tensor) -> list[int]:
@@ -259,35 +255,41 @@ class OffloadedExperts(_Offloaded):
         device = top_k_index.device
         implementation = self._implementation
         sums_in_router_order = implementation in ("batched_mm", "grouped_mm")
-        kernel, pipelined = self._plan(top_k_index, weighted, len(experts))
+        kernel, as_they_land = self._plan(top_k_index, weighted, len(experts))
         streamed = self._kernel_twins[self._kernel] if self._kernel in OURS and stands_in(implementation, device) \
             else None
-        lives = self._where_it_lives(hidden_states, top_k_index, experts) if self._lives is not None else []
-        if lives:  # HybriMoE's scheduler (`hybrid`): these compute where they live, the rest in slots
-            experts = [e for e in experts if e not in lives]
-        fits = len(experts) <= self._runtime.pool.num_slots
-        # one call of the twin on slot ids sums as the model does, unless the eager loop adds more
-        # than two outputs a token: it adds in expert-id order, and slot order is not expert order
-        one_call = kernel is None and not lives and fits and (sums_in_router_order or self._k <= 2) and (
-            not pipelined or self._runtime.landed(self.layer, experts))
-        decode = streamed is not None and not lives and weighted is None and len(top_k_index) == 1
-        # all in one group once all land: one call, or (EPS-MoE) too few tokens per expert for parts to pay
-        together = one_call or (fits and not pipelined and not decode) or not experts
-        arriving = self._runtime.parts(self.layer, experts, device, together=together)
-        if one_call:
-            with closing(arriving):
-                _, slots = next(arriving)
+        loads = self._loads(hidden_states, top_k_index, experts) if self._lives is not None else None
+        with closing(self._runtime.arriving(self.layer, experts, device, as_they_land, loads)) as arriving:
+            lives, first = [], next(arriving)
+            if first[1] is None:  # HybriMoE's scheduler (`hybrid`): these compute where they live, the rest in slots
+                lives, first = first[0], next(arriving)
+                experts = [e for e in experts if e not in lives]
+            # one call of the twin on slot ids sums as the model does, unless the eager loop adds more
+            # than two outputs a token: it adds in expert-id order, and slot order is not expert order;
+            # the runtime hands every expert in the first group where they are all in (or it waits for them)
+            if kernel is None and not lives and (sums_in_router_order or self._k <= 2) and len(first[0]) == len(experts):
+                slots = first[1]
                 if streamed is not None:
                     return streamed(hidden_states, self._ids(slots, top_k_index), top_k_weights)
                 twin, ids = self._windowed(experts, self._ids(slots, top_k_index), implementation)
                 return twin(hidden_states, ids, top_k_weights)
-        if decode:
-            return self._decode_as_they_land(hidden_states, top_k_index, top_k_weights, arriving, streamed)
+            groups = chain([first], arriving)
+            if streamed is not None and not lives and weighted is None and len(top_k_index) == 1:
+                return self._decode_as_they_land(hidden_states, top_k_index, top_k_weights, groups, streamed)
+            computing = (streamed or self._twin) if kernel is None else self._kernel_twins[kernel]
+            return self._in_groups(hidden_states, top_k_index, top_k_weights, weighted, groups, lives, computing,
+                                   sums_in_router_order)
+
+    def _in_groups(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   weighted: torch.Tensor | None, groups: Iterator[tuple[list[int], torch.Tensor]], lives: list[int],
+                   computing: nn.Module, sums_in_router_order: bool) -> torch.Tensor:
+        """Each group of experts (`groups`, as they land) on its own (token, choice) rows at routing
+        weight one (on `computing`, the chosen kernel's twin), those of `lives` on the CPU where they
+        live, the weightless choices last; the outputs then weighted and summed as the model's own
+        code does (`_combine`): a sum of partial sums rounds differently in bf16."""
+        device = top_k_index.device
         if weighted is None:
             weighted = top_k_index < self.num_experts
-        # each group of experts runs on its own (token, choice) rows at routing weight one (on the
-        # chosen kernel's twin), the weightless choices last; the outputs are then weighted and summed
-        # as the model's own code does (`_combine`): a sum of partial sums rounds differently in bf16
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         unweighted = flat.new_zeros(*top_k_index.shape, flat.shape[-1])
         elsewhere = self._compute_where_they_live(flat, top_k_index, lives, top_k_weights.dtype) if lives else None
@@ -296,8 +298,7 @@ class OffloadedExperts(_Offloaded):
             token, choice, out = self._rows_out(experts_module, flat, top_k_index, rows, slots, top_k_weights.dtype, part)
             unweighted[token, choice] = out.reshape(len(token), -1).to(unweighted.dtype)
 
-        computing = (streamed or self._twin) if kernel is None else self._kernel_twins[kernel]
-        for part, slots in arriving:
+        for part, slots in groups:
             if part:
                 run(torch.isin(top_k_index, torch.tensor(part, device=device)), slots, computing, part)
         if elsewhere is not None:  # the CPU side's rows, once its thread is done
@@ -311,7 +312,7 @@ class OffloadedExperts(_Offloaded):
     def _decode_as_they_land(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                              arriving: Iterator[tuple[list[int], torch.Tensor]], kernel_twin: nn.Module) -> torch.Tensor:
         """One decode token on our kernel's twin (`OURS`), each expert as its part lands
-        (`arriving`, from `ExpertSlots.parts`), unweighted; then weighted and summed in router order
+        (`arriving`, from `ExpertSlots.arriving`), unweighted; then weighted and summed in router order
         as the kernel sums them (`_combine`): the row bookkeeping of `_rows_out` done on the token's
         k ids."""
         choices = top_k_index[0].tolist()
@@ -340,16 +341,16 @@ class OffloadedExperts(_Offloaded):
         weights[:, 0] = 1
         return token, choice, experts_module(flat[token], ids, weights)
 
-    def _where_it_lives(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, experts: list[int]) -> list[int]:
-        """The runtime's choice of `experts` that compute where they live (`hybrid.HybridExperts`);
-        the first call on a GPU host measures the scheduler's costs (HybriMoE's warm-up)."""
+    def _loads(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, experts: list[int]) -> list[int]:
+        """The tokens routed to each of `experts`, which HybriMoE's scheduler (`hybrid.HybridExperts`)
+        decides on; the first call on a GPU host measures the scheduler's costs (HybriMoE's warm-up)."""
         hybrid = self._runtime.hybrid
         if hybrid.split and hybrid.times is None:
             host = {name: t[0] for name, t in hybrid.buffers(self.layer)[0].items()}
             hybrid.times = measure_times(self._twin, self._lives, host, hidden_states.shape[-1], hidden_states.dtype,
                                          hidden_states.device)
         loads = torch.bincount(top_k_index[top_k_index < self.num_experts].flatten(), minlength=self.num_experts)
-        return self._runtime.where_it_lives(self.layer, experts, loads[experts].tolist())
+        return loads[experts].tolist()
 
     def _compute_where_they_live(self, flat: torch.Tensor, top_k_index: torch.Tensor, lives: list[int],
                                  weight_dtype: torch.dtype) -> Future:
@@ -368,17 +369,16 @@ class OffloadedExperts(_Offloaded):
 
     def _plan(self, top_k_index: torch.Tensor, weighted: torch.Tensor | None, experts: int) -> tuple[str | None, bool]:
         """The kernel this call computes with (None: the twin's own, the model's implementation) and
-        whether its experts compute as their copies land (the runtime's `arrival_order`): by
-        `RuntimeOptions.expert_kernel`; "auto" picks both by the tokens per activated expert."""
-        pipelined = self._runtime.arrival_order
+        whether its experts may compute as their copies land (where the runtime's expert pipeline is
+        on): by `RuntimeOptions.expert_kernel`; "auto" picks both by the tokens per activated expert."""
         if self._kernel in ("model", *OURS) or not experts:
-            return None, pipelined
+            return None, True
         if self._kernel != "auto":
-            return (None if self._kernel == self._implementation else self._kernel), pipelined
+            return (None if self._kernel == self._implementation else self._kernel), True
         # only "auto" reads the load (a device sync on a GPU); weighted None: every choice is weighted
         load = (top_k_index.numel() if weighted is None else int(weighted.sum())) / experts
         kernel = choose(load, self._table)
-        return (None if kernel == self._implementation else kernel), pipelined and pipelines(load, self._table)
+        return (None if kernel == self._implementation else kernel), pipelines(load, self._table)
 
     @staticmethod
     def _combine(unweighted: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -421,7 +421,7 @@ class OffloadedDenseExperts(_Offloaded):
         out = torch.zeros_like(rows)
         loads = rows.any(dim=-1).sum(dim=1)  # per expert, its nonzero (routed) rows
         experts = most_routed_first(torch.repeat_interleave(torch.arange(self.num_experts, device=rows.device), loads))
-        for part, slots in self._runtime.parts(self.layer, experts, hidden_states.device):
+        for part, slots in self._runtime.arriving(self.layer, experts, hidden_states.device):
             for e in part:
                 out[e] = self._slot_twins[int(slots[e])](rows[e]).reshape(rows[e].shape)
         return out.view(hidden_states.shape)
@@ -448,7 +448,7 @@ class OffloadedSwitchExperts(_Offloaded):
         expert_of = chosen.argmax(-1)
         out = torch.zeros_like(hidden_states)
         device = selected_experts.device
-        for part, slots in self._runtime.parts(self.layer, most_routed_first(expert_of[routed]), device):
+        for part, slots in self._runtime.arriving(self.layer, most_routed_first(expert_of[routed]), device):
             rows = torch.nonzero(routed & torch.isin(expert_of, torch.tensor(part, device=device))).squeeze(1)
             one_hot = selected_experts.new_zeros(chosen.shape[0], 1, self._runtime.pool.num_slots)
             one_hot[rows, 0, slots[expert_of[rows]]] = 1

@@ -31,6 +31,7 @@ from prescient.errors import PrescientError
 
 STORES = ("disk", "host")
 SLOT_FORMATS = ("expanded", "packed")
+PREDICTOR_ERRORS = ("raise", "demand")  # what a failing hash-building thread does: stop the run, or serve on
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MAX_TRANSFER_WORKERS = 64  # reads in flight; storage queues gain nothing past a few dozen
 MAX_LOOKAHEAD_LAYERS = 3  # HybriMoE's reach; the residual stream drifts farther out
@@ -108,7 +109,9 @@ class RuntimeOptions:
     `hash_thread` (SiDA's hash-building thread beside the inference thread; False: the predictor runs
     inline at each forward's start, its table always on time; None, the default: the thread where the
     slots are on a GPU, inline on the CPU, where the thread's turns at the GIL cost the inference
-    thread more than the predictor's own work, see `hash_builder`)."""
+    thread more than the predictor's own work, see `hash_builder`), `on_predictor_error` (with a
+    predictor, when the hash-building thread fails: "raise", the default; "demand": log it, count it
+    (`RuntimeStats.predictor_failures`) and go on with demand loads alone, what `serve` always does)."""
 
     policy: str = "lru"
     memory: int | None = None
@@ -138,6 +141,7 @@ class RuntimeOptions:
     prediction_guard: bool = True
     table_wait: float = 0.01  # a SiDA step takes 0.2 ms; without the wait the GIL's 5 ms switch interval made tables late
     hash_thread: bool | None = None
+    on_predictor_error: str = "raise"
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str):
@@ -155,6 +159,9 @@ class RuntimeOptions:
                 raise OptionsError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.hash_thread is not None and not isinstance(self.hash_thread, bool):
             raise OptionsError(f"hash_thread must be True, False or None (the device decides), got {self.hash_thread!r}")
+        if self.on_predictor_error not in PREDICTOR_ERRORS:
+            raise OptionsError(f"on_predictor_error must be one of {', '.join(PREDICTOR_ERRORS)}, "
+                               f"got {self.on_predictor_error!r}")
         object.__setattr__(self, "device", str(check_device(self.device)))
         self._memory_settings()
         for name in ("transfer_workers", "read_depth"):

@@ -38,7 +38,6 @@ class ResidentRuntime:
                     module.use_matvec()
         self.top_k, self.n_experts = layers[0].top_k, layers[0].num_experts
         self.sequence_ids: list | None = None  # set by the server; nothing here keeps per-sequence state
-        self.on_predictor_error = "raise"
         self.forwards = 0
         self._handle = model.register_forward_pre_hook(self._count)  # one call per forward, not per layer
 

@@ -4,12 +4,12 @@ Per forward of a stack (the model; an encoder-decoder's encoder and decoder apar
 `prescient.arch.moe_stacks`), a pre-hook hands its new input ids, as that stack's token stream,
 to the hash builder (SiDA's hash-building thread on a GPU host; inline on the CPU, see
 `hash_builder`), and the prediction guard (`prediction_guard`) decides whether this forward acts on
-predictions at all. Per MoE layer (inference thread), `use(layer, experts)` serves the
+predictions at all. Per MoE layer (inference thread), `arriving(layer, experts)` serves the
 layer's selected experts: the cache decides hits and misses, each miss gets a slot and a demand
 load, the forward's prefetches are topped up (`prefetch.Prefetcher`; with in-token lookahead,
 `lookahead.InTokenLookahead`, the next layers' guesses from this block's input too), and the
 model's own expert math runs on the slots (see `offloaded_experts`): the resident experts first,
-each miss as its copy lands (the expert pipeline, `parts`: Klotski's compute-while-loading order), or once all are in.
+each miss as its copy lands (the expert pipeline: Klotski's compute-while-loading order), or once all are in.
 The cache decides residency; the slot map mirrors it: an insert takes a slot and requests its
 copy, an eviction cancels a queued copy and frees the slot. A key evicted while its copy runs
 and wanted again waits for that copy before it is requested into another slot.
@@ -21,8 +21,9 @@ expert's copy), an insert takes a slot of its tier and the copy reads from that 
 Serving (`offload_runtime.server`) batches sequences whose rows change from one forward to the
 next: it sets `sequence_ids` (one id per batch row) before each forward, so that the predictor
 keeps one state per sequence, and calls `end_sequences` when they finish. With
-`on_predictor_error = "demand"` a failure of the hash-building thread is logged and counted
-(`predictor_failures`) and the runtime goes on with demand loads alone; by default it is raised.
+`RuntimeOptions.on_predictor_error` "demand" (what serve runs with) a failure of the hash-building
+thread is logged and counted (`predictor_failures`) and the runtime goes on with demand loads
+alone; by default it is raised.
 
 Threads: the cache, slot map and this object are touched only by the inference thread (hooks
 and experts modules run there); the transfer workers touch the pool and store, the
@@ -133,16 +134,14 @@ class OffloadRuntime:
                                       len(layers), self.n_experts, self.top_k, self._on_evict)
         stores = [store] if fine_store is None else [fine_store, store]  # in the pool's tier order
         self.options = options
-        self.arrival_order = options.expert_pipeline  # see parts()
+        # whether a layer's experts compute as their copies land (see `arriving`): the loaded option,
+        # which a batch decoder switches for its schedule while it runs (`cgopipe.zigzag`)
+        self.arrival_order = options.expert_pipeline
         self._step = -1
         self._tickets: dict[Key, Ticket] = {}
         self.sequence_ids: list | None = None  # serving: each batch row's sequence id (see the module doc)
         self.memory_plan = memory_plan  # with `RuntimeOptions.memory`: what the cap bought
-        self.on_predictor_error = "raise"  # or "demand": log, count, and go on without the predictor
-        # SiDA's rule: at a forward's first MoE layer, wait up to this many seconds for its hash
-        # table (0: never wait; a late table then serves only the layers after the one it lands in)
-        self.table_wait = options.table_wait
-        self.table_wait_seconds = 0.0
+        self.table_wait_seconds = 0.0  # SiDA's wait for hash tables (`RuntimeOptions.table_wait`, `_take_table`)
         self.predictor_failures = 0
         packed = list(zip(pool.tier_buffers(), [s.packed for s in stores])) if store.packed else None
         # HybriMoE's scheduler: on a GPU host it splits each layer between the GPU and the CPU, else admission
@@ -229,7 +228,7 @@ class OffloadRuntime:
         return Spent(t.stall_seconds, t.demand_loads, self.predictor_seconds, t.copy_seconds, t.loads)
 
     def _predictor_failed(self, exc: HashBuilderError) -> None:
-        if self.on_predictor_error != "demand":
+        if self.options.on_predictor_error != "demand":
             raise exc
         log.error("%s; serving goes on with demand loads only", exc)
         self.predictor_failures += 1
@@ -267,8 +266,51 @@ class OffloadRuntime:
 
     # -- the inference thread's calls -------------------------------------------------------
 
+    def arriving(self, layer: int, experts: list[int], device: torch.device, as_they_land: bool = True,
+                 loads: list[int] | None = None) -> Iterator[tuple[list[int], torch.Tensor | None]]:
+        """The one way an experts module asks for `experts` of `layer` (mixtral-offloading's shape:
+        a layer's experts yielded as they land): groups of them, each with the layer's [E] expert
+        → slot table (-1: no slot) while the group is resident and pinned; at least one group (an
+        empty one for no experts). With `loads` (the tokens routed to each) and HybriMoE's
+        scheduler on, first the experts that compute where they live, without a slot (table None:
+        `hybrid.HybridExperts.decide`, from whether each holds a slot, the cache and the forward's
+        chances of use by later tokens), then the others'.
+
+        All in one group, in the order given, once their copies are in, where they fit the slots and
+        either every copy has landed already or they do not compute as they land (`as_they_land`
+        False, or `arrival_order` off): one call of the experts code then computes the layer. Else the
+        resident ones first, at most the slot count made resident at a time (a long prefill under a
+        small budget); with `arrival_order` (EPS-MoE's expert pipeline, `RuntimeOptions.expert_pipeline`;
+        the batch decoders set it) the experts whose copies have landed compute while the others'
+        copies run, then each as it lands (Klotski's order); without it, a group once all its
+        copies are in."""
+        if loads is not None and self.hybrid is not None:
+            lives = self._where_it_lives(layer, experts, loads)
+            yield lives, None
+            experts = [e for e in experts if e not in lives]
+        room = self.pool.num_slots - self.pool.map.retired
+        pipelined = self.arrival_order and as_they_land
+        if len(experts) <= room and not (pipelined and not self._all_landed(layer, experts)):
+            with self._use(layer, experts, device) as slots:
+                yield experts, slots
+            return
+        resident_first = sorted(experts, key=lambda e: self.pool.map.slot_of((layer, e)) is None)
+        for start in range(0, len(resident_first), room):
+            part = resident_first[start:start + room]
+            with self._use(layer, part, device, wait=not pipelined) as slots:
+                if not pipelined:
+                    yield part, slots
+                    continue
+                waiting = [(layer, e) for e in part]
+                while waiting:
+                    landed = [key for key in waiting if self.engine.ready(key)] or self.engine.wait_any(waiting)
+                    for key in landed:
+                        self.engine.wait(key)  # a CUDA copy's event; re-raises a failed copy
+                    waiting = [key for key in waiting if key not in landed]
+                    yield [e for _, e in landed], slots
+
     @contextmanager
-    def use(self, layer: int, experts: list[int], device: torch.device, wait: bool = True) -> Iterator[torch.Tensor]:
+    def _use(self, layer: int, experts: list[int], device: torch.device, wait: bool = True) -> Iterator[torch.Tensor]:
         """Make `experts` of `layer` resident and pinned while the block runs; yields the
         layer's [E] expert → slot table (-1: no slot). `wait=False`: the copies may still run."""
         keys = [(layer, e) for e in experts]
@@ -312,53 +354,21 @@ class OffloadRuntime:
         ticket = self._tickets.get(key)
         return ticket is not None and ticket.ready()
 
-    def parts(self, layer: int, experts: list[int], device: torch.device,
-              together: bool = False) -> Iterator[tuple[list[int], torch.Tensor]]:
-        """`experts` of `layer` in the groups they compute in, each with the slot table while it
-        is resident and pinned: the one way an experts module asks for its experts (mixtral-
-        offloading's shape: a layer's experts yielded as they land). `together`: all of them in one
-        group, in the order given, once every copy is in (a layer that fits its slots and computes
-        in one call). Else the resident ones first, at most the slot count made resident at a time
-        (a long prefill under a small budget); with `arrival_order` (EPS-MoE's expert pipeline,
-        `RuntimeOptions.expert_pipeline`; CGOPipe turns it on too) the experts whose copies have
-        landed compute while the others' copies run, then each as it lands; without it, a group
-        computes once all its copies are in."""
-        if together:
-            with self.use(layer, experts, device) as slots:
-                yield experts, slots
-            return
-        resident_first = sorted(experts, key=lambda e: self.pool.map.slot_of((layer, e)) is None)
-        room = self.pool.num_slots - self.pool.map.retired
-        for start in range(0, len(resident_first), room):
-            part = resident_first[start:start + room]
-            with self.use(layer, part, device, wait=not self.arrival_order) as slots:
-                if not self.arrival_order:
-                    yield part, slots
-                    continue
-                waiting = [(layer, e) for e in part]
-                while waiting:
-                    landed = [key for key in waiting if self.engine.ready(key)] or self.engine.wait_any(waiting)
-                    for key in landed:
-                        self.engine.wait(key)  # a CUDA copy's event; re-raises a failed copy
-                    waiting = [key for key in waiting if key not in landed]
-                    yield [e for _, e in landed], slots
+    def _all_landed(self, layer: int, experts: list[int]) -> bool:
+        """Whether every one of `experts` of `layer` is in its slot, its copy done (an evicted
+        expert's last copy is done too, but it has no slot)."""
+        row = self.pool.map.rows[layer]
+        return all(row[e] >= 0 and self._landed((layer, e)) for e in experts)
 
-    def where_it_lives(self, layer: int, experts: list[int], loads: list[int]) -> list[int]:
-        """Of `experts` of `layer` (`loads`: the tokens routed to each), those that compute where
-        they live, without a slot: HybriMoE's scheduler (`hybrid.HybridExperts.decide`), from
-        whether each holds a slot, the cache and the forward's chances of use by later tokens."""
+    def _where_it_lives(self, layer: int, experts: list[int], loads: list[int]) -> list[int]:
+        """Of `experts` of `layer` (`loads`: the tokens routed to each), those HybriMoE's scheduler
+        computes where they live (see `arriving`); the forward's hash table first, if it is ready."""
         if self.builder is not None and self.prefetcher.wanted is None:
             self._take_table(layer)
         self.prefetcher.send_forecasts()  # the ranks it decides by
         row = self.pool.map.rows[layer]
         return self.hybrid.decide(layer, experts, loads, [bool(row[e] >= 0) for e in experts], self.cache,
                                   self.prefetcher.later)
-
-    def landed(self, layer: int, experts: list[int]) -> bool:
-        """Whether every one of `experts` of `layer` is in its slot, its copy done (an evicted
-        expert's last copy is done too, but it has no slot)."""
-        row = self.pool.map.rows[layer]
-        return all(row[e] >= 0 and self._landed((layer, e)) for e in experts)
 
     def prefetch(self, keys: list[Key], priority: float = 0.0) -> list[Key]:
         """Insert `keys` that are not resident (a prefetch: not an access; none of `keys` is
@@ -402,12 +412,15 @@ class OffloadRuntime:
 
     def _take_table(self, layer: int) -> bool:
         """Take the forward's hash table if it is ready (SiDA's wait at its first layer); False if
-        the hash-building thread failed (and serving goes on without it)."""
+        the hash-building thread failed (and serving goes on without it). At a forward's first MoE
+        layer it waits up to `table_wait` seconds (0: never; a late table then serves only the layers
+        after the one it lands in)."""
+        wait = self.options.table_wait
         try:
             table = self.builder.poll(self._step)
-            if table is None and self.table_wait > 0 and layer == self.prefetcher.layers.start:
+            if table is None and wait > 0 and layer == self.prefetcher.layers.start:
                 start = time.perf_counter()
-                table = self.builder.wait(self._step, self.table_wait)
+                table = self.builder.wait(self._step, wait)
                 self.table_wait_seconds += time.perf_counter() - start
         except HashBuilderError as exc:
             self._predictor_failed(exc)

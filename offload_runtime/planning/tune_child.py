@@ -35,9 +35,9 @@ def decode(model_dir: str, prompts: list[str], new_tokens: int, predictor: str |
         check_prompt(tokens["input_ids"].shape[1], new_tokens, directory)
     longest = Reserves(context_tokens=max(t["input_ids"].shape[1] for t in inputs) + new_tokens)
     model = load_offloaded(directory, predictor, options, reserves=longest)
-    with model.offload_runtime as runtime:
+    with model:
         timed = [timed_generate(model, tokenizer, tokens.to(options.device), new_tokens) for tokens in inputs]
-        stats, plan = runtime.stats(), runtime.memory_plan
+        stats, plan = model.runtime.stats(), model.plan
     return {"tokens_per_s": [t["tokens_per_s"] for t in timed],
             "decode_major_faults_per_token": [t["decode_major_faults_per_token"] for t in timed],
             "decode_read_bytes_per_token": [t["decode_read_bytes_per_token"] for t in timed],

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from offload_runtime.engine.memory_plan import Reserves, model_context
@@ -109,7 +109,6 @@ class Service:
                 model.close()
                 raise UnsupportedModelError(f"{c.model_dir} is an encoder-decoder model; serving decodes "
                                             "decoder-only models (use the Python API for encoder-decoders)")
-            model.runtime.on_predictor_error = "demand"  # a failing predictor must not stop serving
             eos = model.generation_config.eos_token_id
             eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
             if tokenizer.eos_token_id is not None:
@@ -234,11 +233,13 @@ def _scoring_only(body: schemas.CompletionRequest | schemas.ChatRequest) -> bool
 
 def _load_within(model_dir, predictor, options: RuntimeOptions, prefix_cache_bytes: int):
     """`load_offloaded` with the prefix cache reserved under a `memory` cap (a `budget` counts
-    experts only); a memory too small for the model then says the prefix cache took its share."""
+    experts only); a memory too small for the model then says the prefix cache took its share. A
+    failing predictor must not stop serving: the runtime goes on with demand loads alone."""
     from offload_runtime.engine.loader import load_offloaded
 
+    serving = replace(options, on_predictor_error="demand")
     try:
-        return load_offloaded(model_dir, predictor, options, reserves=Reserves(prefix_cache=prefix_cache_bytes))
+        return load_offloaded(model_dir, predictor, serving, reserves=Reserves(prefix_cache=prefix_cache_bytes))
     except CapacityError as exc:
         if options.memory is None or not prefix_cache_bytes:
             raise

@@ -68,7 +68,7 @@ def test_new_conventions_are_exact_when_experts_run_in_groups(model_type, tmp_pa
     inputs = prompt_inputs(encoder_decoder=False)
     plain, _ = load_model(path, dtype=torch.float32)
     model = load_offloaded(path, policy="lru", budget="2slots")
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         assert torch.equal(greedy(model, inputs), greedy(plain, inputs))
     assert runtime.stats().slots == 2
 
@@ -92,7 +92,7 @@ def test_longcat_without_zero_experts_when_slots_outnumber_a_layers_experts(tmp_
     plain, layers = load_model(tmp_path, dtype=torch.float32)
     assert layers[0].num_choices == layers[0].num_experts == 8
     model = load_offloaded(tmp_path, policy="lru", budget=0.5)
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         assert torch.equal(greedy(model, inputs), greedy(plain, inputs))
     assert runtime.stats().slots == 16
 

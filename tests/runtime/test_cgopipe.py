@@ -46,7 +46,7 @@ def load_pipe(path, resident_fraction: float = 0.5, **kwargs) -> CGOPipe:
 def test_outputs_equal_each_request_alone(tiny_moe_dir, arch, overlap):
     path = tiny_moe_dir(arch)
     requests = prompts(vocab=300)
-    with load_pipe(path, overlap=overlap) as pipe, pipe.model.offload_runtime as runtime:
+    with load_pipe(path, overlap=overlap) as pipe, pipe.model.runtime as runtime:
         got = pipe.generate(requests, NEW_TOKENS, micro_batch_size=2, n_micro=3)
     assert got == alone(path, requests)
     assert pipe.stats.batches == 2 and pipe.stats.generated_tokens == sum(map(len, got))
@@ -65,7 +65,7 @@ def deep_mixtral(tmp_path_factory, tiny_tokenizer):
 def test_streamed_experts_are_paged_in_ahead(deep_mixtral, overlap):
     requests = prompts(vocab=300)
     with load_pipe(deep_mixtral, resident_fraction=0.25, overlap=overlap) as pipe, \
-            pipe.model.offload_runtime as runtime:
+            pipe.model.runtime as runtime:
         got = pipe.generate(requests, NEW_TOKENS, micro_batch_size=2, n_micro=3)
     assert got == alone(deep_mixtral, requests)
     stats = runtime.stats()
@@ -84,7 +84,7 @@ def test_outputs_with_kv_budget_and_a_predictor_ordering_pages(tiny_moe_dir):
     scores = torch.rand(len(layers), layers[0].num_experts, generator=torch.Generator().manual_seed(1))
     requests = prompts(vocab=300)
     with load_pipe(path, resident_fraction=0.25, predictor=FrequencyPredictor(scores, meta)) as pipe:
-        with pipe.model.offload_runtime:
+        with pipe.model.runtime:
             got = pipe.generate(requests, NEW_TOKENS, micro_batch_size=4, n_micro=2, kv_tokens=30)
     assert got == alone(path, requests)
     assert pipe.stats.batches >= 2  # 4 × (9 + 5) > 30: the budget splits the requests
@@ -108,7 +108,7 @@ def expected_step(n_layers: int, n_micro: int, step: int) -> list[Event]:
 def test_schedule_order_of_events(tiny_moe_dir, n_micro):
     path = tiny_moe_dir("mixtral")
     requests = prompts(vocab=300)[:n_micro]  # one request per micro-batch
-    with load_pipe(path, record_events=True) as pipe, pipe.model.offload_runtime:
+    with load_pipe(path, record_events=True) as pipe, pipe.model.runtime:
         pipe.generate(requests, 3, micro_batch_size=1, n_micro=n_micro)
     steps = sorted({e.step for e in pipe.events})
     assert len(steps) == 2
@@ -127,7 +127,7 @@ def test_schedule_order_of_events(tiny_moe_dir, n_micro):
 
 def test_sequential_baseline_runs_micro_batches_one_after_another(tiny_moe_dir):
     path = tiny_moe_dir("mixtral")
-    with load_pipe(path, overlap=False, record_events=True) as pipe, pipe.model.offload_runtime:
+    with load_pipe(path, overlap=False, record_events=True) as pipe, pipe.model.runtime:
         pipe.generate(prompts(vocab=300)[:2], 2, micro_batch_size=1, n_micro=2)
     order = [(e.op, e.layer, e.micro_batch) for e in pipe.events]
     assert order == [(op, layer, j) for j in range(2) for layer in range(2) for op in ("attention", "ffn")]
@@ -136,7 +136,7 @@ def test_sequential_baseline_runs_micro_batches_one_after_another(tiny_moe_dir):
 def test_budget_below_the_double_buffer_is_refused(tiny_moe_dir):
     path = tiny_moe_dir("mixtral")  # 2 layers of 8 experts; r_w = 0.5 needs 4·2 + 2·4 = 16 slots
     model = load_offloaded(path, policy="fifo", budget=0.5)
-    with model.offload_runtime, pytest.raises(CapacityError, match="16 slots, but the runtime has 8"):
+    with model.runtime, pytest.raises(CapacityError, match="16 slots, but the runtime has 8"):
         CGOPipe(model, 0.5)
 
 
@@ -144,7 +144,7 @@ def test_budget_below_the_double_buffer_is_refused(tiny_moe_dir):
                                               ("switch_transformers", "decoder layers")])
 def test_models_it_cannot_drive_are_refused(tiny_moe_dir, arch, reason):
     model = load_offloaded(tiny_moe_dir(arch), policy="fifo", budget=1.0)
-    with model.offload_runtime, pytest.raises((UnsupportedModelError, ValueError), match=reason):
+    with model.runtime, pytest.raises((UnsupportedModelError, ValueError), match=reason):
         CGOPipe(model, 0.5)
 
 
@@ -153,24 +153,34 @@ def test_predictor_of_another_model_names_both_fingerprints(tiny_moe_dir, deep_m
     other = FrequencyPredictor(torch.ones(len(layers), layers[0].num_experts),
                                PredictorMeta("frequency", fingerprint_model(model, layers)))
     model = load_offloaded(tiny_moe_dir("mixtral"), policy="fifo", budget=1.0)
-    with model.offload_runtime, pytest.raises(FingerprintMismatchError) as err:
+    with model.runtime, pytest.raises(FingerprintMismatchError) as err:
         CGOPipe(model, 0.5, predictor=other)
     assert other.meta.fingerprint.weights_hash in str(err.value)
 
 
 @pytest.mark.parametrize("arrival_order", [True, False])
-def test_parts_compute_resident_experts_first(deep_mixtral, arrival_order):
+def test_arriving_experts_compute_resident_ones_first(deep_mixtral, arrival_order):
     """Klotski's order: with arrival_order, the experts already resident form the first group
     (copies that land before the call may join it); every expert comes exactly once."""
     model = load_offloaded(deep_mixtral, policy="fifo", budget=0.5)
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         runtime.pin_resident([(2, 1), (2, 5)])
         runtime.arrival_order = arrival_order
         experts = [0, 1, 3, 5, 6, 7]
-        groups = [list(part) for part, _slots in runtime.parts(2, experts, torch.device("cpu"))]
+        groups = [list(part) for part, _slots in runtime.arriving(2, experts, torch.device("cpu"))]
         assert sorted(e for part in groups for e in part) == experts
         if arrival_order:
             assert {1, 5} <= set(groups[0])
-        else:  # groups of at most the slot count, the resident experts first
-            assert groups == [[1, 5, 0, 3, 6, 7]]
+        else:  # they fit the slots: one group, in the order given, once every copy is in
+            assert groups == [experts]
         assert all(runtime.pool.map.slot_of((2, e)) is not None for e in experts)
+
+
+def test_arriving_experts_beyond_the_slots_come_in_groups_resident_ones_first(deep_mixtral):
+    """A long prefill under a small budget: more experts than slots come in groups of at most the
+    slot count, the resident experts in the first."""
+    model = load_offloaded(deep_mixtral, policy="fifo", budget="4slots", expert_pipeline=False)
+    with model.runtime as runtime:
+        runtime.pin_resident([(2, 1), (2, 5)])
+        groups = [list(part) for part, _slots in runtime.arriving(2, [0, 1, 3, 5, 6, 7], torch.device("cpu"))]
+        assert groups == [[1, 5, 0, 3], [6, 7]]

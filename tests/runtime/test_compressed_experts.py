@@ -69,7 +69,7 @@ def test_offloaded_compressed_model_equals_it_resident(arch, bits, quantized):
     path = quantized(arch, bits)
     resident, _ = load_model(path, dtype=torch.float32)
     model = load_offloaded(path, policy="lru", budget="25%")
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         assert torch.equal(greedy(model, path), greedy(resident, path))
         # a prefill that selects more experts than slots sums expert groups in another order
         assert torch.allclose(logits(model, path), logits(resident, path), rtol=0, atol=1e-5)
@@ -88,7 +88,7 @@ def test_plain_transformers_reads_what_quantize_writes(arch, quantized, tiny_moe
     path = quantized(arch, 4)
     plain = tf.AutoModelForCausalLM.from_pretrained(path).eval()
     model = load_offloaded(path, policy="lru", budget="50%")
-    with model.offload_runtime:
+    with model.runtime:
         ours = logits(model, path)
     theirs = logits(plain, path).float()
     assert (theirs - ours).abs().max() <= 2e-2 * ours.abs().max()
@@ -133,7 +133,7 @@ def test_runtime_reads_a_checkpoint_compressed_tensors_wrote(arch, tiny_moe_dir,
     path = write_with_compressed_tensors(tiny_moe_dir(arch), tmp_path / "model", symmetric=True)
     resident, _ = load_model(path, dtype=torch.float32)  # transformers' own reading of it
     model = load_offloaded(path, policy="lru", budget="25%")
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         assert torch.equal(greedy(model, path), greedy(resident, path))
         assert runtime.store.compressed and runtime.stats().loads > 0
     source, _ = load_model(tiny_moe_dir(arch), dtype=torch.float32)
@@ -149,7 +149,7 @@ def test_runtime_reads_asymmetric_experts_with_zero_points(tiny_moe_dir, tmp_pat
     runs = {}
     for name, where, budget in (("small", path, "25%"), ("whole", path, "100%"), ("symmetric", symmetric, "100%")):
         model = load_offloaded(where, policy="lru", budget=budget)
-        with model.offload_runtime:
+        with model.runtime:
             runs[name] = (greedy(model, where), logits(model, where))
     assert torch.equal(runs["small"][0], runs["whole"][0])
     assert not torch.equal(runs["whole"][1], runs["symmetric"][1])
@@ -200,7 +200,7 @@ def test_bfloat16_runtime_equals_the_model_in_bfloat16(bits, quantized, tiny_moe
     path = tiny_moe_dir("mixtral") if bits is None else quantized("mixtral", bits)
     resident, _ = load_model(path, dtype=torch.bfloat16)
     model = load_offloaded(path, policy="lru", budget="50%", dtype="bfloat16")
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         assert torch.equal(greedy(model, path), greedy(resident, path))
         assert all(buffer.dtype == torch.bfloat16 for buffer in runtime.pool.buffers.values())
         assert runtime.store.expert_nbytes == 2 * sum(math.prod(s) for s in runtime.store.spec.shapes.values())

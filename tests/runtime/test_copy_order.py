@@ -24,7 +24,7 @@ def test_most_routed_first_orders_by_load_then_id():
 def test_demand_copies_start_with_the_most_loaded_expert(tiny_moe_dir):
     path = tiny_moe_dir("mixtral")
     model = load_offloaded(path, options=RuntimeOptions(budget="2slots"))
-    runtime = model.offload_runtime
+    runtime = model.runtime
     routed: list[Counter] = []  # per MoE layer call, the tokens routed to each expert
     requested: list[list[int]] = []  # per MoE layer call, its demand copies in request order
 

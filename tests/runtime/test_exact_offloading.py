@@ -79,7 +79,7 @@ def check_exact(path: Path, dtype: str, slot_counts: list[int], reference=None, 
                                                                 expert_kernel=expert_kernel, **options))
             if experts_implementation is not None:
                 model.set_experts_implementation(experts_implementation)
-            with model.offload_runtime:
+            with model.runtime:
                 with torch.inference_mode():
                     assert torch.equal(model(ids).logits, want_prefill), (slots, schedule, "prefill")
                 for sample, (tokens, logits) in wanted.items():
@@ -125,7 +125,7 @@ def test_packed_slots_are_exact_at_every_slot_count(int4_model, arch, bits):
     path = int4_model(arch, bits)
     resident = load_offloaded(path, options=RuntimeOptions(budget=1.0, dtype="bfloat16", slot_format="packed",
                                                            expert_kernel="model"))
-    with resident.offload_runtime:
+    with resident.runtime:
         check_exact(path, "bfloat16", [2, 3, 5], reference=resident, slot_format="packed")
 
 
@@ -154,7 +154,7 @@ def test_grouped_mm_on_a_window_of_the_slots_is_exact(model_dir, dtype):
     total = len(layers) * layers[0].num_experts
     for slots in (total // 4, total):
         model = load_offloaded(path, options=RuntimeOptions(budget=f"{slots}slots", dtype=dtype, expert_kernel="model"))
-        with model.offload_runtime as runtime:
+        with model.runtime as runtime:
             got = decode(model, ids, sample=False)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), slots
             windows = [window for layer in runtime.layers for window in layer.experts._windows]

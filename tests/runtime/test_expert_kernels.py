@@ -93,7 +93,7 @@ def test_auto_forced_onto_each_kernel_keeps_greedy_tokens(tiny_moe_dir, tmp_path
     for slots in (2, 5):
         model = load_offloaded(path, options=RuntimeOptions(budget=f"{slots}slots", expert_kernel="auto",
                                                             expert_kernel_table=table))
-        with model.offload_runtime:
+        with model.runtime:
             tokens, logits = greedy(model, ids)
         assert torch.equal(tokens, want_tokens), (kernel, slots)
         difference = (logits - want_logits).abs().max().item()
@@ -112,7 +112,7 @@ def test_a_fixed_kernel_keeps_greedy_tokens(tiny_moe_dir, kernel):
     reference, _ = plain_model(path, "float32")
     want_tokens, want_logits = greedy(reference, ids)
     model = load_offloaded(path, options=RuntimeOptions(budget="3slots", expert_kernel=kernel))
-    with model.offload_runtime:
+    with model.runtime:
         tokens, logits = greedy(model, ids)
     assert torch.equal(tokens, want_tokens)
     assert torch.equal(logits, want_logits) if kernel in BIT_EXACT else torch.allclose(logits, want_logits, atol=1e-4)
@@ -123,9 +123,9 @@ def test_klotski_with_auto_equals_each_request_alone(tiny_moe_dir):
     path = tiny_moe_dir("mixtral")
     requests = prompts(vocab=300)
     model = offloaded(path, 0.5)
-    budget = model.offload_runtime.options.budget
+    budget = model.runtime.options.budget
     model = load_offloaded(path, options=RuntimeOptions(policy="fifo", budget=budget, expert_kernel="auto"))
-    with model.offload_runtime as runtime, KlotskiPipe(runtime.model, 0.5, table=random_table(path)) as pipe:
+    with model, KlotskiPipe(model, 0.5, table=random_table(path)) as pipe:
         got = pipe.generate(requests, NEW_TOKENS, micro_batch_size=2, n_micro=3)
     assert got == alone(path, requests)
 

@@ -68,7 +68,7 @@ def test_gptq_checkpoint_loads_in_transformers_and_the_runtime(arch, tiny_moe_di
         rtn_error = (rtn_model(windows).logits - want).square().mean()
     assert gptq_error < rtn_error  # on the text it was calibrated on
     offloaded = load_offloaded(gptq, policy="lru", budget="25%")
-    with offloaded.offload_runtime:
+    with offloaded.runtime:
         assert torch.equal(greedy(offloaded, gptq), greedy(gptq_model, gptq))
 
 

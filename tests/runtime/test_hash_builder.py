@@ -159,7 +159,7 @@ def test_runtime_counts_late_tables_and_output_is_unchanged(tiny_moe_dir):
                                        PredictorMeta("frequency", fingerprint))
     inputs = dict(load_tokenizer(path)("def cache(key, value):", return_tensors="pt"))
     model = load_offloaded(path, prediction_guard=False, predictor=predictor, budget=0.5, hash_thread=True)
-    with model.offload_runtime as runtime, torch.inference_mode():
+    with model.runtime as runtime, torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False)
         assert torch.equal(out, plain.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False))
     stats = runtime.stats()
@@ -190,12 +190,12 @@ def test_waiting_for_tables_puts_every_later_layer_on_time_and_output_is_unchang
     inputs = dict(load_tokenizer(path)("def cache(key, value):", return_tensors="pt"))
     want = plain.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False)
     later_layers = 3 * (len(layers) - 1)  # 3 forwards
-    for wait in (0.0, 5.0):
+    for wait in (0.0, 1.0):  # 1 s: the longest wait an option allows, far beyond a step's 0.03 s
         predictor = SlowFrequencyPredictor(torch.ones(fingerprint.n_moe_layers, fingerprint.n_experts),
                                            PredictorMeta("frequency", fingerprint))
-        model = load_offloaded(path, prediction_guard=False, predictor=predictor, budget=0.5, hash_thread=True)
-        model.offload_runtime.table_wait = wait
-        with model.offload_runtime as runtime, torch.inference_mode():
+        model = load_offloaded(path, prediction_guard=False, predictor=predictor, budget=0.5, hash_thread=True,
+                               table_wait=wait)
+        with model.runtime as runtime, torch.inference_mode():
             assert torch.equal(model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False), want)
         stats = runtime.stats()
         assert stats.table_layers_on_time + stats.table_layers_late == later_layers

@@ -61,7 +61,7 @@ def outputs(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def offloaded_outputs(path, predictor, split: bool = False, **options):
     model = load_offloaded(path, predictor, RuntimeOptions(hybrid_schedule=True, policy="learned-belady", prediction_guard=False, **options))
-    runtime = model.offload_runtime
+    runtime = model.runtime
     if split:  # the GPU host's schedule, the "device" being the CPU too
         runtime.hybrid.close()
         runtime.hybrid = HybridExperts(runtime.store, runtime.pool, runtime.n_experts, runtime.top_k, split=True)
@@ -116,7 +116,7 @@ def test_the_split_follows_hybrimoe_cached_high_load_on_the_device_low_load_miss
 def test_measured_times_are_positive(reference):
     path, _ = reference
     model = load_offloaded(path, None, RuntimeOptions(hybrid_schedule=True, store="host", budget="4slots"))
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         experts = model.model.layers[0].mlp.experts
         host = {name: t[0] for name, t in runtime.hybrid.buffers(0)[0].items()}
         times = measure_times(experts._twin, experts._lives, host, model.config.hidden_size, torch.float32,
@@ -141,7 +141,7 @@ def test_the_cpu_beside_the_gpu_gives_the_gpus_outputs(reference):
     want = outputs(plain.cuda(), ids)
     model = load_offloaded(path, predictor, RuntimeOptions(hybrid_schedule=True, store="host", device="cuda",
                                                            budget="6slots", policy="learned-belady"))
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         runtime.hybrid.times = CHEAP_CPU  # some misses on the CPU whatever this GPU measures
         got = outputs(model, ids)
         assert runtime.stats().where_it_lives > 0

@@ -50,8 +50,8 @@ def deep_mixtral(tmp_path_factory, tiny_tokenizer):
 def test_klotski_outputs_equal_each_request_alone(tiny_moe_dir, arch):
     path = tiny_moe_dir(arch)
     requests = prompts(vocab=300)
-    with offloaded(path, 0.5).offload_runtime as runtime, \
-            KlotskiPipe(runtime.model, 0.5, table=random_table(path)) as pipe:
+    with offloaded(path, 0.5) as model, \
+            KlotskiPipe(model, 0.5, table=random_table(path)) as pipe:
         got = pipe.generate(requests, NEW_TOKENS, micro_batch_size=2, n_micro=3)
     assert got == alone(path, requests)
     assert pipe.stats.batches == 2 and pipe.stats.generated_tokens == sum(map(len, got))
@@ -60,10 +60,10 @@ def test_klotski_outputs_equal_each_request_alone(tiny_moe_dir, arch):
 @pytest.mark.parametrize("hot_count", [0, 2, 6])
 def test_klotski_streams_exactly_with_every_hot_count(deep_mixtral, hot_count):
     requests = prompts(vocab=300)
-    with offloaded(deep_mixtral, 0.25).offload_runtime as runtime, \
-            KlotskiPipe(runtime.model, 0.25, table=random_table(deep_mixtral), hot_count=hot_count) as pipe:
+    with offloaded(deep_mixtral, 0.25) as model, \
+            KlotskiPipe(model, 0.25, table=random_table(deep_mixtral), hot_count=hot_count) as pipe:
         got = pipe.generate(requests, NEW_TOKENS, micro_batch_size=2, n_micro=2)
-        stats = runtime.stats()
+        stats = model.runtime.stats()
     assert got == alone(deep_mixtral, requests)
     assert stats.evictions > 0 and stats.demand_loads > 0  # experts did stream, cold ones on demand
 
@@ -72,8 +72,8 @@ def test_flexgen_zigzag_outputs_and_order(deep_mixtral):
     """Layer by layer: the next layer's streamed experts requested (at layer 0 its own too),
     every micro-batch's attention, then every micro-batch's FFN."""
     requests = prompts(vocab=300)[:4]
-    with offloaded(deep_mixtral, 0.25).offload_runtime as runtime, \
-            ZigZagDecoder(runtime.model, 0.25, record_events=True) as pipe:
+    with offloaded(deep_mixtral, 0.25) as model, \
+            ZigZagDecoder(model, 0.25, record_events=True) as pipe:
         got = pipe.generate(requests, 3, micro_batch_size=2, n_micro=2)
     assert got == [out[:3] for out in alone(deep_mixtral, requests)]
     expected = []
@@ -89,11 +89,11 @@ def test_each_expert_runs_once_per_layer_over_the_whole_group(deep_mixtral):
     group's attention, the MoE after it."""
     requests = prompts(vocab=300)[:4]  # micro-batches of 2: prompt widths 9 and 6 (padded)
     calls: list[tuple[int, int]] = []
-    with offloaded(deep_mixtral, 0.25).offload_runtime as runtime, \
-            KlotskiPipe(runtime.model, 0.25, table=random_table(deep_mixtral), record_events=True) as pipe:
+    with offloaded(deep_mixtral, 0.25) as model, \
+            KlotskiPipe(model, 0.25, table=random_table(deep_mixtral), record_events=True) as pipe:
         hooks = [layer.experts.register_forward_pre_hook(
                      lambda module, args, index=layer.index: calls.append((index, args[1].shape[0])))
-                 for layer in runtime.layers]
+                 for layer in model.runtime.layers]
         pipe.generate(requests, 3, micro_batch_size=2, n_micro=2)
         for hook in hooks:
             hook.remove()
@@ -112,8 +112,8 @@ def test_hot_experts_are_requested_after_the_previous_gate_or_at_attention(deep_
     """early_hot: layer i's hot experts go out while layer i−1's MoE block runs (its gate has
     chosen), before that block ends; as the paper: at layer i, before its attention."""
     requests = prompts(vocab=300)[:4]
-    with offloaded(deep_mixtral, 0.25).offload_runtime as runtime, \
-            KlotskiPipe(runtime.model, 0.25, table=random_table(deep_mixtral), record_events=True,
+    with offloaded(deep_mixtral, 0.25) as model, \
+            KlotskiPipe(model, 0.25, table=random_table(deep_mixtral), record_events=True,
                         early_hot=early_hot) as pipe:
         got = pipe.generate(requests, 3, micro_batch_size=2, n_micro=2)
     assert got == [out[:3] for out in alone(deep_mixtral, requests)]
@@ -132,11 +132,11 @@ def test_cold_experts_move_only_when_activated(deep_mixtral):
     requests = prompts(vocab=300)[:2]
     moved = {}
     for name in ("cgopipe", "klotski"):
-        with offloaded(deep_mixtral, 0.25).offload_runtime as runtime:
-            pipe = CGOPipe(runtime.model, 0.25) if name == "cgopipe" else KlotskiPipe(runtime.model, 0.25, hot_count=0)
+        with offloaded(deep_mixtral, 0.25) as model:
+            pipe = CGOPipe(model, 0.25) if name == "cgopipe" else KlotskiPipe(model, 0.25, hot_count=0)
             with pipe:
                 pipe.generate(requests, NEW_TOKENS, micro_batch_size=1, n_micro=2)
-            moved[name] = runtime.stats().loads
+            moved[name] = model.runtime.stats().loads
     assert moved["klotski"] < moved["cgopipe"]
 
 
@@ -152,9 +152,9 @@ def test_hot_experts_are_the_top_of_the_summed_rows(deep_mixtral):
     by_id = [-e for e in range(8)]
     three_first = [9 if e == 3 else -e for e in range(8)]  # layer 1 keeps experts 3 and 0 resident
     cases = [(2, [by_id] * 4, [3, 4]), (3, [by_id] * 4, [3, 4, 5]), (2, [by_id, three_first, by_id, by_id], [4, 5])]
-    with offloaded(deep_mixtral, 0.25).offload_runtime as runtime:
+    with offloaded(deep_mixtral, 0.25) as model:
         for k, ranking, expected in cases:
-            with KlotskiPipe(runtime.model, 0.25, table=table, hot_count=k, hot=ranking) as pipe:
+            with KlotskiPipe(model, 0.25, table=table, hot_count=k, hot=ranking) as pipe:
                 pipe.selected[0] = torch.tensor([[0, 1], [0, 2]])
                 assert pipe.hot_experts(1, []) == expected
 
@@ -163,8 +163,8 @@ def test_table_is_updated_online_on_a_copy(deep_mixtral):
     table = random_table(deep_mixtral)
     before = table.pairs[0].clone()
     requests = prompts(vocab=300)[:4]
-    with offloaded(deep_mixtral, 0.25).offload_runtime as runtime, \
-            KlotskiPipe(runtime.model, 0.25, table=table) as pipe:
+    with offloaded(deep_mixtral, 0.25) as model, \
+            KlotskiPipe(model, 0.25, table=table) as pipe:
         pipe.generate(requests, 3, micro_batch_size=2, n_micro=2, eos_token_id=None)
     assert torch.equal(table.pairs[0], before)  # never written back
     tokens = sum(len(p) for p in requests) + 2 * len(requests)  # real prompt tokens, then 2 decode steps
@@ -173,10 +173,10 @@ def test_table_is_updated_online_on_a_copy(deep_mixtral):
 
 
 def test_bad_hot_count_and_another_models_table_are_refused(deep_mixtral, tiny_moe_dir):
-    with offloaded(deep_mixtral, 0.25).offload_runtime as runtime:
+    with offloaded(deep_mixtral, 0.25) as model:
         with pytest.raises(KlotskiError, match="K=7 .* 0..6"):
-            KlotskiPipe(runtime.model, 0.25, hot_count=7)
+            KlotskiPipe(model, 0.25, hot_count=7)
         with pytest.raises(KlotskiError, match="K=-1"):
-            KlotskiPipe(runtime.model, 0.25, hot_count=-1)
+            KlotskiPipe(model, 0.25, hot_count=-1)
         with pytest.raises(FingerprintMismatchError, match="correlation table"):
-            KlotskiPipe(runtime.model, 0.25, table=random_table(tiny_moe_dir("mixtral")))
+            KlotskiPipe(model, 0.25, table=random_table(tiny_moe_dir("mixtral")))

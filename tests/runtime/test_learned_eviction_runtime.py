@@ -54,7 +54,7 @@ def test_learned_eviction_is_exact_and_ranks_by_the_forecasts(tiny_moe_dir, poli
     want = generate(plain, inputs, new_tokens=6)
     model = load_offloaded(path, prediction_guard=False, predictor=forecasting_sida(path), policy=policy, budget=0.5)
     wait_for_tables(model)
-    runtime = model.offload_runtime
+    runtime = model.runtime
     recorded = record_forecasts(runtime)
     with runtime:
         out = generate(model, inputs, new_tokens=6)
@@ -78,7 +78,7 @@ def test_learned_eviction_is_exact_and_ranks_by_the_forecasts(tiny_moe_dir, poli
 def test_a_late_table_gives_the_layers_already_run_their_later_chances(tiny_moe_dir):
     path = tiny_moe_dir("mixtral")
     model = load_offloaded(path, prediction_guard=False, predictor=forecasting_sida(path), policy="learned-belady", budget=0.5)
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         n_layers, n_experts = len(runtime.layers), runtime.n_experts
         soon, later = torch.full((n_layers, n_experts), 0.8), torch.full((n_layers, n_experts), 0.2)
         runtime.builder.poll = lambda step: HashTable(step, torch.zeros(n_layers, n_experts), 1, soon, later)
@@ -100,7 +100,7 @@ def test_the_tables_chances_are_the_predictors_own(tiny_moe_dir):
     predictor.chance_selected = lambda scores, top_k: torch.ones_like(scores)  # certain of every expert
     model = load_offloaded(path, prediction_guard=False, predictor=predictor, policy="learned-belady", budget=0.5)
     wait_for_tables(model)
-    runtime = model.offload_runtime
+    runtime = model.runtime
     runtime.prefetcher.history.blend = lambda chances, layer=None: chances  # the predictor's chances alone
     fed = record_forecasts(runtime)
     with runtime:
@@ -129,7 +129,7 @@ def test_hide_only_prefetch_issues_only_what_the_link_can_hide(tiny_moe_dir, com
     link = LinkTiming(compute_s, 100.0, 100.0 / transfer_s)  # a copy takes transfer_s, a layer computes compute_s
     model = load_offloaded(path, prediction_guard=False, predictor=forecasting_sida(path), policy="lru", budget=0.5, link_timing=link)
     wait_for_tables(model)
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         out = generate(model, inputs, new_tokens=6)
         stats = runtime.stats()
     assert torch.equal(out, want)
@@ -143,7 +143,7 @@ def test_cross_token_prefetch_loads_the_next_forwards_layers_and_stays_exact(tin
     want = generate(plain, inputs, new_tokens=6)
     model = load_offloaded(path, prediction_guard=False, predictor=forecasting_sida(path), policy="lru", budget=0.5, next_token_min_chance=0.0)
     wait_for_tables(model)
-    runtime = model.offload_runtime
+    runtime = model.runtime
     layer_now, early = [-1], []  # prefetched keys of a layer not after the one running: the next forward's
     prefetch_after, prefetch = runtime._prefetch_after, runtime.prefetch
 
@@ -166,7 +166,7 @@ def test_cross_token_prefetch_loads_the_next_forwards_layers_and_stays_exact(tin
 def test_cross_token_prefetch_keeps_only_likely_experts(tiny_moe_dir):
     path = tiny_moe_dir("mixtral")
     model = load_offloaded(path, prediction_guard=False, predictor=forecasting_sida(path), policy="lru", budget=0.5, next_token_min_chance=0.5)
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         chances = torch.zeros(len(runtime.layers), runtime.n_experts)
         chances[0, 3], chances[1, 1], chances[1, 2] = 0.9, 0.5, 0.49
         assert runtime.prefetcher._next_keys(chances)[:2] == [[(0, 3)], [(1, 1)]]
@@ -187,7 +187,7 @@ def test_hide_only_counts_from_when_the_running_layers_own_demand_loads_are_in(t
     path = tiny_moe_dir("mixtral")
     link = LinkTiming(1.0, 100.0, 100.0 / 0.9)  # one copy (0.9 s) fits behind one layer's compute (1 s)
     model = load_offloaded(path, prediction_guard=False, predictor=forecasting_sida(path), policy="lru", budget=0.5, link_timing=link)
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         key = next((1, e) for e in range(runtime.n_experts) if (1, e) not in runtime.cache)
         monkeypatch.setattr(type(runtime.engine), "pending", property(lambda _engine: 1))  # a copy waiting
         # it is this layer's demand load: the link is free
@@ -205,7 +205,7 @@ def test_on_the_cpu_learned_eviction_prefetches_nothing_unless_asked(tiny_moe_di
         model = load_offloaded(path, prediction_guard=False, predictor=forecasting_sida(path),
                                policy="learned-belady", budget=0.5, **named)
         wait_for_tables(model)
-        with model.offload_runtime as runtime:
+        with model.runtime as runtime:
             assert torch.equal(generate(model, inputs, new_tokens=6), want)
             stats = runtime.stats()
         assert stats.tables_on_time == 6 and runtime.cache.state.outside.max() > 0  # the forecasts ranked
@@ -218,7 +218,7 @@ def test_a_certain_predictors_forecasts_rank_alone(tiny_moe_dir):
     predictor = forecasting_sida(path)
     predictor.certain = True
     model = load_offloaded(path, prediction_guard=False, predictor=predictor, policy="learned-belady", budget=0.5)
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         runtime.prefetcher.history.average[:] = 1.0
         chances = np.full((len(runtime.layers), runtime.n_experts), 0.25)
         assert np.array_equal(runtime.prefetcher.history.blend(chances), chances)
@@ -238,7 +238,7 @@ def test_renewed_chances_sent_late_evict_as_if_sent_at_each_layer(tiny_moe_dir, 
                                policy="learned-belady", budget=0.3)
         wait_for_tables(model)
         evicted = []
-        with model.offload_runtime as runtime:
+        with model.runtime as runtime:
             on_evict = runtime.cache.on_evict
             runtime.cache.on_evict = lambda key: (evicted.append(key), on_evict(key))
             generate(model, inputs, new_tokens=8)

@@ -53,8 +53,8 @@ def test_released_pages_leave_the_process():
 def _slot_cap(path, directory, slots: int, dtype: str = "float32") -> int:
     """A cap that buys `slots` slots of `dtype` beside FOOTPRINT (one transfer worker)."""
     probe = load_offloaded(path, budget=1.0, dtype=dtype)
-    expert_bytes = probe.offload_runtime.pool.spec.nbytes
-    probe.offload_runtime.close()
+    expert_bytes = probe.runtime.pool.spec.nbytes
+    probe.runtime.close()
     return FOOTPRINT + reserve_bytes(directory.config, getattr(torch, dtype).itemsize, expert_bytes) + slots * expert_bytes
 
 
@@ -67,7 +67,7 @@ def test_the_guard_gives_slots_back_while_faults_climb_and_the_tokens_stay_the_s
     faults = itertools.count(step=5)  # five major faults per forward: a process re-reading its own pages
     monkeypatch.setattr(memory_guard, "major_faults", lambda: next(faults))
     model = load_offloaded(path, memory=cap, dtype=dtype)
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         out = generate(model, encode(path, False), 24)  # 24 forwards: the guard trips after the cold window
         stats = runtime.stats()
     assert torch.equal(out, reference)
@@ -80,7 +80,7 @@ def test_the_guard_leaves_a_healthy_decode_alone(tiny_moe_dir, monkeypatch):
     monkeypatch.setattr(loader, "process_footprint", lambda reads=True: FOOTPRINT)
     monkeypatch.setattr(memory_guard, "major_faults", lambda: 7)  # none since the start
     model = load_offloaded(path, memory=_slot_cap(path, directory, 12))
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         assert torch.equal(generate(model, encode(path, False)), reference)
         assert runtime.stats().slots_given_back == 0 and runtime.stats().slots == 12
 
@@ -104,7 +104,7 @@ def test_the_plan_leaves_room_for_what_the_predictor_holds_at_work(tiny_moe_dir,
         load_offloaded(ModelDirectory.open(path), predictor, memory=cap, policy="learned-belady")
     smallest = int(str(refused.value).rsplit("(", 1)[1].split("MiB")[0]) * MiB
     assert smallest >= cap + 60 * MiB
-    load_offloaded(ModelDirectory.open(path), predictor, memory=smallest, policy="learned-belady").offload_runtime.close()
+    load_offloaded(ModelDirectory.open(path), predictor, memory=smallest, policy="learned-belady").runtime.close()
 
 
 def test_a_cap_the_store_cannot_open_in_is_refused_before_it_opens(tiny_moe_dir, monkeypatch):

@@ -88,10 +88,10 @@ def _model(tiny_moe_dir, dtype: str = "float32"):
 def test_a_cap_that_holds_every_expert_runs_the_plain_model_without_hooks(tiny_moe_dir, dtype):
     path, _, reference = _model(tiny_moe_dir, dtype)
     model = load_offloaded(path, memory="16GiB", dtype=dtype)
-    assert isinstance(model.offload_runtime, ResidentRuntime) and isinstance(model.offload_runtime, ModelRuntime)
+    assert isinstance(model.runtime, ResidentRuntime) and isinstance(model.runtime, ModelRuntime)
     assert not any(module._forward_hooks or module._forward_pre_hooks
                    for name, module in model.named_modules() if name)  # only the model's forward counter
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         out = generate(model, encode(path, False))
     assert torch.equal(out, reference)
     assert runtime.stats().forwards > 0 and runtime.memory_plan.resident
@@ -105,15 +105,15 @@ def test_mapped_experts_are_the_checkpoint_itself_and_only_where_asked(tiny_moe_
     path, directory, reference = _model(tiny_moe_dir)
     mapped = load_offloaded(path, memory="16GiB", map_experts=True)
     assert mapped_share(mapped) == 1.0  # nothing copied
-    assert mapped.offload_runtime.fingerprint == fingerprint_model_dir(path)  # the same model, as predictors know it
+    assert mapped.runtime.fingerprint == fingerprint_model_dir(path)  # the same model, as predictors know it
     monkeypatch.setattr(loader, "process_footprint", lambda reads=True: FOOTPRINT)
     need = MemoryPlanner(directory, RuntimeOptions()).need(FOOTPRINT)
     cap = need.footprint + need.reserve + int(0.9 * need.experts_bytes)  # not every expert fits
     for map_experts, is_mapped in ((None, False), (True, True)):
         model = load_offloaded(path, memory=cap, map_experts=map_experts)
-        assert model.offload_runtime.memory_plan.mapped == is_mapped == hasattr(model, "mmaps")
+        assert model.runtime.memory_plan.mapped == is_mapped == hasattr(model, "mmaps")
         assert torch.equal(generate(model, encode(path, False)), reference)
-        model.offload_runtime.close()
+        model.runtime.close()
 
 
 def test_mapping_asked_for_below_the_whole_model_runs_exact_and_refuses_below_a_layers_top_k(tiny_moe_dir, monkeypatch):
@@ -122,7 +122,7 @@ def test_mapping_asked_for_below_the_whole_model_runs_exact_and_refuses_below_a_
     need = MemoryPlanner(directory, RuntimeOptions()).need(FOOTPRINT)
     fixed, expert_bytes = need.footprint + need.reserve, need.experts_bytes // need.total_experts
     model = load_offloaded(path, memory=fixed + 4 * expert_bytes, map_experts=True)
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         assert runtime.memory_plan.mapped and "page cache holds ~" in runtime.memory_plan.line()
         assert torch.equal(generate(model, encode(path, False)), reference)
     with pytest.raises(CapacityError, match="experts in the page cache"):
@@ -135,9 +135,9 @@ def test_a_cap_at_the_whole_models_need_takes_slots_where_copies_would_evict_the
     monkeypatch.setattr(loader, "process_footprint", lambda reads=True: FOOTPRINT)
     need = MemoryPlanner(directory, RuntimeOptions()).need(FOOTPRINT)
     monkeypatch.setattr(loader, "file_backed_bytes", lambda: CODE_BYTES)
-    assert load_offloaded(path, memory=need.total).offload_runtime.memory_plan.resident  # fits beside the code
+    assert load_offloaded(path, memory=need.total).runtime.memory_plan.resident  # fits beside the code
     monkeypatch.setattr(loader, "file_backed_bytes", lambda: CODE_BYTES + 134 * MiB)  # the libraries' pages, measured
-    with load_offloaded(path, memory=need.total).offload_runtime as runtime:
+    with load_offloaded(path, memory=need.total).runtime as runtime:
         plan = runtime.memory_plan
         assert not plan.resident and not plan.mapped  # slots, sized by their own plan
         assert "not every expert copied" in plan.line() and "166 MiB of file pages it runs (measured)" in plan.line()
@@ -184,11 +184,11 @@ def test_a_cap_below_the_whole_model_buys_the_slots_it_can_and_computes_the_same
     path, directory, reference = _model(tiny_moe_dir, dtype)
     monkeypatch.setattr(loader, "process_footprint", lambda reads=True: FOOTPRINT)
     probe = load_offloaded(path, budget=1.0, dtype=dtype)
-    expert_bytes, total = probe.offload_runtime.pool.spec.nbytes, probe.offload_runtime.pool.num_slots
-    probe.offload_runtime.close()
+    expert_bytes, total = probe.runtime.pool.spec.nbytes, probe.runtime.pool.num_slots
+    probe.runtime.close()
     reserve = reserve_bytes(directory.config, getattr(torch, dtype).itemsize, expert_bytes)  # one transfer worker
     model = load_offloaded(path, memory=FOOTPRINT + reserve + 5 * expert_bytes, dtype=dtype)
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         out = generate(model, encode(path, False))
     assert isinstance(runtime, OffloadRuntime) and isinstance(runtime, ModelRuntime) and runtime.pool.num_slots == 5 < total
     assert runtime.memory_plan.slots == 5 and not runtime.memory_plan.resident

@@ -64,7 +64,7 @@ def test_each_rule_mixes_the_copies_and_moves_each_copys_bytes(rule, int4_model,
                              fine_share=0.3, precision_rule=rule)
     model = load_offloaded(int4, sida, options=options)
     ids = torch.tensor([list(range(3, 40))])
-    with model.offload_runtime as runtime, torch.inference_mode():
+    with model.runtime as runtime, torch.inference_mode():
         model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False,
                        pad_token_id=model.config.pad_token_id)
         stats = runtime.stats()

@@ -52,7 +52,7 @@ def test_generate_equals_plain_model(tiny_moe, budget, policy):
     slots (chunked experts), at 1.0 every expert fits."""
     inputs = encode(tiny_moe.path, tiny_moe.is_encoder_decoder)
     model = load_offloaded(tiny_moe.path, policy=policy, budget=budget)
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         out = generate(model, inputs)
     assert torch.equal(out, reference(tiny_moe))
     stats = runtime.stats()
@@ -68,9 +68,9 @@ def test_switch_runs_experts_in_chunks_when_slots_are_few(tiny_moe_dir):
     plain, _ = load_model(path, dtype=torch.float32)
     model = load_offloaded(path, policy="lru", budget=1 / 16)
     chosen = []  # experts the encoder's first MoE layer picks for the prompt
-    model.offload_runtime.layers[0].router.register_forward_hook(
+    model.runtime.layers[0].router.register_forward_hook(
         lambda _m, _i, out: chosen.append(int((out[0].sum((0, 1)) > 0).sum())))
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         assert torch.equal(generate(model, inputs), generate(plain, inputs))
     assert runtime.stats().slots == 1 and chosen[0] > 1
 
@@ -80,7 +80,7 @@ def test_generate_one_prompt_lfu_host_store(tiny_moe_dir):
     inputs = dict(load_tokenizer(path)(PROMPTS[:1], return_tensors="pt"))
     plain, _ = load_model(path, dtype=torch.float32)
     model = load_offloaded(path, policy="lfu", budget="60KiB", store="host")
-    with model.offload_runtime:
+    with model.runtime:
         assert torch.equal(generate(model, inputs), generate(plain, inputs))
 
 
@@ -103,7 +103,7 @@ def save_tiny_predictor(kind: str, path: Path, out: Path) -> Path:
 def wait_for_tables(model) -> None:
     """Make each forward wait for its hash table (a pre-hook after the runtime's), so that
     every table is on time and the prefetch path runs deterministically."""
-    runtime = model.offload_runtime
+    runtime = model.runtime
 
     def hook(_module, _args, _kwargs):
         deadline = time.monotonic() + 10
@@ -130,7 +130,7 @@ def test_generate_with_predictor(tiny_moe_dir, tmp_path, arch, kind, budget, pol
     model = load_offloaded(path, prediction_guard=False, predictor=artifact, policy=policy, budget=budget)
     if synced:
         wait_for_tables(model)
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         out = generate(model, inputs, new_tokens=6)
     assert torch.equal(out, want)
     stats = runtime.stats()
@@ -173,7 +173,7 @@ def test_switch_predictor_reads_the_prompt_for_the_encoder_and_the_decoder_token
     predictor = StreamRecordingPredictor(counts, meta)
     model = load_offloaded(path, prediction_guard=False, predictor=predictor, policy="lru", budget=0.5)
     wait_for_tables(model)
-    runtime = model.offload_runtime
+    runtime = model.runtime
     n_encoder = len(moe_stacks(model, runtime.layers)[0].layers)
     prefetched, prefetch = [], runtime.prefetch  # (forward, layer) of each prefetched expert
 
@@ -202,7 +202,7 @@ def test_switch_predictor_from_an_old_convention_trace_is_warned_about(tiny_moe_
     counts = torch.ones(fingerprint.n_moe_layers, fingerprint.n_experts)
     predictor = FrequencyPredictor(counts, PredictorMeta("frequency", fingerprint, training={"settings": {}}))
     with caplog.at_level(logging.WARNING):
-        load_offloaded(path, prediction_guard=False, predictor=predictor, budget=0.5).offload_runtime.close()
+        load_offloaded(path, prediction_guard=False, predictor=predictor, budget=0.5).runtime.close()
     assert "one token off" in caplog.text
 
 

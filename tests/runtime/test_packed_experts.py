@@ -32,7 +32,7 @@ def run(path: Path, tokens: int = 8, **options) -> tuple[torch.Tensor, torch.Ten
     """Greedy tokens and the prompt's logits through the runtime, and its stats."""
     model = load_offloaded(path, options=RuntimeOptions(dtype="bfloat16", **options))
     ids = load_tokenizer(path)(PROMPT, return_tensors="pt").input_ids
-    with model.offload_runtime as runtime, torch.inference_mode():
+    with model.runtime as runtime, torch.inference_mode():
         out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                              pad_token_id=model.config.pad_token_id)
         logits = model(ids).logits.float()

@@ -27,7 +27,7 @@ def _run(path, inputs, predictor=None, read_seconds=0.0, **options):
     expert read takes `read_seconds` more (a tiny model's experts load in microseconds, a real
     model's in milliseconds)."""
     model = load_offloaded(path, predictor, budget=0.25, **options)
-    store = model.offload_runtime.store
+    store = model.runtime.store
     read = store.read
 
     def slow_read(*args, **kwargs):
@@ -36,14 +36,14 @@ def _run(path, inputs, predictor=None, read_seconds=0.0, **options):
 
     store.read = slow_read
     accessed = Counter()
-    access_many = model.offload_runtime.cache.access_many
+    access_many = model.runtime.cache.access_many
 
     def counting(keys, pin=False):
         accessed.update(keys)
         return access_many(keys, pin=pin)
 
-    model.offload_runtime.cache.access_many = counting
-    with model.offload_runtime as runtime, torch.inference_mode():
+    model.runtime.cache.access_many = counting
+    with model.runtime as runtime, torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
         runtime.builder and runtime.builder.wait(runtime.step, 5.0)
         return out, runtime.stats(), accessed

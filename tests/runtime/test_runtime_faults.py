@@ -98,7 +98,7 @@ def test_predictor_thread_error_surfaces_in_generate(tiny_moe_dir, fail_at):
     predictor.fail_at = fail_at
     # no guard: on a tiny model it would put the predictor to sleep before step 15 (it costs more than it saves)
     model = load_offloaded(path, predictor=predictor, budget=0.5, prediction_guard=False)
-    runtime = model.offload_runtime
+    runtime = model.runtime
     with pytest.raises(HashBuilderError, match="predictor exploded") as raised:
         generate(model, new_tokens=12)
     assert isinstance(raised.value.__cause__, ValueError)
@@ -112,7 +112,7 @@ def test_predictor_thread_error_surfaces_in_generate(tiny_moe_dir, fail_at):
 def test_keyboard_interrupt_inside_generate_then_close(tiny_moe_dir):
     path = tiny_moe_dir("qwen3_moe")
     model = load_offloaded(path, predictor=frequency_predictor(path), policy="mrs", budget=0.5)
-    runtime = model.offload_runtime
+    runtime = model.runtime
     calls = []
 
     def interrupt(_module, _inputs, _output):
@@ -134,12 +134,12 @@ def test_keyboard_interrupt_inside_generate_then_close(tiny_moe_dir):
 def test_context_manager_closes_on_error(tiny_moe_dir):
     path = tiny_moe_dir("mixtral")
     model = load_offloaded(path, predictor=frequency_predictor(path), budget=0.25)
-    with pytest.raises(RuntimeError, match="boom"), model.offload_runtime:
+    with pytest.raises(RuntimeError, match="boom"), model.runtime:
         generate(model, new_tokens=2)
         assert len(runtime_threads()) == 1  # the transfer worker (the hash builder runs inline on the CPU)
         raise RuntimeError("boom")
     assert runtime_threads() == []
-    model.offload_runtime.close()  # idempotent
+    model.runtime.close()  # idempotent
 
 
 def test_doctored_expert_dtype_names_layer_and_expert(tiny_moe_dir, tmp_path):

@@ -26,7 +26,7 @@ def test_lookahead_guesses_the_next_layers_with_their_own_routers(tiny_tokenizer
     config = tiny_test_config("mixtral", tiny_tokenizer, num_hidden_layers=4)
     path = save_tiny_model(config, tmp_path / "mixtral-4", seed=5, tokenizer=tiny_tokenizer)
     model = load_offloaded(path, budget=0.5, lookahead_layers=2)
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         look, layers = runtime.lookahead, runtime.layers
         hidden = torch.randn(1, 3, config.hidden_size)
         keys = look.keys(1, hidden)
@@ -97,7 +97,7 @@ def test_a_trained_probe_can_guess_for_the_lookahead(tiny_moe_dir, tmp_path):
     ids = load_tokenizer(path)(PROMPT, return_tensors="pt").input_ids
     plain = load_offloaded(path, budget=1.0)
     model = load_offloaded(path, budget=0.25, lookahead_layers=1, lookahead_probe=str(probe_path))
-    with plain.offload_runtime, model.offload_runtime as runtime, torch.inference_mode():
+    with plain.runtime, model.runtime as runtime, torch.inference_mode():
         hidden = torch.randn(1, 2, model.config.hidden_size)
         probe = load_predictor(probe_path)
         want = torch.topk(torch.softmax(probe.lookahead(0, hidden.reshape(-1, hidden.shape[-1])), -1), 2).indices
@@ -116,37 +116,33 @@ def test_a_trained_probe_can_guess_for_the_lookahead(tiny_moe_dir, tmp_path):
 def test_an_evicted_expert_has_not_landed(tiny_moe_dir):
     """Its last copy finished, but it has no slot: the layer must take the pipelined path."""
     model = load_offloaded(tiny_moe_dir("mixtral"), policy="lru", budget="2slots")
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         cpu = torch.device("cpu")
-        with runtime.use(0, [0, 1], cpu):
-            pass
-        assert runtime.landed(0, [0, 1])
-        with runtime.use(0, [2, 3], cpu):  # evicts 0 and 1
-            pass
-        assert runtime.engine.ready((0, 0)) and not runtime.landed(0, [0])
+        assert [part for part, _ in runtime.arriving(0, [0, 1], cpu)] in ([[0, 1]], [[0], [1]], [[1], [0]])
+        assert runtime._all_landed(0, [0, 1])
+        list(runtime.arriving(0, [2, 3], cpu))  # evicts 0 and 1
+        assert runtime.engine.ready((0, 0)) and not runtime._all_landed(0, [0])
 
 
 @pytest.mark.parametrize("pipeline", [True, False])
 def test_generate_computes_misses_as_they_land_only_with_the_pipeline(tiny_moe_dir, pipeline):
-    """Decoding with misses: with the expert pipeline every decode step's layer that misses goes
-    through `parts` (its experts computed as they land); without it, none does (one wait)."""
+    """Decoding with misses: with the expert pipeline every decode step's layer that misses has its
+    experts computed as they land (made resident without waiting for the copies); without it, none
+    does (one wait)."""
     path = tiny_moe_dir("mixtral")
     model = load_offloaded(path, policy="lru", budget="3slots", expert_pipeline=pipeline)
-    with model.offload_runtime as runtime:
-        parts, use = runtime.parts, runtime.use
+    with model.runtime as runtime:
+        use = runtime._use
         missing, pipelined = [], []
 
         def recorded_use(layer, experts, device, wait=True):
             if runtime.step > 0:  # a decode step's layer (forward 0 is the prompt's)
                 missing.append(any(runtime.pool.map.slot_of((layer, e)) is None for e in experts))
+                if not wait:
+                    pipelined.append(layer)
             return use(layer, experts, device, wait)
 
-        def recorded_parts(layer, experts, device, together=False):
-            if runtime.step > 0 and not together:
-                pipelined.append(layer)
-            yield from parts(layer, experts, device, together)
-
-        runtime.use, runtime.parts = recorded_use, recorded_parts
+        runtime._use = recorded_use
         ids = load_tokenizer(path)(PROMPT, return_tensors="pt").input_ids
         with torch.inference_mode():
             model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=model.config.pad_token_id)

@@ -37,7 +37,7 @@ def test_trace_train_and_serve_a_hash_function(model_type, tiny_tokenizer, text_
     inputs = prompt_inputs(encoder_decoder=False)
     plain, _ = load_model(path, dtype=torch.float32)
     model = load_offloaded(path, predictor=export, policy="mrs", budget=0.5)
-    with model.offload_runtime as runtime:
+    with model.runtime as runtime:
         assert torch.equal(greedy(model, inputs), greedy(plain, inputs))
     stats = runtime.stats()
     assert stats.tables_on_time + stats.late_tables == stats.forwards == 4

@@ -96,7 +96,7 @@ def test_streamed_runtime_keeps_the_plain_models_logits(tiny_moe_dir, load):
         model = load_offloaded(path, options=RuntimeOptions(expert_kernel=kernel, **settings))
         if load == "memory":
             assert model.config._experts_implementation == (STREAMED if kernel == STREAMED else "grouped_mm")
-        with model.offload_runtime:
+        with model.runtime:
             with torch.inference_mode():
                 assert torch.equal(model(ids).logits, want_prefill), kernel
             tokens, logits = decode(model, ids, sample=False)
@@ -119,7 +119,7 @@ def test_gemv_keeps_greedy_tokens_and_logits_within_1e_5(tiny_moe_dir, monkeypat
     want_tokens, want_logits = decode(reference, ids, sample=False)
     for settings in ({"budget": "5slots"}, {"memory": "90%"}, {"memory": "90%", "map_experts": True}):
         model = load_offloaded(path, options=RuntimeOptions(**settings))
-        with model.offload_runtime:
+        with model.runtime:
             with torch.inference_mode():
                 assert torch.equal(model(ids).logits, want_prefill), settings
             tokens, logits = decode(model, ids, sample=False)
@@ -166,7 +166,7 @@ def test_gemv_in_half_precision_is_streamed_bit_for_bit(tiny_moe_dir, dtype):
     want_tokens, want_logits = decode(reference, ids, sample=False)
     for settings in ({"budget": "5slots"}, {"memory": "90%"}):
         model = load_offloaded(path, options=RuntimeOptions(dtype=dtype, **settings))
-        with model.offload_runtime:
+        with model.runtime:
             tokens, logits = decode(model, ids, sample=False)
         assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits), settings
     for half in (torch.bfloat16, torch.float16):  # float16: the plain model's dtype where a user loads it so

@@ -40,7 +40,7 @@ def test_trace_train_and_serve_a_switch_hash_function(tiny_moe_dir, text_corpus,
     with torch.inference_mode():
         want = plain.generate(**inputs, **settings)
     model = load_offloaded(path, predictor=export, policy="mrs", budget=0.5)
-    with caplog.at_level(logging.WARNING), model.offload_runtime as runtime, torch.inference_mode():
+    with caplog.at_level(logging.WARNING), model.runtime as runtime, torch.inference_mode():
         out = model.generate(**inputs, **settings)
     assert torch.equal(out, want)
     stats = runtime.stats()

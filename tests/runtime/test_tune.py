@@ -214,5 +214,5 @@ def test_tune_can_choose_the_runtime_without_its_predictor(tiny_moe_dir, tuned_h
     assert options.use_predictor is False and options.policy == "lru"
     assert resolve_options(path, predictor, {"memory": size, "use_predictor": True}).use_predictor  # named wins
     assert LoadRequest(path, predictor, options).resolved().predictor is None  # the one resolver drops it
-    with load_offloaded(path, predictor, options).offload_runtime as runtime:
+    with load_offloaded(path, predictor, options).runtime as runtime:
         assert runtime.builder is None
