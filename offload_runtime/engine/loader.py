@@ -53,9 +53,8 @@ def load_offloaded(model_dir: str | Path | ModelDirectory, predictor: str | Path
     (cross-token prefetch).
 
     `generate(...)` works as on the transformers model, whose attributes it reads through to.
-    `runtime` (also named `offload_runtime`) holds `stats()`, and `close()`, which stops its
-    threads; or run the model inside `with loaded:`. A model dropped without either stops them once
-    garbage-collected.
+    `runtime` holds `stats()`, and `close()`, which stops its threads; or run the model inside
+    `with loaded:`. A model dropped without either stops them once garbage-collected.
     """
     request = LoadRequest(model_dir, predictor, options, settings, reserves)
     return load(request)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from offload_runtime.engine.hash_builder import HashBuilderError
 from offload_runtime.engine.loader import load_offloaded
+from offload_runtime.engine.options import OptionsError, RuntimeOptions
 from offload_runtime.engine.store import StoreError
 from predictor import FrequencyPredictor, PredictorMeta, save_predictor
 from prescient.errors import CapacityError, FingerprintMismatchError
@@ -107,6 +108,21 @@ def test_predictor_thread_error_surfaces_in_generate(tiny_moe_dir, fail_at):
         generate(model)
     runtime.close()
     runtime.close()
+
+
+def test_a_failing_predictor_with_on_predictor_error_demand_is_counted_and_the_run_goes_on(tiny_moe_dir):
+    """What serve runs with (`RuntimeOptions.on_predictor_error`): the failure is logged and counted,
+    and the model decodes on with demand loads alone, its tokens unchanged."""
+    path = tiny_moe_dir("mixtral")
+    want = generate(load_model(path, dtype=torch.float32)[0], new_tokens=12)
+    predictor = frequency_predictor(path, FailingPredictor)
+    predictor.fail_at = 15
+    with load_offloaded(path, predictor=predictor, budget=0.5, prediction_guard=False, expert_kernel="model",
+                        on_predictor_error="demand") as model:
+        assert torch.equal(generate(model, new_tokens=12), want)
+        assert model.runtime.stats().predictor_failures == 1 and model.runtime.builder is None
+    with pytest.raises(OptionsError, match="on_predictor_error must be one of raise, demand"):
+        RuntimeOptions(on_predictor_error="ignore")
 
 
 def test_keyboard_interrupt_inside_generate_then_close(tiny_moe_dir):
