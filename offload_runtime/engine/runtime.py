@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -47,7 +47,7 @@ from torch import nn
 
 from cache import EvictionPolicy, ExpertCache, Key, make_serving_policy
 from cache.history import FORECAST_WEIGHT
-from cache.tiered import tiered_cache
+from cache.tiered import TieredCache, tiered_cache
 from offload_runtime.engine.hash_builder import HashBuilder, HashBuilderError
 from offload_runtime.engine.hybrid import HybridCounts, HybridExperts
 from offload_runtime.engine.offloaded_experts import offload_experts
@@ -123,15 +123,7 @@ class OffloadRuntime:
         self.top_k = layers[0].top_k
         self.n_experts = layers[0].num_experts
         self.policy = policy
-        if fine_store is None:
-            # with n_experts every key is numbered arithmetically: learned eviction renews a layer's
-            # chances at every layer of every forward, and a lookup and check per key cost more than the kernel
-            self.cache = ExpertCache(pool.num_slots, self.policy, n_layers=len(layers), top_k=self.top_k,
-                                     on_evict=self._on_evict, n_experts=max(layer.num_experts for layer in layers))
-        else:
-            policies = [policy, make_serving_policy(options.policy, self.top_k)]  # an instance per tier
-            self.cache = tiered_cache([p.num_slots for p in pool.pools], policies, options.precision_rule,
-                                      len(layers), self.n_experts, self.top_k, self._on_evict)
+        self.cache = _expert_cache(pool, policy, options, layers, tiered=fine_store is not None, on_evict=self._on_evict)
         stores = [store] if fine_store is None else [fine_store, store]  # in the pool's tier order
         self.options = options
         # whether a layer's experts compute as their copies land (see `arriving`): the loaded option,
@@ -476,6 +468,21 @@ class OffloadRuntime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _expert_cache(pool: SlotPool | TieredSlotPool, policy: EvictionPolicy, options: RuntimeOptions,
+                  layers: list[MoELayer], tiered: bool, on_evict: Callable[[Key], None]) -> ExpertCache | TieredCache:
+    """The cache that decides residency over `pool`'s slots: one `ExpertCache`, or with mixed
+    precision (`tiered`) a cache per tier of slots, each with its own instance of the policy."""
+    top_k = layers[0].top_k
+    if tiered:
+        policies = [policy, make_serving_policy(options.policy, top_k)]
+        return tiered_cache([p.num_slots for p in pool.pools], policies, options.precision_rule, len(layers),
+                            layers[0].num_experts, top_k, on_evict)
+    # with n_experts every key is numbered arithmetically: learned eviction renews a layer's
+    # chances at every layer of every forward, and a lookup and check per key cost more than the kernel
+    return ExpertCache(pool.num_slots, policy, n_layers=len(layers), top_k=top_k, on_evict=on_evict,
+                       n_experts=max(layer.num_experts for layer in layers))
 
 
 def _prefetch_per_layer(options: RuntimeOptions, top_k: int, device: torch.device, learned: bool) -> int:
