@@ -390,8 +390,11 @@ most 0.01 major faults and 1.5 MiB read per token against 6.0-7.0 MiB its slots 
 the plain model's (the parity tables). The same step down to the memory-mapped model was measured
 first and not kept: 0.94-1.04x plain (one run per prompt), its forward being the plain model's,
 where the slots' kernels are faster. A cap too small is refused
-before the expert store opens: in a cgroup 400, 435 and 489 MiB exit 2 in 6.0-6.4 s naming 497 MiB,
-and 520 MiB decodes (12.0 tokens/s, 8 slots, no major fault).
+before the expert store opens, in two checks since the plan loads the compiled kernels before it
+measures (the refusal table, at ec14e04): in a cgroup 400, 435 and 489 MiB exit 2 in 5.3-5.5 s
+naming 497 MiB, before anything compiled loads; 520 MiB exits 2 in 9.4 s after the predictor's warm-up,
+naming 571 MiB, which overstates the need: 560 MiB decodes (9.8 tokens/s, 9 slots, no major fault).
+Without the first check 400 MiB thrashed to the 120 s limit (the kernels' first load, about 27 MiB).
 
 Each system decodes the same prompt greedily in a fresh process inside a memory cgroup capped at the
 size, which counts the page cache as a real machine does; the page cache is dropped before every run,
