@@ -18,6 +18,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--batch-size", type=positive_int, default=1, help="rows decoded together")
     p.add_argument("--threads", type=threads, default=1, help="torch intra-op threads")
     p.add_argument("--tokens", type=positive_int, default=2000, help="timed steps after the warm-up")
+    p.add_argument("--cold-mb", type=positive_int, default=None, metavar="MB",
+                   help="stream this many MB of weights before each step, as the decode's experts do (default: none)")
     p.add_argument("--json", type=output_file, help="JSON file for the result")
     return p
 
@@ -27,4 +29,4 @@ def run(args: argparse.Namespace) -> dict:
 
     return measure_step_latency(args.artifact, n_layers=args.n_layers, n_experts=args.n_experts,
                                 vocab_size=args.vocab_size, batch_size=args.batch_size, threads=args.threads,
-                                tokens=args.tokens, out=args.json)
+                                tokens=args.tokens, out=args.json, cold_mb=args.cold_mb or 0)

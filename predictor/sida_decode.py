@@ -2,9 +2,10 @@
 
 The runtime runs the predictor inline, between the model's layers, once a token. By then the
 model's expert weights (tens of MB a token) have streamed through the CPU's caches, so the step's
-~1.1 MB of weights and torch's dispatch code are cold: measured on the demo's SiDA predictor, the
-step and its forecasts take 0.15 ms warm but 0.85-0.89 ms after 90 MB of matrix-vector products,
-against 0.13-0.14 ms for this single compiled call (numba, one pass over the weights). Same math as
+~1.1 MB of weights and torch's dispatch code are cold: on the demo's SiDA predictor the module's
+step and forecasts take 0.14 ms warm and 0.49 ms after 90 MB of weights streamed, this single
+compiled call (numba, one pass over the weights) 0.04 and 0.16 ms (`prescient bench-predictor-latency
+[--cold-mb 90]`, results/predictor-latency-demo-{warm,cold}.json). Same math as
 `SiDAHash.step` + `forecasts` in float32 (LSTM cells, the sparsemax attention over the last W
 outputs, the heads), in another summation order: within ~2e-6 of it (tested).
 

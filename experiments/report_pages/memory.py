@@ -229,8 +229,9 @@ CONCLUSION = """
 **The predictor at a third of its inline cost, and a plan that counts the compiled kernels (today's
 defaults, 8c2e022).** Inline, the predictor ran with the CPU's caches cold from the experts' weights,
 so its torch ops cost several times their standalone time: SiDA's step is now one compiled call
-(`predictor/sida_decode.py`) and a layer's renewed chances reach the cache only when they can decide
-an eviction, about 0.55 ms a token of predictor work where it was 1.3 (scratch profiles). The plan now
+(`predictor/sida_decode.py`: 0.16 ms a token after 90 MB of weights streamed, where the torch step and
+forecasts take 0.49 ms, results/predictor-latency-demo-cold.json) and a layer's renewed chances reach
+the cache only when they can decide an eviction (one call a forward without a miss, not one a layer). The plan now
 loads numba's runtime and the cache kernels (about 27 MiB) before it measures the process, with or
 without a predictor; the runtime without one ran on them unplanned before, so every system holds 2
 fewer slots than at ce108ba (15 at 0.66 GB, 31-32 at 0.85 GB). The first tables run runs/tb as the
@@ -448,8 +449,9 @@ def _history_note(name: str) -> str:
 
 
 def _fused_tables() -> tuple[Table, ...]:
-    """The predictor's inline work cut to about 0.55 ms a token (c1d9968), every baseline in the same
-    run: runs/tb at its two caps, runs/tw at its tightest with llama.cpp beside it."""
+    """The predictor's inline work cut (c1d9968: the fused step, forecasts sent when they decide),
+    every baseline in the same run: runs/tb at its two caps, runs/tw at its tightest with llama.cpp
+    beside it."""
     cmd = ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory 0.66GB,0.85GB --prompts 8 "
            "--new-tokens 96 --repeats 2 --threads 2 --systems plain,mmap,no-predictor,prescient,oracle "
            f"--run-timeout 120 --json results/{FUSED}")

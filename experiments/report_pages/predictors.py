@@ -122,7 +122,26 @@ next layers' own routers do, on a barely trained stand-in; it is not yet measure
         Table("What prediction and tracing cost", ("sida-latency-reference-base.json", "bench-tracing-reference-base.json"),
               f"prescient bench-predictor-latency --artifact runs/base-predictor/sida --threads 1; prescient "
               f"bench-tracing --model runs/reference-bench-base --threads 1", cost_rows),
+        Table("The demo's SiDA predictor (2 forecast heads) decoding a token: the fused compiled step against the "
+              "hash function's own torch step and forecasts, warm and after 90 MB of weights streamed (the "
+              "runtime runs it inline, after the experts' weights)", tuple(LATENCY_DEMO.values()),
+              "prescient bench-predictor-latency --artifact runs/demo/predictor/sida --threads 2 --tokens 400 "
+              "[--cold-mb 90] --json ...", fused_latency_rows),
     ))
+
+
+LATENCY_DEMO = {"warm": "predictor-latency-demo-warm.json", "after 90 MB": "predictor-latency-demo-cold.json"}
+
+
+def fused_latency_rows() -> Rows:
+    """Per condition: the fused step's median and p99 ms per token, the torch step's median, their ratio."""
+    rows = []
+    for condition, name in LATENCY_DEMO.items():
+        d = load(name)
+        rows.append([condition, num(d["ms_per_token_median"], 3), num(d["ms_per_token_p99"], 3),
+                     num(d["module_ms_per_token_median"], 3),
+                     num(d["module_ms_per_token_median"] / d["ms_per_token_median"])])
+    return ["caches", "fused ms/token (median)", "fused p99", "torch step + forecasts ms/token", "torch / fused"], rows
 
 
 HEADLINES: tuple[Headline, ...] = (

@@ -22,7 +22,8 @@ A failure of the predictor stops the thread and is raised, as `HashBuilderError`
 
 Inline (`threaded=False`, the runtime's choice where the slots are on the CPU) there is no thread:
 `submit` predicts at once and the table is ready when it returns. On a CPU machine the thread's
-work is small (0.13 ms a token for the demo's SiDA predictor's fused step, `predictor.sida_decode`) but it runs
+work is small (0.16 ms a token for the demo's SiDA predictor's fused step with cold caches,
+`predictor.sida_decode`) but it runs
 Python, and its turns at the GIL delayed the inference thread by more than that; inline, the cost
 is the work itself, and the runtime can time it (`OffloadRuntime.predictor_seconds`).
 

@@ -25,4 +25,7 @@ def test_latency_measures_decode_steps(tmp_path):
     result = measure_step_latency(sizes=TINY, n_layers=2, n_experts=4, vocab_size=50, tokens=20,
                                   out=str(tmp_path / "latency.json"))
     assert 0 < result["ms_per_token_median"] <= result["ms_per_token_p99"]
+    assert result["module_ms_per_token_median"] > 0 and result["cold_mb"] == 0  # the torch step beside it
     assert json.loads((tmp_path / "latency.json").read_text())["n_layers"] == 2
+    cold = measure_step_latency(sizes=TINY, n_layers=2, n_experts=4, vocab_size=50, tokens=20, cold_mb=4)
+    assert cold["cold_mb"] == 4 and cold["ms_per_token_median"] > 0
