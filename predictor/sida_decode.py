@@ -83,6 +83,9 @@ def step(weights: DecodeWeights, state: DecodeState, token_ids: torch.Tensor) ->
     """One new token per row: the [B, L·E] logits of its experts; `state` steps over it (its
     forecasts and feature are the new token's)."""
     tokens = token_ids.reshape(-1).numpy().astype(np.int64)
+    if len(tokens) and not 0 <= tokens.min() <= tokens.max() < len(weights.table):  # compiled code checks no bounds
+        raise IndexError(f"token id {tokens.max() if tokens.max() >= len(weights.table) else tokens.min()} is outside "
+                         f"the predictor's vocabulary of {len(weights.table)}")
     batch = len(tokens)
     logits = np.empty((batch, len(weights.head_b)), np.float32)
     forecasts = np.empty((batch, len(weights.forecast_b)), np.float32)

@@ -16,6 +16,7 @@ CURVE_WIDE = "bench-memory-tw.json"  # the same model's experts three times wide
 CURVE_WHOLE = "bench-memory-tw-whole.json"  # runs/tw at the caps where plain runs, the experts copied where all fit
 TUNE = "tune-tb.json"
 TUNE_WIDE = "tune-tw.json"  # under the three-prompt rule
+TUNE_NO_PREDICTOR = "tune-tb-0.66-no-predictor-candidate.json"  # tune with "no predictor" among its candidates
 TRACE = "trace-offloaded-tb.json"
 # the same trace in a cgroup capped at the size (experiments.trace_capped): runs/tb; before trace cut its
 # batch to the plan's reserve; runs/tb widened to twice the experts' bytes
@@ -720,6 +721,14 @@ def page() -> Page:
         Table("What `prescient tune` kept on runs/tb at two sizes, on one calibration prompt (before the three-prompt "
               "rule; 2 interleaved runs per configuration, 48 new tokens, each run a fresh process in a cgroup capped "
               "at the size, page cache dropped first)", (TUNE,), tune_cmd, partial(tune_rows, TUNE)),
+        Table("What `prescient tune --predictor` kept on runs/tb at 0.66 GB with the runtime without its predictor "
+              "among the candidates (at 05ee29d, through ../shared/bin/quiet, load 0.79 before; three calibration "
+              "prompts, 2 interleaved runs per configuration, 48 new tokens, each run a fresh process in a cgroup "
+              "capped at the size): without the predictor the runs decoded 13.8-14.8, 63.3-68.5 and 18.5-18.8 "
+              "tokens/s on the three prompts against the predictor's 16-20, 38-63 and 17-21, faster on the second "
+              "prompt alone, so the predictor stays", (TUNE_NO_PREDICTOR,),
+              "PRESCIENT_CACHE=/tmp/tunecache prescient tune --model runs/tb --predictor runs/demo/predictor/sida "
+              f"--memory 0.66GB --json results/{TUNE_NO_PREDICTOR}", partial(tune_rows, TUNE_NO_PREDICTOR)),
         Table("What `prescient tune` kept on runs/tw at 0.4x and 0.6x of the plain model's need: three calibration "
               "prompts, a change kept only where it wins on each (2 interleaved runs per configuration, 32 new "
               "tokens per prompt, each run a fresh process in a cgroup capped at the size, page cache dropped first)",

@@ -28,3 +28,15 @@ def test_the_fused_step_equals_the_modules_step(tiny_fingerprint, layers, horizo
         torch.testing.assert_close(pred.step(fused, ids[:, t]), pred.hash.step(module, ids[:, t]), atol=1e-5, rtol=1e-5)
         if horizon:
             torch.testing.assert_close(pred.forecast(fused), pred.hash.forecasts(module.feature), atol=1e-5, rtol=1e-5)
+
+
+def test_a_token_outside_the_vocabulary_is_refused_not_read_out_of_bounds(tiny_fingerprint):
+    sizes = SiDASizes(compress_dim=8, hidden_dim=12, attn_window=5)
+    hash_fn = SiDAHash.from_embedding(torch.randn(tiny_fingerprint.vocab_size, 16), tiny_fingerprint.n_moe_layers,
+                                      tiny_fingerprint.n_experts, sizes)
+    pred = SiDAPredictor(hash_fn, PredictorMeta("sida", tiny_fingerprint, {**dataclasses.asdict(sizes), "horizon": 0}))
+    state = pred.start(1)
+    with pytest.raises(IndexError, match="outside the predictor's vocabulary"):
+        pred.step(state, torch.tensor([tiny_fingerprint.vocab_size]))
+    with pytest.raises(IndexError, match="outside"):
+        pred.step(state, torch.tensor([-1]))
