@@ -725,8 +725,8 @@ def page() -> Page:
               "among the candidates (at 05ee29d, through ../shared/bin/quiet, load 0.79 before; three calibration "
               "prompts, 2 interleaved runs per configuration, 48 new tokens, each run a fresh process in a cgroup "
               "capped at the size): without the predictor the runs decoded 13.8-14.8, 63.3-68.5 and 18.5-18.8 "
-              "tokens/s on the three prompts against the predictor's 16-20, 38-63 and 17-21, faster on the second "
-              "prompt alone, so the predictor stays", (TUNE_NO_PREDICTOR,),
+              "tokens/s on the three prompts against 8.5-19.7, 37.6-63.4 and 11.7-21.2 in the 18 runs of the default "
+              "(the predictor, learned-belady), faster on the second prompt alone, so the predictor stays", (TUNE_NO_PREDICTOR,),
               "PRESCIENT_CACHE=/tmp/tunecache prescient tune --model runs/tb --predictor runs/demo/predictor/sida "
               f"--memory 0.66GB --json results/{TUNE_NO_PREDICTOR}", partial(tune_rows, TUNE_NO_PREDICTOR)),
         Table("What `prescient tune` kept on runs/tw at 0.4x and 0.6x of the plain model's need: three calibration "
