@@ -12,8 +12,8 @@ the table's chances of use, blended with each expert's history of use (`cache.hi
 runtime reports what each layer ran, `used`), reach the cache (`ExpertCache.on_forecast`). A
 layer's chances renewed as it runs reach the cache only when they can decide something
 (`send_forecasts`: before a miss or a prefetch inserts, before the layer is accessed again, at the
-next forward): on a forward without a miss that is one call instead of one per layer (a call cost
-~50 us with the CPU's caches cold from the experts' weights).
+next forward): on a forward without a miss that is one call instead of one per layer (each call
+runs with the CPU's caches cold from the experts' weights).
 Touched only by the inference thread.
 """
 
