@@ -441,9 +441,10 @@ def _forecast_arrays(forecasts: Forecasts | None) -> tuple[np.ndarray, ...]:
 
 def load_kernels(policy: EvictionPolicy, n_layers: int, n_experts: int, top_k: int) -> None:
     """Run the compiled kernels a serving cache calls (access, forecasts, prefetch, shrink) once on
-    a throwaway cache with `policy`: numba's runtime and their machine code (about 27 MiB at their
-    first call in a process, measured on this machine) are then in the process, where a memory plan
-    measuring it next counts them, as it must with or without a predictor."""
+    a throwaway cache with `policy`: numba's runtime and their machine code are then in the process,
+    where a memory plan measuring it next counts them, as it must with or without a predictor (on
+    runs/tb the plan's process grew from 379 to 406 MiB, results/bench-prediction-tb-costguard.json
+    against -fused.json)."""
     cache = ExpertCache(max(top_k, 2), policy, n_layers=n_layers, top_k=top_k, n_experts=n_experts)
     keys = [(0, expert) for expert in range(min(top_k, n_experts))]
     cache.access_many(keys, pin=True)

@@ -233,7 +233,8 @@ so its torch ops cost several times their standalone time: SiDA's step is now on
 (`predictor/sida_decode.py`: 0.16 ms a token after 90 MB of weights streamed, where the torch step and
 forecasts take 0.49 ms, results/predictor-latency-demo-cold.json) and a layer's renewed chances reach
 the cache only when they can decide an eviction (one call a forward without a miss, not one a layer). The plan now
-loads numba's runtime and the cache kernels (about 27 MiB) before it measures the process, with or
+loads numba's runtime and the cache kernels before it measures the process (the process without a
+predictor at 0.66 GB: 406 MiB where ce108ba's plan measured 379), with or
 without a predictor; the runtime without one ran on them unplanned before, so every system holds 2
 fewer slots than at ce108ba (15 at 0.66 GB, 31-32 at 0.85 GB). The first tables run runs/tb as the
 runs after them did (8 prompts, 2 interleaved repeats, every baseline in the same cgroups; through
@@ -396,7 +397,8 @@ before the expert store opens, in two checks since the plan loads the compiled k
 measures (the refusal table, at ec14e04): in a cgroup 400, 435 and 489 MiB exit 2 in 5.3-5.5 s
 naming 497 MiB, before anything compiled loads; 520 MiB exits 2 in 9.4 s after the predictor's warm-up,
 naming 571 MiB, which overstates the need: 560 MiB decodes (9.8 tokens/s, 9 slots, no major fault).
-Without the first check 400 MiB thrashed to the 120 s limit (the kernels' first load, about 27 MiB).
+The first check exists because loading the kernels before any check left a 400 MiB cap thrashing
+instead of refused (a run at 8c2e022, not kept).
 
 Each system decodes the same prompt greedily in a fresh process inside a memory cgroup capped at the
 size, which counts the page cache as a real machine does; the page cache is dropped before every run,

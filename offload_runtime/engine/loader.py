@@ -85,10 +85,10 @@ def _load_into_slots(model_dir: ModelDirectory, predictor: str | Path | ExpertPr
     fingerprint = loaded_fingerprint(model_dir, model, layers, options.torch_dtype)
     predictor = _checked_predictor(predictor, fingerprint, model, options, eviction.uses_forecasts)
     if planner is not None:
-        # a cap too small is refused before compiled code loads (under a cgroup that load alone thrashed
-        # at 400 MiB on runs/tb instead of a refusal in seconds; a cap it then leaves too small is refused
-        # after the predictor's warm-up, naming the larger need); then the cache kernels are loaded, so
-        # that the plan measures the process with them
+        # a cap too small is refused before compiled code loads (under a cgroup that load alone left a
+        # 400 MiB cap on runs/tb thrashing instead of refused in seconds; a cap it then leaves too small
+        # is refused after the predictor's warm-up, naming the larger need); then the cache kernels are
+        # loaded, so that the plan measures the process with them
         _refuse_before_opening(planner, layers, 0)
         load_kernels(make_serving_policy(options.policy, layers[0].top_k), len(layers), layers[0].num_experts,
                      layers[0].top_k)
