@@ -167,6 +167,15 @@ class ExpertCache:
             keys = self._keys
             return frozenset(keys[i] for i in np.flatnonzero(self.state.resident[: len(keys)]).tolist())
 
+    def eviction_order(self) -> list[Key]:
+        """The keys resident now, the policy's next victim first (ties as the kernels break them;
+        under LRU: least recently used first)."""
+        with self._lock:
+            st, keys = self.state, self._keys
+            ids = np.flatnonzero(st.resident[: len(keys)])
+            ids = ids[np.lexsort((st.order[ids], st.tiebreak[ids], st.rank[ids]))]
+            return [keys[i] for i in ids.tolist()]
+
     def least_chance(self, spare: Sequence[Key] = ()) -> float | None:
         """Learned eviction: the lowest predicted chance of use soon among the resident keys that
         are neither pinned nor in `spare` (the next victim's, marks aside); None for a policy

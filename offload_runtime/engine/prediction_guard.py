@@ -6,29 +6,41 @@ wrong, learned eviction drops what LRU would have kept and the prefetches read e
 uses, so the run moves more bytes than it would without a predictor (on runs/tw at 1.1 GB, 357
 loads against LRU's 96 for one prompt). And where LRU already hits well, right forecasts save a
 few loads that cost less than running the predictor does (a profile of runs/tb at 0.85 GB: 4 loads
-saved in 96 tokens, slower than LRU all the same). The guard keeps a shadow of the live
-cache, the same `ExpertCache` over the same accesses and capacity with LRU's policy (bookkeeping
-only: nothing is copied), and at each forward adds up, as moving sums over about `WINDOW` forwards:
+saved in 96 tokens, slower than LRU all the same). The guard keeps a shadow of the live cache, the
+same `ExpertCache` over the same accesses and capacity with LRU's policy (bookkeeping only:
+nothing is copied).
+
+**Probes, in the shadow.** The runtime first acts on nothing: the live cache runs as LRU (a
+learned policy without forecasts is LRU by its tiebreak) while a *probe* runs the predictions in
+the shadow: for `SHADOW_WINDOW` forwards a twin of the LRU shadow (its experts in its order, under
+the live policy) takes the forecasts and what the prefetcher would prefetch (in time, nothing
+copied). The runtime acts on the predictor only if the twin missed at least `SHADOW_GAIN` experts
+fewer than the LRU shadow on the same accesses, and those misses, at this run's wait per miss,
+outweigh the time the probe spent predicting; else the predictor sleeps (`HashBuilder.sleep`: it
+keeps the ids it is handed and catches up when woken, costing nothing meanwhile) for
+`PROBE_AFTER` windows, then probes again, each lost probe doubling the sleep. A probe costs a few
+forwards of predicting, never a miss. Acting first and judging the live cache instead lost that
+window's misses on every prompt whose forecasts do not pay: on runs/tb at 0.66 GB, a prompt LRU
+decodes at 135 tok/s ran 0.75x without the predictor (results/bench-prediction-tb-fused.json).
+
+**Acting, judged live.** While it acts, the guard adds up, as moving sums over about `WINDOW`
+forwards:
 - experts: how many more the live cache loaded (demand loads and prefetches) than LRU missed;
 - time: what the live run spent waiting for loads and predicting, less what LRU's misses would have
   cost it at the run's own measured wait per demand load.
 Either sum above `SLACK` experts (or their time), plus `SLACK_SHARE` of LRU's own misses in the
-window, pauses predictions. A third, steadier sum over `COST_WINDOW` forwards catches a small cost
-that persists (those two saturate at `WINDOW` times a forward's cost, under their slack: on runs/tb
-at 0.66 GB a prompt LRU decodes at 146 tok/s ran a millisecond a token of predictions to save 0.01
-loads, 0.89x): the prediction time plus the demand loads beyond LRU's misses at the run's wait
-per miss (counts, not the measured waits, whose noise is a whole load's; a prefetch in time is no
-demand load), against `COST_SHARE` of the forwards' own time (a paused predictor is probed as after any
-other loss: sleeping 128 forwards after a pause for the cost alone was measured and not kept, since a
-prompt whose predictions pay was paused at its 20th forward and lost its 1.5x,
-results/bench-prediction-tb-costsleep.json). It pauses predictions (a fixed slack alone paused right predictions on the noise of a
-prompt's first tokens, where LRU misses a few experts a token): the live cache's learned ranks
-are cleared (with no forecast, learned eviction is LRU by its tiebreak), nothing is prefetched,
-and the predictor sleeps, costing nothing (`HashBuilder.sleep`: the ids it is handed are kept,
-and it catches up when woken). After `PROBE_AFTER` windows it wakes and the runtime acts again for
-a probe, judged the same way; each probe that loses doubles the next sleep. So a wrong (or too
-costly) predictor costs a window, then one probe in ever longer sleeps: never far below its
-classic twin, as the robust learned-caching literature asks of a learned policy.
+window, pauses predictions (a fixed slack alone paused right predictions on the noise of a
+prompt's first tokens). A third, steadier sum over `COST_WINDOW` forwards catches a small cost that
+persists (those two saturate at `WINDOW` times a forward's cost, under their slack: on runs/tb at
+0.66 GB a prompt LRU decodes at 146 tok/s ran a millisecond a token of predictions to save 0.01
+loads, 0.89x): the prediction time plus the demand loads beyond LRU's misses at the run's wait per
+miss (counts, not the measured waits, whose noise is a whole load's; a prefetch in time is no
+demand load), against `COST_SHARE` of the forwards' own time (sleeping 128 forwards after a pause
+for the cost alone was measured and not kept: a prompt whose predictions pay was paused at its
+20th forward and lost its 1.5x, results/bench-prediction-tb-costsleep.json). A pause clears the
+live cache's learned ranks, stops prefetching and puts the predictor to sleep until the next probe.
+So a wrong (or too costly) predictor costs a few forwards of predicting in ever longer sleeps:
+never far below its classic twin, as the robust learned-caching literature asks of a learned policy.
 """
 
 from __future__ import annotations
@@ -40,17 +52,19 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cache import ExpertCache, Key, make_policy
+from cache import EvictionPolicy, ExpertCache, Key, make_policy
 
 log = logging.getLogger(__name__)
 
 WINDOW = 16  # forwards the comparison remembers (an exponential moving sum with this time constant)
 SLACK = 4.0  # experts (or their wait) more than LRU's within the window before predictions count as losing
 SLACK_SHARE = 0.1  # and this share of LRU's misses in the window
-PROBE_AFTER = 2  # windows asleep before the first probe; each lost probe doubles it
-WARMUP = 4  # forwards acting before a judgement (at the start, and after each wake)
+PROBE_AFTER = 2  # windows asleep after a pause before the probe; each lost probe doubles the sleep
+WARMUP = 4  # forwards acting before a judgement (after each probe that held)
 COST_WINDOW = 32  # forwards the cost comparison remembers
 COST_SHARE = 0.02  # of the forwards' time: the net cost of acting on predictions that pauses them
+SHADOW_WINDOW = 8  # forwards a probe runs the predictions in the shadow
+SHADOW_GAIN = 2  # misses fewer than LRU's in a probe's window that make the runtime act again
 
 
 class Spent(NamedTuple):
@@ -72,22 +86,22 @@ class Spent(NamedTuple):
 
 class PredictionGuard:
     """The LRU shadow of the live cache and whether the runtime acts on predictions now
-    (`acting`). `spent` reads the live run's costs; `sleep(True/False)` puts the predictor to
-    sleep or wakes it. `on_forecast` and `in` stand in for the live cache where the prefetcher
-    feeds forecasts."""
+    (`acting`), or runs them in the shadow (`shadowing`: a probe). `spent` reads the live run's
+    costs; `sleep(True/False)` puts the predictor to sleep or wakes it; `twin_policy` makes the
+    live cache's policy afresh (a probe's twin). `on_forecast` and `in` stand in for the live cache
+    where the prefetcher feeds forecasts."""
 
     def __init__(self, cache: ExpertCache, n_layers: int, n_experts: int, top_k: int,
                  spent: Callable[[], Spent], sleep: Callable[[bool], None],
-                 clock: Callable[[], float] = time.perf_counter) -> None:
-        self.cache, self.spent, self.sleep, self.clock = cache, spent, sleep, clock
+                 twin_policy: Callable[[], EvictionPolicy], clock: Callable[[], float] = time.perf_counter) -> None:
+        self.cache, self.spent, self.sleep, self.twin_policy, self.clock = cache, spent, sleep, twin_policy, clock
         self.lru = ExpertCache(cache.capacity, make_policy("lru"), n_layers=n_layers, top_k=top_k,
                                n_experts=n_experts)
-        self.n_layers, self.n_experts = n_layers, n_experts
-        # acting from the start, then judged: starting paused lost the prefetches' gain (on runs/tb over
-        # 8 prompts the median ratio over no predictor was 1.08 and 0.89 at 0.66 and 0.85 GB, against 1.11
-        # and 1.11 acting first)
-        self.acting = True
-        self.paused_forwards = 0  # forwards run without acting on predictions, in all
+        self.n_layers, self.n_experts, self.top_k = n_layers, n_experts, top_k
+        self.acting = False
+        self.twin: ExpertCache | None = None  # a probe's learned twin of the LRU shadow, while `shadowing`
+        self.paused_forwards = 0  # forwards run with the predictor asleep, in all
+        self.probe_forwards = 0  # forwards run with the predictions in the shadow only (probes), in all
         self.lost_windows = 0  # times predictions were paused
         self.excess = 0.0  # experts the live cache loaded beyond LRU's misses (moving sum)
         self.excess_seconds = 0.0  # seconds the live run spent beyond LRU's estimated wait (moving sum)
@@ -96,25 +110,48 @@ class PredictionGuard:
         self.forward_seconds = 0.0  # the forwards' own time (moving sum over COST_WINDOW)
         self._last_time = clock()
         self._acted = self._asleep_for = 0  # forwards since acting resumed; since it paused
-        self._sleep_length = PROBE_AFTER * WINDOW
+        self._sleep_length = 0  # forwards the present sleep lasts
+        self._next_sleep = PROBE_AFTER * WINDOW  # the next sleep's: doubled by each loss, reset by a long win
+        self._probe_start = (0, 0, 0.0)  # the twin's and LRU's misses, and seconds predicting, when the probe began
+        self._probe_left = 0  # forwards left in the probe
+        self.lost_probes = 0  # probes after which the predictor slept again
         self._last = self._counts(spent())
+        self._start_probe()  # the first forwards probe (see the module doc)
+        self._probe_left += 1  # forward 0 has not started
+
+    @property
+    def shadowing(self) -> bool:
+        """Whether a probe runs the predictions in the shadow now (the live cache goes on as LRU)."""
+        return self.twin is not None
 
     def __contains__(self, key: Key) -> bool:
         return key in self.cache
 
     def on_forecast(self, chances: np.ndarray, layer: int | Sequence[int] | None = None) -> None:
-        """The prefetcher's forecasts reach the live cache while acting (a late table of a forward
-        run before a pause reaches nothing)."""
+        """The prefetcher's forecasts reach the live cache while acting, the twin while probing (a
+        late table of a forward run before a pause reaches nothing)."""
         if self.acting:
             self.cache.on_forecast(chances, layer=layer)
+        elif self.twin is not None:
+            self.twin.on_forecast(chances, layer=layer)
+
+    def prefetch(self, keys: list[Key] | None) -> None:
+        """While probing: what the prefetcher would prefetch now goes into the twin (in time, as a
+        probe asks whether acting could pay; acting is then judged on what it really costs)."""
+        if self.twin is not None and keys:
+            self.twin.prefetch_many(keys)
 
     def access(self, keys: list[Key]) -> None:
-        """The live cache is accessed with `keys`: so is the shadow."""
+        """The live cache is accessed with `keys`: so are the shadows."""
         self.lru.access_many(keys)
+        if self.twin is not None:
+            self.twin.access_many(keys)
 
     def shrink(self, capacity: int) -> None:
-        """The live cache holds `capacity` keys from now on (the memory guard): so does the shadow."""
+        """The live cache holds `capacity` keys from now on (the memory guard): so do the shadows."""
         self.lru.shrink(capacity)
+        if self.twin is not None:
+            self.twin.shrink(capacity)
 
     def on_forward(self) -> None:
         """A forward starts: weigh the last one's loads and time, and pause or resume predictions."""
@@ -132,42 +169,83 @@ class PredictionGuard:
         self.forward_seconds = keep_long * self.forward_seconds + now - self._last_time
         self._last_time = now
         if not self.acting:
-            self._asleep_for += 1
-            if self._asleep_for < self._sleep_length:
-                self.paused_forwards += 1
-            else:  # a probe: this forward acts again, judged afresh
-                self.acting, self._acted = True, 0
-                self._forget()
-                self.sleep(False)
+            self._paused_forward()
             return
         self._acted += 1
         if self._acted == WARMUP:  # counted from here: the prefill's (or the catch-up's) loads and time are not
             self._forget()  # the decode's (a prompt's table prefetches dozens of experts)
         if self._acted == 2 * WINDOW:  # a probe that held: the next loss sleeps the first length again
-            self._sleep_length = PROBE_AFTER * WINDOW
+            self._next_sleep = PROBE_AFTER * WINDOW
         slack = SLACK + SLACK_SHARE * self.lru_misses
         losing = self.excess > slack or self.excess_seconds > slack * per_miss
         costly = self._acted > WARMUP + WINDOW and self.cost_seconds > COST_SHARE * self.forward_seconds
         if self._acted > WARMUP and (losing or costly):
             self._pause()
 
+    def _paused_forward(self) -> None:
+        """A forward while not acting: asleep, or probing in the shadow; a probe starts when a sleep
+        ends and, once its window is run, acts or sleeps longer."""
+        if self.twin is not None:
+            self._probe_left -= 1
+            if self._probe_left == 0 and self._judge_probe():
+                return
+        else:
+            self._asleep_for += 1
+            if self._asleep_for >= self._sleep_length:
+                self._start_probe()
+        if self.twin is None:
+            self.paused_forwards += 1
+        else:
+            self.probe_forwards += 1
+
+    def _start_probe(self) -> None:
+        """The predictor wakes; its predictions go to a twin of the LRU shadow (its experts, in its
+        order, under the live policy) for `SHADOW_WINDOW` forwards."""
+        self.twin = ExpertCache(self.lru.capacity, self.twin_policy(), n_layers=self.n_layers, top_k=self.top_k,
+                                n_experts=self.n_experts)
+        for key in self.lru.eviction_order():  # least recent first
+            self.twin.access(key)
+        self._probe_start = (self.twin.stats.misses, self.lru.stats.misses, self.spent().predictor_seconds)
+        self._probe_left = SHADOW_WINDOW
+        self.sleep(False)
+
+    def _judge_probe(self) -> bool:
+        """A probe's window is run: act from this forward on (True) if the twin missed
+        `SHADOW_GAIN` fewer experts than the LRU shadow, else sleep twice as long as before."""
+        twin_misses, lru_misses, predicting = self._probe_start
+        spent = self.spent()
+        saved = (self.lru.stats.misses - lru_misses) - (self.twin.stats.misses - twin_misses)
+        self.twin = None
+        # the misses saved must outweigh the time predicting took (at this run's wait per miss)
+        if saved >= SHADOW_GAIN and saved * spent.per_miss() > spent.predictor_seconds - predicting:
+            self.acting, self._acted = True, 0
+            self._forget()
+            return True
+        self.lost_probes += 1
+        self._fall_asleep()
+        return False
+
+    def _fall_asleep(self) -> None:
+        """The predictor sleeps until the next probe, each sleep twice the last."""
+        self._asleep_for, self._sleep_length = 0, self._next_sleep
+        self._next_sleep *= 2
+        self.sleep(True)
+
     def _forget(self) -> None:
         """Judge afresh from here: the sums of what acting cost start over."""
         self.excess = self.excess_seconds = self.cost_seconds = self.forward_seconds = 0.0
 
     def _pause(self) -> None:
-        if self.lost_windows and self._acted < 2 * WINDOW:  # a probe that lost at once: sleep twice as long
-            self._sleep_length *= 2
         self.lost_windows += 1
         if self.lost_windows == 1:
             log.info("prediction guard: over the last %d tokens acting on the predictor loaded %+.0f experts and "
                      "spent %+.0f ms against LRU (net, %+.1f%% of the time); predictions paused, probed again "
                      "after %d tokens", WINDOW, self.excess, self.excess_seconds * 1e3,
-                     100 * self.cost_seconds / max(self.forward_seconds, 1e-9), self._sleep_length)
-        self.acting, self._asleep_for = False, 0
+                     100 * self.cost_seconds / max(self.forward_seconds, 1e-9), self._next_sleep)
+        self.acting = False
         self.paused_forwards += 1  # this forward runs paused
         self.cache.on_forecast(np.zeros((self.n_layers, self.n_experts)))  # learned ranks cleared: LRU
-        self.sleep(True)
+        self._fall_asleep()
 
     def _counts(self, spent: Spent) -> tuple[int, int, float, float, int]:
         """(experts the live cache inserted, LRU's misses, seconds waited, seconds predicting, demand

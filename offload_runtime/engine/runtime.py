@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -98,7 +99,8 @@ class RuntimeStats:
     table_wait_seconds: float = 0.0  # inference thread blocked waiting for hash tables (`table_wait`)
     where_it_lives: int = 0  # routed experts computed without a slot (`RuntimeOptions.hybrid_schedule`)
     slots_given_back: int = 0  # by the memory guard (`memory_guard`): the process re-read its own pages
-    prediction_paused_forwards: int = 0  # forwards run without acting on predictions (`prediction_guard`)
+    prediction_paused_forwards: int = 0  # forwards run with the predictor asleep (`prediction_guard`)
+    prediction_probe_forwards: int = 0  # forwards run with the predictions in the guard's shadow only (probes)
     prediction_lost_windows: int = 0  # times predictions were paused: their loads or time passed a shadow LRU's
     predictor_seconds: float = 0.0  # the inference thread's time on predictions (inline on the CPU: all of it)
 
@@ -161,7 +163,8 @@ class OffloadRuntime:
         self.predictor_seconds = 0.0  # the inference thread's time on predictions (see `_predicting`)
         # acts on predictions only while they load fewer experts than LRU would, in less time
         self.prediction_guard = PredictionGuard(self.cache, len(layers), self.n_experts, self.top_k, self._spent,
-                                                self.builder.sleep) \
+                                                self.builder.sleep, partial(make_serving_policy, options.policy,
+                                                                            self.top_k)) \
             if predictor is not None and options.prediction_guard and fine_store is None \
             and not options.hybrid_schedule else None  # HybriMoE's scheduler decides on the forecasts itself
         self.prefetcher = Prefetcher(self.prediction_guard or self.cache, self.engine, len(layers), self.n_experts,
@@ -325,7 +328,8 @@ class OffloadRuntime:
                 self._load(key, demand=True)
             if self.lookahead is not None:  # the next layers' routers on this block's input
                 self.lookahead.issue(layer)
-            if self.builder is not None and (self.prediction_guard is None or self.prediction_guard.acting):
+            guard = self.prediction_guard
+            if self.builder is not None and (guard is None or guard.acting or guard.shadowing):
                 with self._predicting():  # meanwhile, the predicted experts of the layers ahead
                     self._prefetch_after(layer, len(missing))
             for key in keys if wait else ():  # the layer computes once its experts are in
@@ -398,6 +402,9 @@ class OffloadRuntime:
         if plan.wanted is None and not self._take_table(layer):
             return
         keys = plan.keys_after(layer, demand_loads)  # the forecasts reach the cache (through the guard)
+        if self.prediction_guard is not None and not self.prediction_guard.acting:
+            self.prediction_guard.prefetch(keys)  # a probe: into the guard's shadow, nothing copied
+            return
         rows = self.pool.map.rows
         if keys and any(rows[key] < 0 for key in keys):  # all resident: the call would insert nothing
             plan.issued(self.prefetch(keys, priority=plan.priority))
@@ -443,6 +450,7 @@ class OffloadRuntime:
             slot_bytes=self.pool.nbytes * (self.pool.num_slots - self.pool.map.retired) // self.pool.num_slots,
             slots_given_back=self.guard.given_back if self.guard is not None else 0,
             prediction_paused_forwards=self.prediction_guard.paused_forwards if self.prediction_guard else 0,
+            prediction_probe_forwards=self.prediction_guard.probe_forwards if self.prediction_guard else 0,
             prediction_lost_windows=self.prediction_guard.lost_windows if self.prediction_guard else 0,
             predictor_seconds=round(self.predictor_seconds, 4),
             predictor_failures=self.predictor_failures,

@@ -37,8 +37,10 @@ _RUNTIME_COUNTERS = [
     ("expert_fine_uses", "mixed precision: expert accesses computed with an expert's fine copy", "fine_accesses"),
     ("expert_slots_given_back", "slots the memory guard gave back: the process re-read its own pages under --memory",
      "slots_given_back"),
-    ("prediction_paused_forwards", "forwards run without acting on the predictor (the prediction guard: acting "
+    ("prediction_paused_forwards", "forwards run with the predictor asleep (the prediction guard: acting "
      "would have loaded more experts than LRU, or cost more time than it saved)", "prediction_paused_forwards"),
+    ("prediction_probe_forwards", "forwards run with the predictions in the prediction guard's shadow only, "
+     "probing whether acting on them would pay", "prediction_probe_forwards"),
     ("predictor_seconds", "seconds the inference thread spent on predictions", "predictor_seconds"),
 ]
 
