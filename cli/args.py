@@ -6,14 +6,13 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import TypeVar
 
 from cache.tiered import PRECISION_RULES
-from offload_runtime.engine.expert_kernels import EXPERT_KERNELS
-from offload_runtime.engine.options import (DTYPES, MAX_LOOKAHEAD_LAYERS, MAX_TRANSFER_WORKERS, SLOT_FORMATS,
-                                            STORES, RuntimeOptions)
-from offload_runtime.engine.resolve import resolve_options
+from offload_runtime.engine.options import (DTYPES, EXPERT_KERNELS, MAX_LOOKAHEAD_LAYERS, MAX_TRANSFER_WORKERS,
+                                            SLOT_FORMATS, STORES, RuntimeOptions)
 from prescient.atomic import check_folder, resolve_output
 from prescient.budget import MEMORY_HELP, Budget, parse_memory
 from prescient.devices import check_device
@@ -81,6 +80,7 @@ def _number(text: str, read: Callable[[str], T], what: str, fits: Callable[[T], 
     return value
 
 
+DEFAULTS = {field.name: field.default for field in fields(RuntimeOptions)}  # each runtime flag's, where it lives
 MOST = 2**63 - 1  # the largest count a 64-bit integer holds: beyond it torch and numpy overflow
 MAX_THREADS = 4096
 
@@ -241,15 +241,16 @@ def _where_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
             help=f"the whole process's memory ({MEMORY_HELP.replace('%', '%%')}): slots are sized to fit beside "
                  "the rest; where every expert fits beside the process and the library pages it runs, the plain "
                  "model (its own forward, no hooks); --map-experts: the weights mapped from the checkpoint; the "
-                 "configuration is printed in one line"),
+                 "configuration is printed in one line (default: none, --budget sizes the slots)"),
         "budget": lambda p: p.add_argument(
             "--budget", type=budget, default=None,
             help="instead of --memory, the experts' slots alone: a fraction of all experts (0.5 or 50%%), slots "
                  "(12slots) or bytes (512MiB) (default: 50%% when neither is given)"),
-        "store": lambda p: p.add_argument("--store", choices=STORES, default="disk", help="where the experts live"),
+        "store": lambda p: p.add_argument("--store", choices=STORES, default=DEFAULTS["store"], help="where the experts live"),
         "drop_page_cache": lambda p: p.add_argument(
             "--drop-page-cache", action="store_true", help="disk store: drop read pages from the page cache"),
-        "device": lambda p: p.add_argument("--device", type=device, default="cpu"),
+        "device": lambda p: p.add_argument("--device", type=device, default=DEFAULTS["device"],
+                                          help="where the slots and the resident weights live"),
     }
 
 
@@ -257,10 +258,10 @@ def _precision_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]
     """What a slot holds: the compute dtype, packed or expanded, mixed precision."""
     return {
         "dtype": lambda p: p.add_argument(
-            "--dtype", choices=tuple(DTYPES), default="float32",
+            "--dtype", choices=DTYPES, default=DEFAULTS["dtype"],
             help="what the model computes in and a slot holds (bfloat16: half the bytes per expert slot)"),
         "slot_format": lambda p: p.add_argument(
-            "--slot-format", choices=SLOT_FORMATS, default="expanded",
+            "--slot-format", choices=SLOT_FORMATS, default=DEFAULTS["slot_format"],
             help="expanded: a slot holds an expert in --dtype whatever its stored precision; packed: int4 (int8) "
                  "experts stay int4 (int8) in their slots, ~3.5x (2x) more per byte than bf16, computed by torch's "
                  "weight-only CPU kernels (needs --dtype bfloat16)"),
@@ -268,11 +269,11 @@ def _precision_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]
             "--fine-model", metavar="DIR",
             help="mixed precision: the same model with experts stored finer (e.g. prescient quantize --bits 8 "
                  "--group-size channel beside --bits 4); each expert loaded takes its fine or its coarse copy by "
-                 "--precision-rule (needs --slot-format packed)"),
+                 "--precision-rule (needs --slot-format packed; default: none, one precision)"),
         "fine_share": lambda p: p.add_argument(
-            "--fine-share", type=float, default=0.25, help="with --fine-model: the budget's share in fine slots"),
+            "--fine-share", type=float, default=DEFAULTS["fine_share"], help="with --fine-model: the budget's share in fine slots"),
         "precision_rule": lambda p: p.add_argument(
-            "--precision-rule", choices=PRECISION_RULES, default="router",
+            "--precision-rule", choices=PRECISION_RULES, default=DEFAULTS["precision_rule"],
             help="with --fine-model: which experts get the fine copy: router (its router weight; the best on the "
                  "bench), forecast (the predictor's chance that coming tokens use it; needs a --predictor with "
                  "forecast heads), hotness (its use count so far)"),
@@ -288,7 +289,7 @@ def _read_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
                  "(default: tuned with --memory, else 1)"),
             p.add_argument("--link-profile", metavar="PROFILE.json",
                            help="with --transfer-workers auto: a `prescient profile-hw --model DIR` JSON whose random-"
-                                "read curve chose the queue depth")),
+                                "read curve chose the queue depth (default: none)")),
         "read_depth": lambda p: p.add_argument(
             "--read-depth", type=positive_int, default=None, metavar="N",
             help="disk store: each expert read split into N reads in flight at once, the queue depth the device "
@@ -310,14 +311,14 @@ def _compute_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
             help="a layer's resident experts compute while its misses are copied, then each miss as it "
                  "lands (default: tuned with --memory, else on); --no-expert-pipeline: the layer waits for all its copies first"),
         "expert_kernel": lambda p: (p.add_argument(
-            "--expert-kernel", choices=EXPERT_KERNELS, default="gemv",
+            "--expert-kernel", choices=EXPERT_KERNELS, default=DEFAULTS["expert_kernel"],
             help="how experts compute: gemv (where the model runs grouped_mm on the CPU, each routed expert's GEMM "
                  "from its weights, a decode row of float32 weights of 1 MiB or more through our row kernel, a dot "
                  "product per row at the memory bus's rate; logits within 1e-5 of transformers' kernel); streamed "
                  "(the same without the row kernel, bit for bit); model (the model's own experts implementation, for "
                  "bit-for-bit comparisons); auto (EPS-MoE's: per layer and call, the kernel measured fastest for its "
                  "tokens per expert, and no per-expert pipeline below the measured load); or one of transformers' "
-                 "eager, batched_mm, grouped_mm (default: gemv)"),
+                 "eager, batched_mm, grouped_mm"),
             p.add_argument("--expert-kernel-table", metavar="TABLE.json",
                            help="with --expert-kernel auto: a `prescient bench-kernels` JSON whose crossover picks the "
                                 "kernels (default: measured on the model's layer shape at load)")),
@@ -329,7 +330,7 @@ def _compute_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
             "--lookahead-probe", metavar="PROBE",
             help="in-token lookahead (--lookahead N, 1 if not given) with a trained probe artifact guessing the next "
                  "layers' experts from each block's input instead of their routers (prescient train --config "
-                 "configs/predictor/probe.yaml)"),
+                 "configs/predictor/probe.yaml; default: none, the routers guess)"),
         "map_experts": lambda p: p.add_argument(
             "--map-experts", action=argparse.BooleanOptionalAction, default=None,
             help="with --memory: every weight a view of the memory-mapped checkpoint, the kernel's page cache the "
@@ -350,21 +351,43 @@ def _compute_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
 
 
 RUNTIME_FLAGS = tuple(_runtime_flags())
-USER_FLAGS = ("memory", "device")  # what a user names; the rest are overrides, apart in --help
+USER_FLAGS = ("memory", "device", "dtype")  # what a user names, beside the model; the rest are overrides
+PREDICTOR_FLAGS = ("next_token", "lookahead_layers", "lookahead_probe", "hide_only")  # what guesses ahead decide
 
 
-def add_runtime_args(p: argparse.ArgumentParser, *which: str) -> None:
+def add_predictor_arg(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """`--predictor` leading a group of its own, which `add_runtime_args` fills with the flags that
+    act on the predictor's guesses; made before the command's other groups, so `--help` shows it
+    after the model, prompt and memory."""
+    group = p.add_argument_group("predictor", "what guesses the coming experts, and what the runtime does with its "
+                                              "guesses (each flag but --predictor overrides what --memory chooses)")
+    group.add_argument("--predictor", default=None,
+                       help="predictor artifact (NAME, NAME.json or NAME.safetensors) (default: none, each expert "
+                            "loaded when its router picks it)")
+    return group
+
+
+def add_runtime_args(p: argparse.ArgumentParser, *which: str,
+                     predictor: argparse._ArgumentGroup | None = None) -> argparse._ArgumentGroup:
     """The flags of the runtime's options (`RuntimeOptions`, built by `runtime_options`): all of
-    them, or those named in `which` (a command that sets the others itself, e.g. per run)."""
+    them, or those named in `which` (a command that sets the others itself, e.g. per run), on `p`.
+    With all of them, the memory, device and dtype go on `p`, the flags acting on the predictor's
+    guesses in `predictor` (`add_predictor_arg`'s group), the rest in a tuning group made here;
+    returns that group (or `p`), where a command adds its own tuning flags."""
     flags, names = _runtime_flags(), which or RUNTIME_FLAGS
-    overrides = p.add_argument_group(
-        "overrides", "each sets one part of the configuration that --memory (or --budget) chooses; leave them to "
-                     "run the defaults") if not which else p
+    tuning = p.add_argument_group(
+        "expert cache and runtime tuning", "each sets one part of the configuration that --memory (or --budget) "
+                                           "chooses; leave them to run the defaults") if not which else p
+    guesses = predictor if predictor is not None else tuning
+    if predictor is not None:  # its group lists them in their own order
+        names = (*(name for name in PREDICTOR_FLAGS if name in names), *(n for n in names if n not in PREDICTOR_FLAGS))
     for name in names:
-        flags[name](p if name in USER_FLAGS else overrides)
-    if "next_token" in names:
-        add_next_token_min_chance(overrides, "with --next-token")
+        group = p if name in USER_FLAGS else guesses if name in PREDICTOR_FLAGS else tuning
+        flags[name](group)
+        if name == "next_token":
+            add_next_token_min_chance(group, "with --next-token")
     p.set_defaults(runtime_flags=names)  # what `runtime_options` reads
+    return tuning
 
 
 def add_next_token_min_chance(p: argparse.ArgumentParser, applies: str) -> None:
@@ -402,5 +425,7 @@ def runtime_options(args: argparse.Namespace, **fields: object) -> RuntimeOption
     """The one `RuntimeOptions` of a command: `runtime_settings` resolved by `resolve_options` (over,
     with `--memory`, the configuration `prescient tune` measured best for the model on this machine,
     the best measured policy and the built-in defaults)."""
+    from offload_runtime.engine.resolve import resolve_options  # imports torch, which `--help` does without
+
     return resolve_options(getattr(args, "model", None), getattr(args, "predictor", None),
                            runtime_settings(args, **fields))

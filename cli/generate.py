@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from cli.args import add_runtime_args, output_file, positive_int, runtime_settings, seed
+from cli.args import add_predictor_arg, add_runtime_args, output_file, positive_int, runtime_settings, seed
 from cli.commands import add_command
 
 log = logging.getLogger(__name__)
@@ -15,18 +15,19 @@ log = logging.getLogger(__name__)
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = add_command(subparsers, "generate")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
-    p.add_argument("--predictor", default=None, help="predictor artifact (NAME, NAME.json or NAME.safetensors)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
-    p.add_argument("--json", type=output_file, default=None, metavar="OUT",
-                   help="write ids, text, stats and settings here")
+    predictor = add_predictor_arg(p)
     sampling = p.add_argument_group("sampling", "greedy unless --sample is given")
     sampling.add_argument("--sample", type=seed, default=None, metavar="SEED",
                           help="sampled decoding seeded by SEED (default: greedy)")
     sampling.add_argument("--temperature", type=float, default=None,
                           help="with --sample: the temperature (default 1.0)")
     sampling.add_argument("--top-p", type=float, default=None, help="with --sample: nucleus sampling's mass (default 1.0)")
-    add_runtime_args(p)
+    add_runtime_args(p, predictor=predictor)
+    diagnostics = p.add_argument_group("diagnostics")
+    diagnostics.add_argument("--json", type=output_file, default=None, metavar="OUT",
+                             help="write ids, text, stats and settings here (default: printed only)")
     return p
 
 

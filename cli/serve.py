@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from cli.args import add_runtime_args, memory, port, positive_int, runtime_options, seconds, threads
+from cli.args import add_predictor_arg, add_runtime_args, memory, port, positive_int, runtime_options, seconds, threads
 from cli.commands import add_command
 
 API_KEY_ENV = "PRESCIENT_API_KEY"
@@ -30,14 +30,11 @@ def api_keys(text: str) -> tuple[str, ...]:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = add_command(subparsers, "serve")
     p.add_argument("--model", required=True, help="Hugging Face model directory (decoder-only)")
-    p.add_argument("--predictor", default=None, help="predictor artifact (NAME, NAME.json or NAME.safetensors)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=8000)
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model directory's name)")
-    p.add_argument("--threads", type=threads, default=None,
-                   help="torch threads (default: the CPUs this process may use, capped by its cgroup's CPU quota)")
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    predictor = add_predictor_arg(p)
     requests = p.add_argument_group("requests", "how many are decoded together, wait, and how they end")
     requests.add_argument("--max-batch", type=positive_int, default=16, help="requests decoded together")
     requests.add_argument("--max-queue", type=positive_int, default=64,
@@ -55,19 +52,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     access.add_argument("--metrics-need-key", action="store_true",
                         help="put /metrics behind the API key too (default: open, as /health)")
     access.add_argument("--ssl-keyfile", default=None, metavar="KEY.pem",
-                        help="serve HTTPS: the PEM private key (with --ssl-certfile)")
+                        help="serve HTTPS: the PEM private key (with --ssl-certfile; default: none, plain HTTP)")
     access.add_argument("--ssl-certfile", default=None, metavar="CERT.pem",
-                        help="serve HTTPS: the PEM certificate (chain) of the key")
+                        help="serve HTTPS: the PEM certificate (chain) of the key (default: none, plain HTTP)")
     replicas = p.add_argument_group("replicas", "several copies of the model on Ray Serve (the extra [ray])")
     replicas.add_argument("--replicas", type=positive_int, default=None, metavar="N",
-                          help="serve N replicas on Ray Serve, each loading the model (needs the extra [ray])")
+                          help="serve N replicas on Ray Serve, each loading the model (needs the extra [ray]; "
+                               "default: none, one model in this process)")
     replicas.add_argument("--ray-address", default=None, metavar="ADDRESS",
                           help="with --replicas: the Ray cluster to join (auto: the one `ray start` runs here); "
                                "default: start a local one")
     replicas.add_argument("--routing", choices=("cache", "random", "least-loaded"), default="cache",
                           help="with --replicas: keep a conversation (X-Session-ID or its prompt's start) on one "
                                "replica unless it is busy (cache), or route at random or to the least loaded")
-    add_runtime_args(p)
+    tuning = add_runtime_args(p, predictor=predictor)
+    tuning.add_argument("--threads", type=threads, default=None,
+                        help="torch threads (default: the CPUs this process may use, capped by its cgroup's CPU quota)")
+    diagnostics = p.add_argument_group("diagnostics")
+    diagnostics.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
 

@@ -33,14 +33,30 @@ The package's rooms:
   `link_profile` reads the engine's disk store to measure it.
 """
 
-from offload_runtime.engine.generate import generate_offloaded
-from offload_runtime.engine.loaded import LoadedModel
-from offload_runtime.engine.loader import load_offloaded
-from offload_runtime.engine.memory_plan import MemoryPlan, Reserves
-from offload_runtime.engine.model_runtime import ModelRuntime
-from offload_runtime.engine.options import RuntimeOptions
-from offload_runtime.engine.resolve import LoadRequest, resolve_options
-from offload_runtime.engine.runtime import OffloadRuntime
+from __future__ import annotations
 
-__all__ = ["LoadRequest", "LoadedModel", "MemoryPlan", "ModelRuntime", "OffloadRuntime", "Reserves", "RuntimeOptions",
-           "generate_offloaded", "load_offloaded", "resolve_options"]
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from offload_runtime.engine.generate import generate_offloaded
+    from offload_runtime.engine.loaded import LoadedModel
+    from offload_runtime.engine.loader import load_offloaded
+    from offload_runtime.engine.memory_plan import MemoryPlan, Reserves
+    from offload_runtime.engine.model_runtime import ModelRuntime
+    from offload_runtime.engine.options import RuntimeOptions
+    from offload_runtime.engine.resolve import LoadRequest, resolve_options
+    from offload_runtime.engine.runtime import OffloadRuntime
+
+# each public name -> the module that defines it, imported on first use: a module of the package
+# (the options a `--help` reads) then loads without torch
+_HOMES = {"LoadRequest": "resolve", "LoadedModel": "loaded", "MemoryPlan": "memory_plan", "ModelRuntime": "model_runtime",
+          "OffloadRuntime": "runtime", "Reserves": "memory_plan", "RuntimeOptions": "options",
+          "generate_offloaded": "generate", "load_offloaded": "loader", "resolve_options": "resolve"}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> object:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"offload_runtime.engine.{_HOMES[name]}"), name)

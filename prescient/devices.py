@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from prescient.errors import PrescientError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class DeviceError(PrescientError):
@@ -14,6 +17,8 @@ class DeviceError(PrescientError):
 def check_device(name: str | torch.device) -> torch.device:
     """The device `name` names (`cpu`, `cuda`, `cuda:1`); a clear error when it is not one or
     this machine has no such device."""
+    import torch  # here, not above: `--help` checks no device and imports no torch
+
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError):

@@ -48,14 +48,11 @@ import torch
 from torch import nn
 
 from offload_runtime.engine import rowdot
+from offload_runtime.engine.options import GEMV, KERNELS, STREAMED  # the kernels' names, read by --help without torch
 from prescient.errors import PrescientError
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("eager", "batched_mm", "grouped_mm")  # transformers' experts implementations we choose among
-STREAMED = "streamed"  # ours (`streamed_experts_forward`), registered with transformers' experts implementations
-GEMV = "gemv"  # ours: "streamed" with a decode row's products through `rowdot` (`gemv_experts_forward`)
-EXPERT_KERNELS = ("model", "auto", *KERNELS, STREAMED, GEMV)  # `RuntimeOptions.expert_kernel`'s values
 LOADS = (1, 2, 4, 8, 16, 32, 64)  # tokens per activated expert
 LOAD_TIME_LOADS = (1, 4, 16, 64)  # measured at load (no table given): fewer, a layer of wide experts takes seconds
 MARGIN = 0.10  # another kernel replaces the model's own only where it is this much faster

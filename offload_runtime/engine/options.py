@@ -16,23 +16,27 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, fields
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from cache import make_serving_policy
 from cache.tiered import PRECISION_RULES
 from cache.timing import LinkTiming
-from offload_runtime.engine.expert_kernels import EXPERT_KERNELS
-from predictor.base import PredictorError
 from prescient.budget import Budget, parse_memory
 from prescient.devices import check_device
 from prescient.errors import PrescientError
 
+if TYPE_CHECKING:
+    import torch
+
+# This module imports no torch: `prescient --help` reads its names and defaults.
 STORES = ("disk", "host")
 SLOT_FORMATS = ("expanded", "packed")
 PREDICTOR_ERRORS = ("raise", "demand")  # what a failing hash-building thread does: stop the run, or serve on
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16")  # torch's names of the dtypes a model computes in
+KERNELS = ("eager", "batched_mm", "grouped_mm")  # transformers' experts implementations we choose among
+STREAMED = "streamed"  # ours (`expert_kernels.streamed_experts_forward`), registered with transformers' implementations
+GEMV = "gemv"  # ours: "streamed" with a decode row's products through `rowdot` (`gemv_experts_forward`)
+EXPERT_KERNELS = ("model", "auto", *KERNELS, STREAMED, GEMV)  # `RuntimeOptions.expert_kernel`'s values
 MAX_TRANSFER_WORKERS = 64  # reads in flight; storage queues gain nothing past a few dozen
 MAX_LOOKAHEAD_LAYERS = 3  # HybriMoE's reach; the residual stream drifts farther out
 MAX_TABLE_WAIT = 1.0  # seconds: a predictor slower than that per token costs more than it can win
@@ -188,6 +192,8 @@ class RuntimeOptions:
         chance = self.next_token_min_chance
         if chance is not None:
             if isinstance(chance, bool) or not isinstance(chance, (int, float)) or not 0.0 <= chance <= 1.0:
+                from predictor.base import PredictorError  # predictor imports torch
+
                 raise PredictorError(f"cross-token prefetch's least chance of use must be in [0, 1], got {chance}")
             object.__setattr__(self, "next_token_min_chance", float(chance))
 
@@ -268,7 +274,9 @@ class RuntimeOptions:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @classmethod
     def names(cls) -> frozenset[str]:
