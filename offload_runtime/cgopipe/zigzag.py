@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
@@ -129,8 +130,8 @@ class ZigZagDecoder:
         self._step = 0
         self._prefilling = False
         self._priority = 0.0
-        self._runtime_arrival_order = runtime.arrival_order  # given back by close()
-        runtime.arrival_order = arrival_order
+        self._order = ExitStack()  # the runtime's own order, given back by close()
+        self._order.enter_context(runtime.pipelining(arrival_order))
         runtime.pin_resident([(layer, e) for layer, experts in enumerate(self.resident) for e in sorted(experts)])
         self.stack.check_split()
 
@@ -177,7 +178,7 @@ class ZigZagDecoder:
 
     def close(self) -> None:
         """The runtime goes back to computing experts in the order it had before."""
-        self.runtime.arrival_order = self._runtime_arrival_order
+        self._order.close()
 
     def __enter__(self) -> "ZigZagDecoder":
         return self

@@ -8,6 +8,7 @@ both to it.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
 from torch import nn
@@ -22,17 +23,19 @@ from prescient.fingerprint import ModelFingerprint
 class ModelRuntime(Protocol):
     """The runtime of a loaded model, and what it holds: the `model`, the `options` it was
     loaded with, its `memory_plan` (None under a budget), its `fingerprint` (what predictors are
-    checked against) and the server's `sequence_ids` (each batch row's sequence, set before a
-    forward: the state of the forward being run, not a setting)."""
+    checked against); the server runs each forward inside `rows` (each batch row's sequence: the
+    state of the forward being run, not a setting)."""
 
     model: nn.Module
     options: RuntimeOptions
     fingerprint: ModelFingerprint
     memory_plan: MemoryPlan | None
-    sequence_ids: list | None
 
     def stats(self) -> RuntimeStats:
         """Hits, misses, prefetches, loads and stalls since the model loaded."""
+
+    def rows(self, ids: list) -> AbstractContextManager[None]:
+        """Serving: the forwards run inside are over batch rows of the sequences `ids`, one id per row."""
 
     def end_sequences(self, ids: list) -> None:
         """Serving: forget what was kept for the sequences `ids`, which have ended."""

@@ -11,6 +11,9 @@ generate, serve and bench treat them alike: statistics, closing, the server's se
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from torch import nn
 
 from offload_runtime.engine.expert_kernels import GEMV, STREAMED, stream_experts
@@ -37,12 +40,16 @@ class ResidentRuntime:
                 if isinstance(module, MappedExperts):
                     module.use_matvec()
         self.top_k, self.n_experts = layers[0].top_k, layers[0].num_experts
-        self.sequence_ids: list | None = None  # set by the server; nothing here keeps per-sequence state
         self.forwards = 0
         self._handle = model.register_forward_pre_hook(self._count)  # one call per forward, not per layer
 
     def _count(self, *_args) -> None:
         self.forwards += 1
+
+    @contextmanager
+    def rows(self, ids: list) -> Iterator[None]:
+        """Serving: the forwards inside are over the sequences `ids`; nothing here keeps per-sequence state."""
+        yield
 
     def end_sequences(self, ids: list) -> None:
         """Serving: nothing to forget."""

@@ -19,7 +19,7 @@ cache is a `cache.tiered.TieredCache` (a cache per tier, and the rule that picks
 expert's copy), an insert takes a slot of its tier and the copy reads from that tier's store.
 
 Serving (`offload_runtime.server`) batches sequences whose rows change from one forward to the
-next: it sets `sequence_ids` (one id per batch row) before each forward, so that the predictor
+next: it runs each forward inside `rows(ids)` (one id per batch row), so that the predictor
 keeps one state per sequence, and calls `end_sequences` when they finish. With
 `RuntimeOptions.on_predictor_error` "demand" (what serve runs with) a failure of the hash-building
 thread is logged and counted (`predictor_failures`) and the runtime goes on with demand loads
@@ -129,11 +129,11 @@ class OffloadRuntime:
         stores = [store] if fine_store is None else [fine_store, store]  # in the pool's tier order
         self.options = options
         # whether a layer's experts compute as their copies land (see `arriving`): the loaded option,
-        # which a batch decoder switches for its schedule while it runs (`cgopipe.zigzag`)
+        # which a batch decoder switches for its schedule while it runs (`pipelining`)
         self.arrival_order = options.expert_pipeline
         self._step = -1
         self._tickets: dict[Key, Ticket] = {}
-        self.sequence_ids: list | None = None  # serving: each batch row's sequence id (see the module doc)
+        self.sequence_ids: list | None = None  # serving: each batch row's sequence id, set by `rows`
         self.memory_plan = memory_plan  # with `RuntimeOptions.memory`: what the cap bought
         self.table_wait_seconds = 0.0  # SiDA's wait for hash tables (`RuntimeOptions.table_wait`, `_take_table`)
         self.predictor_failures = 0
@@ -179,6 +179,26 @@ class OffloadRuntime:
     def step(self) -> int:
         """The number of the model's current (or last) forward, from 0; -1 before the first."""
         return self._step
+
+    @contextmanager
+    def rows(self, ids: list) -> Iterator[None]:
+        """Serving: the forwards run inside are over batch rows of the sequences `ids` (one per
+        row), so that the predictor keeps one state per sequence (see the module doc)."""
+        before, self.sequence_ids = self.sequence_ids, list(ids)
+        try:
+            yield
+        finally:
+            self.sequence_ids = before
+
+    @contextmanager
+    def pipelining(self, on: bool) -> Iterator[None]:
+        """Inside, a layer's experts compute as their copies land (`on`), or once all are in, whatever
+        `RuntimeOptions.expert_pipeline` says: a batch decoder's schedule (`cgopipe.zigzag`)."""
+        before, self.arrival_order = self.arrival_order, on
+        try:
+            yield
+        finally:
+            self.arrival_order = before
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -276,7 +296,7 @@ class OffloadRuntime:
         False, or `arrival_order` off): one call of the experts code then computes the layer. Else the
         resident ones first, at most the slot count made resident at a time (a long prefill under a
         small budget); with `arrival_order` (EPS-MoE's expert pipeline, `RuntimeOptions.expert_pipeline`;
-        the batch decoders set it) the experts whose copies have landed compute while the others'
+        the batch decoders set it with `pipelining`) the experts whose copies have landed compute while the others'
         copies run, then each as it lands (Klotski's order); without it, a group once all its
         copies are in."""
         if loads is not None and self.hybrid is not None:

@@ -34,6 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -229,10 +230,9 @@ class Scheduler:
         """The logits of one forward over `requests`' rows, on the model's device: [B, T, V] with
         `every_position`, else the last position's only ([B, 1, V])."""
         device = self.model.device
-        if self.runtime is not None:
-            self.runtime.sequence_ids = [r.id for r in requests]
-        out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                         cache=cache, use_cache=True, logits_to_keep=0 if every_position else 1)
+        with self.runtime.rows([r.id for r in requests]) if self.runtime is not None else nullcontext():
+            out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                             cache=cache, use_cache=True, logits_to_keep=0 if every_position else 1)
         if self.runtime is not None:
             self.stats = self.runtime.stats()
         return out.logits

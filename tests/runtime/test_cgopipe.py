@@ -163,9 +163,8 @@ def test_arriving_experts_compute_resident_ones_first(deep_mixtral, arrival_orde
     """Klotski's order: with arrival_order, the experts already resident form the first group
     (copies that land before the call may join it); every expert comes exactly once."""
     model = load_offloaded(deep_mixtral, policy="fifo", budget=0.5)
-    with model.runtime as runtime:
+    with model.runtime as runtime, runtime.pipelining(arrival_order):
         runtime.pin_resident([(2, 1), (2, 5)])
-        runtime.arrival_order = arrival_order
         experts = [0, 1, 3, 5, 6, 7]
         groups = [list(part) for part, _slots in runtime.arriving(2, experts, torch.device("cpu"))]
         assert sorted(e for part in groups for e in part) == experts

@@ -13,6 +13,7 @@ from offload_runtime.engine.offloaded_experts import OffloadedExperts
 from offload_runtime.engine.resident import ResidentRuntime
 from offload_runtime.engine.runtime import OffloadRuntime
 from prescient.loading import load_model, load_tokenizer
+from tests.conftest import random_sida
 from tests.runtime.test_runtime_faults import RUNTIME_THREADS
 
 
@@ -60,3 +61,23 @@ def test_a_request_is_resolved_once_and_options_whole_or_named_not_both(tiny_moe
     assert asked.resolved() is asked  # already resolved: as it is
     with pytest.raises(TypeError, match="not both"):
         LoadRequest(path, options=asked.options, settings={"policy": "lru"}).resolved()
+
+
+def test_forwards_inside_rows_hand_the_predictor_one_sequence_per_row(tiny_moe_dir, tmp_path, monkeypatch):
+    """Serving's interface (`ModelRuntime.rows`): the forwards inside it are over those sequences, the
+    predictor told so; outside it, over no sequence named; the resident runtime takes it alike."""
+    path = tiny_moe_dir("mixtral")
+    ids = load_tokenizer(path)(["def f(x):", "import os"], return_tensors="pt", padding=True)
+    with load_offloaded(path, random_sida(path, tmp_path), budget="25%") as loaded:
+        seen = []
+        submit = loaded.runtime.builder.submit
+        monkeypatch.setattr(loaded.runtime.builder, "submit", lambda *args, rows=None: (seen.append(rows),
+                                                                                        submit(*args, rows=rows)))
+        with torch.inference_mode():
+            with loaded.runtime.rows(["a", "b"]):
+                loaded(**ids)
+            loaded(**ids)
+        assert seen == [["a", "b"], None]
+    with load_offloaded(path, memory="16GiB") as resident, torch.inference_mode(), resident.runtime.rows(["a", "b"]):
+        assert isinstance(resident.runtime, ModelRuntime)
+        resident(**ids)
