@@ -246,7 +246,8 @@ def _where_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]:
             "--budget", type=budget, default=None,
             help="instead of --memory, the experts' slots alone: a fraction of all experts (0.5 or 50%%), slots "
                  "(12slots) or bytes (512MiB) (default: 50%% when neither is given)"),
-        "store": lambda p: p.add_argument("--store", choices=STORES, default=DEFAULTS["store"], help="where the experts live"),
+        "store": lambda p: p.add_argument("--store", choices=STORES, default=DEFAULTS["store"],
+                                          help="where the experts live"),
         "drop_page_cache": lambda p: p.add_argument(
             "--drop-page-cache", action="store_true", help="disk store: drop read pages from the page cache"),
         "device": lambda p: p.add_argument("--device", type=device, default=DEFAULTS["device"],
@@ -271,7 +272,8 @@ def _precision_flags() -> dict[str, Callable[[argparse.ArgumentParser], object]]
                  "--group-size channel beside --bits 4); each expert loaded takes its fine or its coarse copy by "
                  "--precision-rule (needs --slot-format packed; default: none, one precision)"),
         "fine_share": lambda p: p.add_argument(
-            "--fine-share", type=float, default=DEFAULTS["fine_share"], help="with --fine-model: the budget's share in fine slots"),
+            "--fine-share", type=float, default=DEFAULTS["fine_share"],
+            help="with --fine-model: the budget's share in fine slots"),
         "precision_rule": lambda p: p.add_argument(
             "--precision-rule", choices=PRECISION_RULES, default=DEFAULTS["precision_rule"],
             help="with --fine-model: which experts get the fine copy: router (its router weight; the best on the "

@@ -10,7 +10,7 @@ import argparse
 
 from cli.args import add_results_args, add_runtime_args, non_negative_int, positive_int, runtime_options, share, threads
 from cli.commands import add_command
-from experiments.bench_batch import ACCELERATE_RUNS, DEFAULT_GRID
+from experiments.bench_batch_shared import ACCELERATE_RUNS, DEFAULT_GRID
 
 
 def batch_policies(text: str, allow_none: bool = False) -> list:

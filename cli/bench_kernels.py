@@ -11,7 +11,7 @@ import sys
 from cli.args import add_results_args, positive_int, runtime_options
 from cli.bench_batch import add_batch_run_args, batch_policies
 from cli.commands import add_command
-from experiments.bench_kernels import ARMS, DEFAULT_POLICIES
+from experiments.bench_batch_shared import ARMS, DEFAULT_POLICIES
 
 
 def arms(text: str) -> tuple[str, ...]:

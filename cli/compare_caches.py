@@ -8,8 +8,8 @@ import argparse
 from cli.args import (Renamed, add_next_token_min_chance, add_results_args, budgets, names, positive_int,
                       positive_ints)
 from cli.commands import add_command
-from predictor.registry import NAMES_HELP
 from prescient.errors import TraceError
+from prescient.predictor_names import NAMES_HELP
 
 PIPELINES = {"on": (True,), "off": (False,), "both": (True, False)}
 POLICIES_HELP = "lru, lfu, fifo, mrs, static, belady, learned (needs a --predictor with forecast heads), learned-belady"

@@ -7,7 +7,7 @@ import argparse
 
 from cli.args import add_results_args, positive_int, positive_ints, predictor_specs
 from cli.commands import add_command
-from predictor.registry import NAMES_HELP
+from prescient.predictor_names import NAMES_HELP
 
 
 def cross_spec(text: str) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:

@@ -46,7 +46,7 @@ from typing import Any
 
 from experiments.bench_batch_accelerate import measure_accelerate
 from experiments.bench_batch_resident import measure_resident, reference_outputs
-from experiments.bench_batch_shared import hot_ranking, median_spread
+from experiments.bench_batch_shared import ACCELERATE_RUNS, hot_ranking, median_spread
 from experiments.machine import release_freed_memory
 from offload_runtime.engine.options import RuntimeOptions
 from prescient.atomic import write_json_atomic
@@ -72,9 +72,6 @@ class BatchPolicy:
 
 BATCH_OPTIONS = RuntimeOptions(policy="fifo", drop_page_cache=True)  # the schedule chooses what stays resident
 MODES = ("klotski", "klotski-paper", "cgopipe", "zigzag")
-ACCELERATE_RUNS = ("repeats", "once", "none")  # where the accelerate baseline runs
-DEFAULT_GRID = ("8:4:0.5,16:4:0.5,32:4:0.5,32:8:0.5,16:8:0.25,32:8:0.25,32:4:0.25,16:4:0.75,32:16:0.75,8:2:0.75,"
-                "64:16:0.5")
 
 
 def parse_grid(text: str) -> list[BatchPolicy]:

@@ -32,18 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from experiments.bench_batch import BATCH_OPTIONS, BatchPolicy
-from experiments.bench_batch_shared import hot_ranking, median_spread
+from experiments.bench_batch_shared import ARMS, hot_ranking, median_spread
 from offload_runtime.engine.options import RuntimeOptions
 from prescient.atomic import write_json_atomic
 
 log = logging.getLogger(__name__)
 
-ARMS = {"model": "the model's own experts implementation, each expert as its copy lands",
-        "auto": "per layer call the kernel of the crossover for its tokens per expert; below the pipeline load, "
-                "one call once every copy has landed",
-        "auto-pipelined": "auto's kernels, each expert as its copy lands at every load (what skipping the "
-                          "pipeline changes)"}
-DEFAULT_POLICIES = "8:4:0.5,16:4:0.5,64:16:0.5"
 
 
 @contextmanager

@@ -50,9 +50,10 @@ if TYPE_CHECKING:
 
 # each public name -> the module that defines it, imported on first use: a module of the package
 # (the options a `--help` reads) then loads without torch
-_HOMES = {"LoadRequest": "resolve", "LoadedModel": "loaded", "MemoryPlan": "memory_plan", "ModelRuntime": "model_runtime",
-          "OffloadRuntime": "runtime", "Reserves": "memory_plan", "RuntimeOptions": "options",
-          "generate_offloaded": "generate", "load_offloaded": "loader", "resolve_options": "resolve"}
+_HOMES = {"LoadRequest": "resolve", "LoadedModel": "loaded", "MemoryPlan": "memory_plan",
+          "ModelRuntime": "model_runtime", "OffloadRuntime": "runtime", "Reserves": "memory_plan",
+          "RuntimeOptions": "options", "generate_offloaded": "generate", "load_offloaded": "loader",
+          "resolve_options": "resolve"}
 __all__ = sorted(_HOMES)
 
 

@@ -1,6 +1,6 @@
 """Predictor names as users write them, resolved in one place for every command.
 
-A name is a built-in (below, by its short name or any alias), or a predictor artifact's path.
+A name is a built-in (`prescient.predictor_names`, by its short name or any alias), or a predictor artifact's path.
 Built-ins are fit on a training trace (freq, token, corr), read the evaluated trace (oracle)
 or run the live model (lookahead); artifacts are loaded and checked against the trace's model.
 A hidden-state probe artifact runs the live model too (`needs_model`), bound to `--model`.
@@ -9,7 +9,6 @@ A hidden-state probe artifact runs the live model too (`needs_model`), bound to 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,32 +18,15 @@ from predictor.baselines import FrequencyPredictor, OraclePredictor, TokenTableP
 from predictor.correlation import CorrelationTable
 from predictor.lookahead import HiddenLookahead
 from prescient.errors import PrescientError
+from prescient.predictor_names import BUILTINS, NAMES_HELP, Builtin
 from prescient.traces import Trace
 
-
-@dataclass(frozen=True)
-class Builtin:
-    name: str  # what users type
-    kind: str  # the registered class's kind (also accepted as a name)
-    needs: str  # "train trace", "evaluated trace" or "model"
-    aliases: tuple[str, ...] = ()
-
-
-BUILTINS = (
-    Builtin("freq", "frequency", "train trace"),
-    Builtin("token", "token-table", "train trace"),
-    Builtin("corr", "klotski-correlation", "train trace", ("correlation", "klotski")),
-    Builtin("oracle", "oracle", "evaluated trace"),
-    Builtin("lookahead", "gate-lookahead", "model"),
-)
 _BY_NAME = {alias: b for b in BUILTINS for alias in (b.name, b.kind, *b.aliases)}
 FITTED: dict[str, Callable[..., ExpertPredictor]] = {
     "freq": FrequencyPredictor.from_trace,
     "token": TokenTablePredictor.from_trace,
     "corr": CorrelationTable.from_trace,
 }
-NAMES_HELP = (", ".join(b.name for b in BUILTINS) + " (also "
-              + ", ".join(alias for b in BUILTINS for alias in (b.kind, *b.aliases) if alias != b.name) + ")")
 
 
 class MissingPredictorInputError(PrescientError):
