@@ -11,8 +11,8 @@ same `ExpertCache` over the same accesses and capacity with LRU's policy (bookke
 nothing is copied).
 
 **Probes, in the shadow.** The runtime first acts on nothing: the live cache runs as LRU (a
-learned policy without forecasts is LRU by its tiebreak) while a *probe* runs the predictions in
-the shadow: for `SHADOW_WINDOW` forwards a twin of the LRU shadow (its experts in its order, under
+learned policy without forecasts is LRU by its tiebreak), the prompt's forward with the predictor
+asleep, and from the next forward on a *probe* runs the predictions in the shadow: for `SHADOW_WINDOW` forwards a twin of the LRU shadow (its experts in its order, under
 the live policy) takes the forecasts and what the prefetcher would prefetch (in time, nothing
 copied). The runtime acts on the predictor only if the twin missed at least `SHADOW_GAIN` experts
 fewer than the LRU shadow on the same accesses, and those misses, at this run's wait per miss,
@@ -116,8 +116,10 @@ class PredictionGuard:
         self._probe_left = 0  # forwards left in the probe
         self.lost_probes = 0  # probes after which the predictor slept again
         self._last = self._counts(spent())
-        self._start_probe()  # the first forwards probe (see the module doc)
-        self._probe_left += 1  # forward 0 has not started
+        # the first probe starts after the prompt's forward: judged on decoded tokens, its twin seeded with what
+        # the prompt left in the cache (a probe over the prompt's own misses won where decoding then lost)
+        self._sleep_length = 2
+        self.sleep(True)
 
     @property
     def shadowing(self) -> bool:

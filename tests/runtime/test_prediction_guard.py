@@ -159,26 +159,26 @@ def _judge(forwards: int, saved_per_forward: int, seconds_per_miss: float, predi
 
 def test_a_predictor_that_saves_more_time_than_it_costs_acts_after_its_first_probe():
     # every miss hidden by a prefetch, at 3 ms a copy, for 1 ms of prediction a forward: the first
-    # probe (the predictor awake from the start) shows it, and the runtime acts for good
+    # probe (from the first forward after the prompt's) shows it, and the runtime acts for good
     guard, calls = _judge(96, 1, 0.003, 0.001)
-    assert guard.acting and guard.lost_windows == guard.lost_probes == 0 and calls == [(0, False)]
-    assert guard.probe_forwards == prediction_guard.SHADOW_WINDOW and guard.paused_forwards == 0
+    assert guard.acting and guard.lost_windows == guard.lost_probes == 0 and calls == [(0, True), (1, False)]
+    assert guard.probe_forwards == prediction_guard.SHADOW_WINDOW and guard.paused_forwards == 1
 
 
 def test_the_first_tables_prefetches_are_not_held_against_the_decode():
     """A table's burst of prefetches when the runtime starts acting (a prompt's: dozens of experts
     at once) is not held against the decode: a predictor that saves time keeps acting."""
     guard, calls = _judge(96, 1, 0.003, 0.001, prompt_prefetches=20)
-    assert guard.acting and guard.lost_windows == 0 and calls == [(0, False)]
+    assert guard.acting and guard.lost_windows == 0 and calls == [(0, True), (1, False)]
 
 
 def test_a_predictor_that_costs_more_than_it_saves_never_acts_and_is_probed_less_often():
     # the same misses hidden at 0.1 ms a copy, for 1 ms of prediction: each probe shows it
     forwards = 7 * prediction_guard.PROBE_AFTER * prediction_guard.WINDOW
     guard, calls = _judge(forwards, 1, 0.0001, 0.001)
-    assert [asleep for _, asleep in calls][:6] == [False, True, False, True, False, True]  # probed, asleep, ...
-    (_, _), (slept, _), (probed, _), (again, _), (probed_again, _), _ = calls[:6]
-    assert slept == prediction_guard.SHADOW_WINDOW and again - probed == prediction_guard.SHADOW_WINDOW
+    assert [asleep for _, asleep in calls][:7] == [True, False, True, False, True, False, True]  # asleep, probed, ...
+    (_, _), (first, _), (slept, _), (probed, _), (again, _), (probed_again, _), _ = calls[:7]
+    assert slept - first == again - probed == prediction_guard.SHADOW_WINDOW
     assert probed - slept == prediction_guard.PROBE_AFTER * prediction_guard.WINDOW  # slept, then probed
     assert probed_again - again == 2 * (probed - slept)  # a probe that lost: twice as long a sleep
     assert guard.lost_windows == 0 and guard.lost_probes >= 3  # never acted on the live cache
@@ -187,7 +187,7 @@ def test_a_predictor_that_costs_more_than_it_saves_never_acts_and_is_probed_less
 
 def test_predictions_that_save_nothing_never_act():
     guard, calls = _judge(96, 0, 0.003, 0.0003, compute_seconds=0.005)
-    assert calls[:2] == [(0, False), (prediction_guard.SHADOW_WINDOW, True)]
+    assert calls[:3] == [(0, True), (1, False), (1 + prediction_guard.SHADOW_WINDOW, True)]
     assert guard.lost_windows == 0 and guard.probe_forwards <= 3 * prediction_guard.SHADOW_WINDOW
 
 
@@ -196,12 +196,12 @@ def test_a_small_steady_cost_that_saves_nothing_live_sleeps():
     millisecond a forward (4% of its 8 ms): the two short sums stay under their slack (they saturate
     at a window's cost); the long one pauses them."""
     guard, calls = _judge(160, 1, 0.003, 0.0003, compute_seconds=0.005, saved_live=0)
-    acted = prediction_guard.SHADOW_WINDOW
-    assert guard.lost_windows >= 1 and calls[1][1] is True
-    assert acted < calls[1][0] <= acted + prediction_guard.WARMUP + 2 * prediction_guard.COST_WINDOW
+    acted = 1 + prediction_guard.SHADOW_WINDOW
+    assert guard.lost_windows >= 1 and calls[2][1] is True
+    assert acted < calls[2][0] <= acted + prediction_guard.WARMUP + 2 * prediction_guard.COST_WINDOW
     # where the same cost is a small share of slow forwards, it is noise: predictions keep acting
     guard, calls = _judge(160, 1, 0.003, 0.0003, compute_seconds=0.05, saved_live=0)
-    assert guard.acting and calls == [(0, False)]
+    assert guard.acting and calls == [(0, True), (1, False)]
 
 
 def test_right_forecasts_that_cost_more_than_they_save_sleep(case):
