@@ -10,18 +10,19 @@ saved in 96 tokens, slower than LRU all the same). The guard keeps a shadow of t
 same `ExpertCache` over the same accesses and capacity with LRU's policy (bookkeeping only:
 nothing is copied).
 
-**Probes, in the shadow.** The runtime first acts on nothing: the live cache runs as LRU (a
-learned policy without forecasts is LRU by its tiebreak), the prompt's forward with the predictor
-asleep, and from the next forward on a *probe* runs the predictions in the shadow: for `SHADOW_WINDOW` forwards a twin of the LRU shadow (its experts in its order, under
-the live policy) takes the forecasts and what the prefetcher would prefetch (in time, nothing
-copied). The runtime acts on the predictor only if the twin missed at least `SHADOW_GAIN` experts
-fewer than the LRU shadow on the same accesses, and those misses, at this run's wait per miss,
-outweigh the time the probe spent predicting; else the predictor sleeps (`HashBuilder.sleep`: it
-keeps the ids it is handed and catches up when woken, costing nothing meanwhile) for
-`PROBE_AFTER` windows, then probes again, each lost probe doubling the sleep. A probe costs a few
-forwards of predicting, never a miss. Acting first and judging the live cache instead lost that
-window's misses on every prompt whose forecasts do not pay: on runs/tb at 0.66 GB, a prompt LRU
-decodes at 135 tok/s ran 0.75x without the predictor (results/bench-prediction-tb-fused.json).
+**Probes, in the shadow.** After a pause (below) the predictor sleeps (`HashBuilder.sleep`: it
+keeps the ids it is handed and catches up when woken, costing nothing meanwhile) for `PROBE_AFTER`
+windows; then a *probe* runs the predictions in the shadow while the live cache goes on as LRU (a
+learned policy without forecasts is LRU by its tiebreak): for `SHADOW_WINDOW` forwards a twin of
+the LRU shadow (its experts in its order, under the live policy) takes the forecasts and what the
+prefetcher would prefetch (in time, nothing copied). The runtime acts again only if the twin missed
+at least `SHADOW_GAIN` experts fewer than the LRU shadow on the same accesses, and those misses, at
+this run's wait per miss, outweigh the time the probe spent predicting; else the predictor sleeps
+again, each lost probe doubling the sleep. A probe costs a few forwards of predicting, never a
+miss: probes that acted on the live cache lost their window's misses each time (on runs/tb at 0.66
+GB a prompt LRU decodes at 135 tok/s ran 0.75x without the predictor,
+results/bench-prediction-tb-fused.json). The runtime acts from the first forward: probing from the
+start measured slower in the median (see `PredictionGuard.__init__`).
 
 **Acting, judged live.** While it acts, the guard adds up, as moving sums over about `WINDOW`
 forwards:
@@ -39,8 +40,8 @@ demand load), against `COST_SHARE` of the forwards' own time (sleeping 128 forwa
 for the cost alone was measured and not kept: a prompt whose predictions pay was paused at its
 20th forward and lost its 1.5x, results/bench-prediction-tb-costsleep.json). A pause clears the
 live cache's learned ranks, stops prefetching and puts the predictor to sleep until the next probe.
-So a wrong (or too costly) predictor costs a few forwards of predicting in ever longer sleeps:
-never far below its classic twin, as the robust learned-caching literature asks of a learned policy.
+So a wrong (or too costly) predictor costs its first window, then a few forwards of predicting in
+ever longer sleeps: never far below its classic twin, as the robust learned-caching literature asks of a learned policy.
 """
 
 from __future__ import annotations
@@ -98,7 +99,12 @@ class PredictionGuard:
         self.lru = ExpertCache(cache.capacity, make_policy("lru"), n_layers=n_layers, top_k=top_k,
                                n_experts=n_experts)
         self.n_layers, self.n_experts, self.top_k = n_layers, n_experts, top_k
-        self.acting = False
+        # acting from the start, then judged live; probes after a pause run in the shadow. Probing from the start
+        # lost more than it saved: on runs/tb over 8 prompts the median ratio over no predictor was 1.16 and 0.97
+        # at 0.66 and 0.85 GB probing over the prompt's forward (results/bench-prediction-tb-shadow-prompt.json),
+        # 1.09 and 1.01 from the first decoded token (-shadow-decode.json), against 1.26 and 1.05 acting first
+        # with live probes (-fused.json)
+        self.acting = True
         self.twin: ExpertCache | None = None  # a probe's learned twin of the LRU shadow, while `shadowing`
         self.paused_forwards = 0  # forwards run with the predictor asleep, in all
         self.probe_forwards = 0  # forwards run with the predictions in the shadow only (probes), in all
@@ -116,10 +122,6 @@ class PredictionGuard:
         self._probe_left = 0  # forwards left in the probe
         self.lost_probes = 0  # probes after which the predictor slept again
         self._last = self._counts(spent())
-        # the first probe starts after the prompt's forward: judged on decoded tokens, its twin seeded with what
-        # the prompt left in the cache (a probe over the prompt's own misses won where decoding then lost)
-        self._sleep_length = 2
-        self.sleep(True)
 
     @property
     def shadowing(self) -> bool:

@@ -1,5 +1,6 @@
-"""The prediction guard: with forecasts that are wrong, the runtime never acts on them (judged in
-the shadow) and loads the experts LRU loads; with forecasts that are
+"""The prediction guard: with forecasts that are wrong, the runtime stops acting on them and loads
+no more experts than LRU would (but for the window that judged them: later probes run in the
+shadow); with forecasts that are
 right, it keeps their gain where loads are slow, and sleeps the predictor where they are so fast
 that predicting costs more than it saves; either way it computes the plain model's tokens."""
 
@@ -91,15 +92,16 @@ def test_wrong_forecasts_are_dropped_and_the_run_loads_no_more_than_lru(case):
         assert torch.equal(out, want)
         runs[guarded] = stats
     assert runs[False].loads > 1.2 * lru.loads  # acting on the wrong forecasts loses
-    # judged in the shadow, never acted on: the predictor asleep for a whole sleep at least
+    # paused once judged, for a whole sleep at least, then probed in the shadow only
     guarded = runs[True]
-    assert guarded.prediction_probe_forwards >= prediction_guard.SHADOW_WINDOW
+    assert guarded.prediction_lost_windows == 1 and guarded.prediction_probe_forwards >= prediction_guard.SHADOW_WINDOW
     assert guarded.prediction_paused_forwards >= prediction_guard.PROBE_AFTER * prediction_guard.WINDOW
     # each forward took its table (acting or probing; on time or late) or ran with the predictor asleep
     assert guarded.late_tables + guarded.tables_on_time + guarded.prediction_paused_forwards == guarded.forwards
-    # LRU's hits and loads (the unguarded run's hit rate here is 0.05 against LRU's 0.22)
-    assert guarded.hit_rate == lru.hit_rate > runs[False].hit_rate + 0.1
-    assert guarded.loads == lru.loads
+    # what it lost is what the moving sum needed to judge the forecasts: a few hits, not the unguarded
+    # run's (here 0.05 against LRU's 0.22)
+    assert guarded.hit_rate >= lru.hit_rate - 0.03 > runs[False].hit_rate + 0.1
+    assert guarded.loads <= lru.loads + 4 * prediction_guard.WINDOW
 
 
 def _most_used(path, accessed: Counter) -> torch.Tensor:
@@ -157,51 +159,43 @@ def _judge(forwards: int, saved_per_forward: int, seconds_per_miss: float, predi
     return guard, calls
 
 
-def test_a_predictor_that_saves_more_time_than_it_costs_acts_after_its_first_probe():
-    # every miss hidden by a prefetch, at 3 ms a copy, for 1 ms of prediction a forward: the first
-    # probe (from the first forward after the prompt's) shows it, and the runtime acts for good
+def test_a_predictor_that_saves_more_time_than_it_costs_keeps_acting():
+    # every miss hidden by a prefetch, at 3 ms a copy, for 1 ms of prediction a forward
     guard, calls = _judge(96, 1, 0.003, 0.001)
-    assert guard.acting and guard.lost_windows == guard.lost_probes == 0 and calls == [(0, True), (1, False)]
-    assert guard.probe_forwards == prediction_guard.SHADOW_WINDOW and guard.paused_forwards == 1
+    assert guard.acting and guard.lost_windows == 0 and calls == [] and guard.probe_forwards == 0
 
 
-def test_the_first_tables_prefetches_are_not_held_against_the_decode():
-    """A table's burst of prefetches when the runtime starts acting (a prompt's: dozens of experts
-    at once) is not held against the decode: a predictor that saves time keeps acting."""
+def test_the_prompts_prefetches_are_not_held_against_the_decode():
+    """A prompt's table prefetches dozens of experts at once; judged from the warm-up on, a predictor
+    that saves time while decoding keeps acting."""
     guard, calls = _judge(96, 1, 0.003, 0.001, prompt_prefetches=20)
-    assert guard.acting and guard.lost_windows == 0 and calls == [(0, True), (1, False)]
+    assert guard.acting and guard.lost_windows == 0 and calls == []
 
 
-def test_a_predictor_that_costs_more_than_it_saves_never_acts_and_is_probed_less_often():
-    # the same misses hidden at 0.1 ms a copy, for 1 ms of prediction: each probe shows it
+def test_a_predictor_that_costs_more_than_it_saves_sleeps_and_is_probed_in_the_shadow_less_often():
+    # the same misses hidden at 0.1 ms a copy, for 1 ms of prediction: paused once acting, then each
+    # probe in the shadow shows the twin's saved misses worth less than the predicting
     forwards = 7 * prediction_guard.PROBE_AFTER * prediction_guard.WINDOW
     guard, calls = _judge(forwards, 1, 0.0001, 0.001)
-    assert [asleep for _, asleep in calls][:7] == [True, False, True, False, True, False, True]  # asleep, probed, ...
-    (_, _), (first, _), (slept, _), (probed, _), (again, _), (probed_again, _), _ = calls[:7]
-    assert slept - first == again - probed == prediction_guard.SHADOW_WINDOW
-    assert probed - slept == prediction_guard.PROBE_AFTER * prediction_guard.WINDOW  # slept, then probed
-    assert probed_again - again == 2 * (probed - slept)  # a probe that lost: twice as long a sleep
-    assert guard.lost_windows == 0 and guard.lost_probes >= 3  # never acted on the live cache
+    assert [asleep for _, asleep in calls][:5] == [True, False, True, False, True]  # paused, probed, asleep...
+    (paused, _), (probed, _), (again, _), (probed_again, _), _ = calls[:5]
+    assert paused <= prediction_guard.WARMUP + 4 and again - probed == prediction_guard.SHADOW_WINDOW
+    assert probed - paused == prediction_guard.PROBE_AFTER * prediction_guard.WINDOW  # slept, then probed
+    assert probed_again - again == 2 * (probed - paused)  # a probe that lost: twice as long a sleep
+    assert guard.lost_windows == 1 and guard.lost_probes >= 2  # acted on the live cache once only
     assert guard.paused_forwards > 0.8 * forwards
 
 
-def test_predictions_that_save_nothing_never_act():
-    guard, calls = _judge(96, 0, 0.003, 0.0003, compute_seconds=0.005)
-    assert calls[:3] == [(0, True), (1, False), (1 + prediction_guard.SHADOW_WINDOW, True)]
-    assert guard.lost_windows == 0 and guard.probe_forwards <= 3 * prediction_guard.SHADOW_WINDOW
-
-
-def test_a_small_steady_cost_that_saves_nothing_live_sleeps():
-    """Predictions that saved misses in the probe but save none once acted on, at a third of a
-    millisecond a forward (4% of its 8 ms): the two short sums stay under their slack (they saturate
-    at a window's cost); the long one pauses them."""
-    guard, calls = _judge(160, 1, 0.003, 0.0003, compute_seconds=0.005, saved_live=0)
-    acted = 1 + prediction_guard.SHADOW_WINDOW
-    assert guard.lost_windows >= 1 and calls[2][1] is True
-    assert acted < calls[2][0] <= acted + prediction_guard.WARMUP + 2 * prediction_guard.COST_WINDOW
+def test_a_small_steady_cost_that_saves_nothing_sleeps():
+    """Predictions that save no load at a third of a millisecond a forward (4% of its 8 ms): the two short
+    sums stay under their slack (they saturate at a window's cost); the long one pauses them, and probes
+    in the shadow find nothing saved."""
+    guard, calls = _judge(160, 0, 0.003, 0.0003, compute_seconds=0.005)
+    assert calls and calls[0][1] is True and calls[0][0] <= prediction_guard.WARMUP + 2 * prediction_guard.COST_WINDOW
+    assert guard.lost_windows == 1 and not guard.acting
     # where the same cost is a small share of slow forwards, it is noise: predictions keep acting
-    guard, calls = _judge(160, 1, 0.003, 0.0003, compute_seconds=0.05, saved_live=0)
-    assert guard.acting and calls == [(0, True), (1, False)]
+    guard, calls = _judge(96, 0, 0.003, 0.0003, compute_seconds=0.05)
+    assert guard.acting and calls == []
 
 
 def test_right_forecasts_that_cost_more_than_they_save_sleep(case):
@@ -213,7 +207,7 @@ def test_right_forecasts_that_cost_more_than_they_save_sleep(case):
         out, runs[guarded], _ = _run(path, inputs, _steering(forecasting_sida(path), _most_used(path, accessed)),
                                      policy="learned-belady", prediction_guard=guarded, dtype=dtype)
         assert torch.equal(out, want)
-    # judged in the shadow, asleep for a whole sleep at least
-    assert runs[True].prediction_probe_forwards >= prediction_guard.SHADOW_WINDOW
+    # paused once judged, for a whole sleep at least
+    assert runs[True].prediction_lost_windows >= 1
     assert runs[True].prediction_paused_forwards >= prediction_guard.PROBE_AFTER * prediction_guard.WINDOW
     assert runs[True].predictor_seconds < 0.6 * runs[False].predictor_seconds
