@@ -6,6 +6,8 @@ in a memory cgroup capped at CAP, the page cache dropped first, for each cap (is
 
 Per cap: the exit status (2: refused), whether the kernel killed it, the seconds it took, its last
 line on stderr, and for a run that decoded its tokens/s, major faults per token and memory plan.
+With `--cold`, numba's on-disk cache of this checkout's kernels is cleared before the first cap: that
+run is a fresh checkout's first (`--caps 660,660`: a first run and the next at one cap).
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ from prescient.capped_run import drop_page_cache, run_capped
 
 PROMPT = "def read_config(path):\n"
 NEW_TOKENS = 32
+KERNEL_PACKAGES = ("cache", "predictor", "offload_runtime")  # where numba keeps the compiled kernels (`__pycache__`)
+
+
+def clear_kernel_cache() -> int:
+    """Delete numba's on-disk cache of this checkout's kernels (the working folder's); how many files."""
+    files = [path for package in KERNEL_PACKAGES for path in Path(package).rglob("__pycache__/*.nb[ic]")]
+    for path in files:
+        path.unlink()
+    return len(files)
 
 
 def one_cap(model: str, predictor: str | None, cap_mib: int, timeout_s: float) -> dict[str, Any]:
@@ -53,18 +64,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--caps", required=True, help="MiB, comma-separated")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a run is stopped")
     parser.add_argument("--json", required=True)
+    parser.add_argument("--cold", action="store_true", help="clear numba's cache of the kernels before the first cap")
     args = parser.parse_args(argv)
     caps = [int(cap) for cap in args.caps.split(",")]
     command = (f"prescient generate --model {args.model}" + (f" --predictor {args.predictor}" if args.predictor else "")
                + f" --memory CAP --prompt {shlex.quote(PROMPT.encode('unicode_escape').decode())} --max-new-tokens "
-               f"{NEW_TOKENS}, through "
-               "prescient.capped_run.run_capped")
+               f"{NEW_TOKENS}, through prescient.capped_run.run_capped"
+               + (" (numba's cache of the kernels cleared before the first cap)" if args.cold else ""))
     record = {"what": f"generate --memory CAP on {args.model}, each in a memory cgroup capped at CAP, page cache "
                       "dropped first: refused (exit 2) or run, and in how many seconds",
               "command": command, "machine": machine_info(1), "runs": []}
-    for cap in caps:
+    if args.cold:
+        record["kernel_cache_files_cleared"] = clear_kernel_cache()
+    for index, cap in enumerate(caps):
         record["runs"].append(one_cap(args.model, args.predictor, cap, args.timeout))
         entry = record["runs"][-1]
+        entry["kernel_cache"] = "cleared" if args.cold and index == 0 else "kept"
         print(f"{cap} MiB: exit {entry['exit']}, {entry['seconds']} s: {entry['last_line'][-120:]}", flush=True)
         write_results(record, args.json)
 

@@ -82,7 +82,11 @@ class DecodeState:
 def step(weights: DecodeWeights, state: DecodeState, token_ids: torch.Tensor) -> np.ndarray:
     """One new token per row: the [B, L·E] logits of its experts; `state` steps over it (its
     forecasts and feature are the new token's)."""
-    tokens = token_ids.reshape(-1).numpy().astype(np.int64)
+    return step_tokens(weights, state, token_ids.reshape(-1).numpy().astype(np.int64))
+
+
+def step_tokens(weights: DecodeWeights, state: DecodeState, tokens: np.ndarray) -> np.ndarray:
+    """`step` of the rows' token ids as an int64 array."""
     if len(tokens) and not 0 <= tokens.min() <= tokens.max() < len(weights.table):  # compiled code checks no bounds
         raise IndexError(f"token id {tokens.max() if tokens.max() >= len(weights.table) else tokens.min()} is outside "
                          f"the predictor's vocabulary of {len(weights.table)}")

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from cache import make_serving_policy
-from cache.expert_cache import load_kernels
 from offload_runtime.engine.expert_layout import LAYOUT_BYTES_PER_ELEMENT, expert_spec
+from offload_runtime.engine.compiled import Kernels, load_compiled
 from offload_runtime.engine.hash_builder import warm_up
 from offload_runtime.engine.loaded import LoadedModel
 from offload_runtime.engine.mapped import load_mmap_model
@@ -20,7 +20,7 @@ from offload_runtime.engine.resident import ResidentRuntime
 from offload_runtime.engine.runtime import OffloadRuntime
 from offload_runtime.engine.slots import SlotPool, TieredSlotPool
 from offload_runtime.engine.store import ExpertStore
-from predictor.artifact import check_tracing_convention, load_predictor
+from predictor.artifact import check_tracing_convention, load_predictor, read_predictor_meta
 from predictor.base import ExpertPredictor, PredictorError
 from prescient.arch import is_encoder_decoder
 from prescient.budget import Budget
@@ -80,18 +80,22 @@ def _load_into_slots(model_dir: ModelDirectory, predictor: str | Path | ExpertPr
                      options: RuntimeOptions, planner: MemoryPlanner | None) -> LoadedModel:
     """The model without its experts, with an `OffloadRuntime` that loads them into slots: as many
     as `planner` finds room for beside this process as loaded (a memory cap), else the budget's."""
+    kernels = Kernels(options.policy, predictor_step=_kind(predictor) == "sida")
+    # under a cap the compiled kernels load from numba's cache before the weights (so that the plan measures
+    # them, and a child process compiling what the cache lacks has room beside this one), unless the cap
+    # cannot hold any plan of slots: then they would only slow the refusal below (in a cgroup, to a thrash)
+    early = planner is not None and planner.may_hold_slots(process_footprint())
+    if early:
+        load_compiled(kernels)
     model, layers = load_without_experts(model_dir, dtype=options.torch_dtype)  # experts stay on disk
     eviction = make_serving_policy(options.policy, layers[0].top_k)
     fingerprint = loaded_fingerprint(model_dir, model, layers, options.torch_dtype)
     predictor = _checked_predictor(predictor, fingerprint, model, options, eviction.uses_forecasts)
     if planner is not None:
-        # a cap too small is refused before compiled code loads (under a cgroup that load alone left a
-        # 400 MiB cap on runs/tb thrashing instead of refused in seconds; a cap it then leaves too small
-        # is refused after the predictor's warm-up, naming the larger need); then the cache kernels are
-        # loaded, so that the plan measures the process with them
+        # a cap too small is refused before the predictor's warm-up; one the warm-up leaves too small after it
         _refuse_before_opening(planner, layers, 0)
-        load_kernels(make_serving_policy(options.policy, layers[0].top_k), len(layers), layers[0].num_experts,
-                     layers[0].top_k)
+        if not early:
+            load_compiled(kernels)
     # under a cap the predictor runs once first, so that the plan measures what it holds at work
     at_work = 0 if predictor is None or planner is None else warm_up(
         predictor, eviction.uses_forecasts, options.next_token_min_chance is not None)
@@ -142,6 +146,13 @@ def _refuse_before_opening(planner: MemoryPlanner, layers, predictor_work: int) 
     steady = process_footprint()  # the read headroom it books is not needed before any read
     planner.slots(max(steady, steady - READ_HEADROOM_BYTES + LAYOUT_BYTES_PER_ELEMENT * elements), spec.nbytes,
                   layers, predictor_work)
+
+
+def _kind(predictor: str | Path | ExpertPredictor | None) -> str | None:
+    """The kind of predictor `predictor` is (an artifact's from its metadata, read alone), or None."""
+    if predictor is None or isinstance(predictor, ExpertPredictor):
+        return None if predictor is None else predictor.kind
+    return read_predictor_meta(predictor).kind
 
 
 def _expert_bytes(store: ExpertStore) -> int:

@@ -11,7 +11,7 @@ cache its reads leave. Four outcomes:
   every weight is a view of the memory-mapped checkpoint (`mapped`: nothing copied, the page cache
   is the expert cache, the kernel reads back what it drops) and the model runs with no hooks;
 - otherwise the experts are offloaded: what is left of the cap after the measured footprint of the
-  process (non-expert weights and predictor loaded) and the reserve buys slots. No longer mapped by
+  process (compiled kernels, non-expert weights and predictor loaded) and the reserve buys slots. No longer mapped by
   default where the page cache could hold 80% of the experts: the slots' kernels decode faster
   there (runs/tb at 1100 MiB, 61 of 64 slots: 137-221 tokens/s, mapped 82-105, plain 87-90;
   results/bench-memory-tb-parity-*.json, the memory page);
@@ -23,6 +23,7 @@ cache is then kept: the kernel reclaims it first); elsewhere by dropping the pag
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from functools import cached_property
 
 from offload_runtime.engine.expert_kernels import kernel_workspace_bytes
 from offload_runtime.engine.options import RuntimeOptions
@@ -250,13 +251,25 @@ class MemoryPlanner:
     def need(self, process: int) -> WholeModelNeed:
         """The whole model's `WholeModelNeed` in the options' dtype, from its shapes (nothing read),
         beside this process's `process` bytes now."""
+        return replace(self._model_need, footprint=process + self._model_need.footprint)
+
+    @cached_property
+    def _model_need(self) -> WholeModelNeed:
+        """`need` beside a process of no bytes: the model built on the meta device, once."""
         skeleton = self.model_dir.weightless_model(self.options.torch_dtype)
         layers = find_moe_layers(skeleton)
         experts = expert_tensor_names(layers)
         sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in skeleton.state_dict().items()}
         experts_bytes = sum(size for name, size in sizes.items() if name in experts)
-        return WholeModelNeed(process + sum(sizes.values()) - experts_bytes, self.reserve(0), experts_bytes,
+        return WholeModelNeed(sum(sizes.values()) - experts_bytes, self.reserve(0), experts_bytes,
                               len(layers) * layers[0].num_experts, layers[0].top_k)
+
+    def may_hold_slots(self, process: int) -> bool:
+        """Whether the cap holds, beside this process's `process` bytes now, the weights other than
+        the experts, the reserve and one layer's top-k slots: the least any plan of slots needs
+        (from the shapes, before a weight is read; what loads after only adds to it)."""
+        need = self.need(process)
+        return need.footprint + need.reserve + need.top_k * need.expert_bytes <= self.options.memory
 
     def whole_model(self, process: int, file_pages: int = CODE_BYTES) -> MemoryPlan | None:
         """The whole model's plan beside this process's `process` bytes now (`CODE_BYTES` of file

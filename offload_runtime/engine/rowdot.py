@@ -59,13 +59,18 @@ def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x` [1, in] (float32) against `weight` [out, in] (`streams` holds): [1, out], what `linear`
     computes, on torch's thread count."""
     out = torch.empty(1, weight.shape[0], dtype=torch.float32)
-    row = x.detach().reshape(-1).contiguous().numpy()
-    threads = torch.get_num_threads()
+    rows_product(weight.detach().numpy(), x.detach().reshape(-1).contiguous().numpy(), out.numpy()[0],
+                 torch.get_num_threads())
+    return out
+
+
+def rows_product(weight: np.ndarray, row: np.ndarray, out: np.ndarray, threads: int) -> None:
+    """`product` on arrays: `row` [in] against `weight` [out, in] into `out` [out], split over
+    `threads` blocks of rows where more than one."""
     if threads == 1:
-        _rows_dot(weight.detach().numpy(), row, out.numpy()[0])
-        return out
+        _rows_dot(weight, row, out)
+        return
     wanted = min(threads, numba.config.NUMBA_NUM_THREADS)
     if numba.get_num_threads() != wanted:  # numba's count is per calling thread
         numba.set_num_threads(wanted)
-    _rows_dot_blocks(weight.detach().numpy(), row, out.numpy()[0], threads)
-    return out
+    _rows_dot_blocks(weight, row, out, threads)

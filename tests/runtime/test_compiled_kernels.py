@@ -1,0 +1,97 @@
+"""Under `--memory` the compiled kernels are in the process before the plan measures it, loaded
+from numba's on-disk cache: where the cache lacks them a child process compiles them, so that a
+first run's plan measures the same process as every later run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from offload_runtime.engine import loader
+from offload_runtime.engine.memory_plan import MiB
+from prescient.errors import CapacityError
+from tests.runtime.test_memory_guard import _slot_cap
+from tests.runtime.test_memory_plan import FOOTPRINT, _model
+
+# one process loading the kernels with numba's cache in NUMBA_CACHE_DIR: how many child processes
+# compiled, and what numba compiled in the process itself (warned)
+LOADING = textwrap.dedent("""
+    import json, logging
+    from offload_runtime.engine import compiled
+    children, warned = [], []
+    run_child = compiled.compile_in_child
+    compiled.compile_in_child = lambda kernels: (children.append(1), run_child(kernels))
+    class Warned(logging.Handler):
+        def emit(self, record):
+            warned.append(record.getMessage())
+    compiled.log.addHandler(Warned(logging.WARNING))
+    compiled.load_compiled(compiled.Kernels("learned-belady", predictor_step=True))
+    # then what the runtime runs after the plan: a SiDA predictor's step, the expert kernel's product
+    import torch
+    from torch import nn
+    from offload_runtime.engine import rowdot
+    from predictor import sida_decode
+    from predictor.sida import SiDAHash, SiDASizes
+    sizes = SiDASizes(compress_dim=4, hidden_dim=4, lstm_layers=2, attn_window=4)
+    weights = sida_decode.DecodeWeights.of(SiDAHash(nn.Embedding(8, 4), 2, 4, sizes, horizon=1))
+    with compiled.watching_compiles(refuse=False) as watch:
+        sida_decode.step(weights, sida_decode.DecodeState.start(1, 2, 4, 4), torch.tensor([[1]]))
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            rowdot.product(torch.ones(1, 4), torch.ones(4, 4))
+    print(json.dumps({"children": len(children), "warned": warned, "compiled_after": watch.compiled}))
+""")
+
+
+def _load_in_fresh_process(cache_dir) -> dict:
+    done = subprocess.run([sys.executable, "-c", LOADING], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[2], env=dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_a_cache_without_the_kernels_is_filled_by_a_child_and_the_process_compiles_nothing(tmp_path):
+    first = _load_in_fresh_process(tmp_path)
+    # the child compiled every kernel the process then loads, and those the runtime runs after its plan
+    assert first == {"children": 1, "warned": [], "compiled_after": []}
+    assert list(tmp_path.rglob("*.nbi"))
+    assert _load_in_fresh_process(tmp_path) == {"children": 0, "warned": [], "compiled_after": []}  # all found
+
+
+def _recording_load(monkeypatch, events: list) -> None:
+    """The loader's kernel loading and footprint measurements recorded in `events`, in order; each
+    measurement FOOTPRINT plus its position, so that the plan's footprint says which one it took."""
+    monkeypatch.setattr(loader, "load_compiled", lambda kernels: events.append("kernels"))
+
+    def footprint(reads=True):
+        events.append("measured")
+        return FOOTPRINT + len(events)
+
+    monkeypatch.setattr(loader, "process_footprint", footprint)
+
+
+def test_the_plan_measures_the_process_after_the_kernels_are_loaded(tiny_moe_dir, monkeypatch):
+    path, directory, _ = _model(tiny_moe_dir)
+    cap = _slot_cap(path, directory, 12)
+    events = []
+    _recording_load(monkeypatch, events)
+    with loader.load_offloaded(path, memory=cap) as model:
+        measured_at = model.runtime.memory_plan.footprint - FOOTPRINT - 1  # the events before its measurement
+    assert "kernels" in events[:measured_at]
+
+
+def test_a_cap_that_cannot_hold_any_slots_is_refused_before_the_kernels_load(tiny_moe_dir, monkeypatch):
+    """Below the least a plan of slots needs (from the shapes, before the weights) nothing compiled
+    is loaded (under a cgroup that would only slow the refusal); the refusal comes after the weights."""
+    path, _, _ = _model(tiny_moe_dir)
+    events = []
+    _recording_load(monkeypatch, events)
+    with pytest.raises(CapacityError, match="smallest memory that works"):
+        loader.load_offloaded(path, memory=FOOTPRINT + MiB)
+    assert "kernels" not in events
