@@ -6,8 +6,8 @@ numba compiles a kernel at its first call and keeps the machine code on disk (`c
 memory in the process for good, so a plan that measured a process which had just compiled gave a
 fresh checkout's first `--memory` run fewer slots than every later run at the same cap.
 `load_compiled` calls the kernels a serving cache and SiDA's fused step run with numba told to
-compile nothing; at the first kernel its cache lacks it stops, runs `compile_here` in a child
-process (the same calls, with the expert kernel's `rowdot` product, each compiled and saved to the cache,
+compile nothing; at the first kernel its cache lacks it stops, runs `compile_here` in child
+processes (the same calls, with the expert kernel's `rowdot` product, each compiled and saved to the cache,
 the compiler's memory ending with the child) and calls them again, loaded from the cache now. Where
 numba cannot save (no writable cache folder) they compile here after all, said in the log.
 """
@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder the child imports this code from
 CHILD_TIMEOUT_S = 600.0
+# what loading the kernels from numba's cache adds to a process (numba's runtime, their machine code):
+# on runs/tb a refusal before they load named 447 MiB, one after 475 (results/refusal-tb.json)
+LOADED_BYTES = 28 * 2**20
 
 
 @dataclass(frozen=True)
@@ -110,36 +113,45 @@ for name in ("offload_runtime", "offload_runtime.engine", "predictor"):
     package.__path__ = [sys.argv[1] + "/" + name.replace(".", "/")]
     sys.modules[name] = package
 from offload_runtime.engine.compiled import compile_here
-compile_here(sys.argv[2])
+compile_here(sys.argv[2], sys.argv[3])
 """
 
 
 def compile_in_child(kernels: Kernels) -> None:
-    """Run `compile_here` in a child process of the same python, which compiles and saves what
-    numba's cache lacks of `kernels` and the expert kernel's product; a child that fails is logged
-    (the kernels then compile in this process)."""
-    argv = [sys.executable, "-c", CHILD, str(PACKAGE_ROOT), json.dumps(asdict(kernels))]
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        log.warning("compiling the kernels in a child process failed (%s)", exc)
-        return
-    if done.returncode != 0:
-        log.warning("compiling the kernels in a child process failed (exit %s): %s", done.returncode,
-                    " ".join(done.stderr.strip().splitlines()[-1:]))
+    """Run `compile_here` in child processes of the same python, one after the other for each part
+    of `kernels` and for the expert kernel's product (the compiler's memory is one part's at a
+    time: 70-125 MB on runs/tb's kernels against 170 MB for all in one), each compiling and saving
+    what numba's cache lacks; a child that fails is logged (the kernels then compile here)."""
+    parts = ["cache", *(["predictor_step"] if kernels.predictor_step else []), "rowdot"]
+    for part in parts:
+        argv = [sys.executable, "-c", CHILD, str(PACKAGE_ROOT), json.dumps(asdict(kernels)), part]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.warning("compiling the kernels (%s) in a child process failed (%s)", part, exc)
+            continue
+        if done.returncode != 0:
+            log.warning("compiling the kernels (%s) in a child process failed (exit %s): %s", part, done.returncode,
+                        " ".join(done.stderr.strip().splitlines()[-1:]))
 
 
-def compile_here(kernels_json: str) -> None:
-    """The child's work: `Kernels` (as JSON) called, then the expert kernel's product."""
-    _call(Kernels(**json.loads(kernels_json)))
-    _rowdot_products()
+def compile_here(kernels_json: str, part: str) -> None:
+    """A child's work: one part of `Kernels` (as JSON): "cache" (the serving cache's kernels),
+    "predictor_step" (SiDA's) or "rowdot" (the expert kernel's product)."""
+    policy = Kernels(**json.loads(kernels_json)).policy
+    {"cache": lambda: _cache_kernels(policy), "predictor_step": _sida_step, "rowdot": _rowdot_products}[part]()
 
 
 def _call(kernels: Kernels) -> None:
     """Run each of `kernels` once on throwaway data."""
-    load_kernels(make_serving_policy(kernels.policy, 2), 2, 4, 2)
+    _cache_kernels(kernels.policy)
     if kernels.predictor_step:
         _sida_step()
+
+
+def _cache_kernels(policy: str) -> None:
+    """The serving cache's kernels with eviction `policy` (`load_kernels`), on two layers."""
+    load_kernels(make_serving_policy(policy, 2), 2, 4, 2)
 
 
 def _sida_step() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from cache import make_serving_policy
 from offload_runtime.engine.expert_layout import LAYOUT_BYTES_PER_ELEMENT, expert_spec
-from offload_runtime.engine.compiled import Kernels, load_compiled
+from offload_runtime.engine.compiled import LOADED_BYTES, Kernels, load_compiled
 from offload_runtime.engine.hash_builder import warm_up
 from offload_runtime.engine.loaded import LoadedModel
 from offload_runtime.engine.mapped import load_mmap_model
@@ -25,6 +25,7 @@ from predictor.base import ExpertPredictor, PredictorError
 from prescient.arch import is_encoder_decoder
 from prescient.budget import Budget
 from prescient.checkpoint_schemes import CompressionError
+from prescient.errors import CapacityError
 from prescient.fingerprint import ModelFingerprint, fingerprint_model_dir, loaded_fingerprint
 from prescient.loading import load_model, load_without_experts
 from prescient.memory_cap import READ_HEADROOM_BYTES, drop_file_pages, file_backed_bytes, process_footprint
@@ -93,7 +94,7 @@ def _load_into_slots(model_dir: ModelDirectory, predictor: str | Path | ExpertPr
     predictor = _checked_predictor(predictor, fingerprint, model, options, eviction.uses_forecasts)
     if planner is not None:
         # a cap too small is refused before the predictor's warm-up; one the warm-up leaves too small after it
-        _refuse_before_opening(planner, layers, 0)
+        _refuse_before_opening(planner, layers, 0, 0 if early else LOADED_BYTES)
         if not early:
             load_compiled(kernels)
     # under a cap the predictor runs once first, so that the plan measures what it holds at work
@@ -135,17 +136,26 @@ def whole_model_memory(model_dir: str | Path | ModelDirectory, options: RuntimeO
     return planner.need(process_footprint(reads=False)).total
 
 
-def _refuse_before_opening(planner: MemoryPlanner, layers, predictor_work: int) -> None:
+def _refuse_before_opening(planner: MemoryPlanner, layers, predictor_work: int, unloaded: int = 0) -> None:
     """A CapacityError now, naming the smallest cap that works, where the cap cannot hold this
-    process while the store opens (no expert is read yet: its code pages alone beside its anonymous
-    memory): deriving the checkpoint's layout holds temporaries of `LAYOUT_BYTES_PER_ELEMENT` per
-    element of one expert, and under a cgroup a cap below that peak is killed by the kernel before
-    the plan could refuse it."""
+    process's plan of one layer's top-k slots, or the process itself while the store opens:
+    deriving the checkpoint's layout holds temporaries of `LAYOUT_BYTES_PER_ELEMENT` per element of
+    one expert, and under a cgroup a cap below that peak is killed by the kernel before the plan
+    could refuse it. At that peak no slot, KV cache or read exists yet: it is the process's
+    anonymous memory and code pages alone (the reserve and two slots counted on top of it, with the
+    kernels compiled in the process, refused runs/tb's 520 MiB naming 571 where 560 decoded,
+    results/refusal-tb-ec14e04.json; now 480 decodes, results/refusal-tb.json). A cap
+    refused before the process holds `unloaded` bytes more (the compiled kernels, not loaded yet)
+    is refused naming a cap that holds them too."""
     spec, _ = expert_spec(layers[0])
     elements = sum(math.prod(shape) for shape in spec.shapes.values())
     steady = process_footprint()  # the read headroom it books is not needed before any read
-    planner.slots(max(steady, steady - READ_HEADROOM_BYTES + LAYOUT_BYTES_PER_ELEMENT * elements), spec.nbytes,
-                  layers, predictor_work)
+    peak = steady - READ_HEADROOM_BYTES + LAYOUT_BYTES_PER_ELEMENT * elements
+    try:
+        planner.slots(steady, spec.nbytes, layers, predictor_work, peak=peak)
+    except CapacityError:
+        planner.slots(steady + unloaded, spec.nbytes, layers, predictor_work, peak=peak + unloaded)
+        raise
 
 
 def _kind(predictor: str | Path | ExpertPredictor | None) -> str | None:

@@ -169,28 +169,32 @@ def plan_mapped(cap: int, footprint: int, reserve: int, expert_bytes: int, total
 
 
 def plan_offloaded(cap: int, footprint: int, reserve: int, expert_bytes: int, total_experts: int,
-                   min_slots: int, predictor_work: int = 0) -> MemoryPlan:
+                   min_slots: int, predictor_work: int = 0, peak: int = 0) -> MemoryPlan:
     """The slots what is left of `cap` buys beside the process's measured `footprint` (non-expert
     weights and predictor loaded), the reserve and what the predictor adds at work; a CapacityError
-    naming the smallest cap that works when that is fewer than `min_slots` (one layer's top-k)."""
+    naming the smallest cap that works when that is fewer than `min_slots` (one layer's top-k) or
+    `cap` is below the process's `peak` before it holds any slot or reserve (its store opening)."""
     reserve += predictor_work
-    slots = _require(cap, footprint, reserve, expert_bytes, min_slots, "expert slots")
+    slots = _require(cap, footprint, reserve, expert_bytes, min_slots, "expert slots", peak)
     return MemoryPlan(cap, footprint, reserve, expert_bytes, total_experts, min(slots, total_experts), False,
                       held_by(cap), predictor_work=predictor_work)
 
 
-def _require(cap: int, footprint: int, reserve: int, expert_bytes: int, least: int, what: str) -> int:
+def _require(cap: int, footprint: int, reserve: int, expert_bytes: int, least: int, what: str, peak: int = 0) -> int:
     """How many experts `cap` holds beside `footprint` and `reserve`; a CapacityError naming the
-    smallest cap that works when fewer than `least`."""
+    smallest cap that works when fewer than `least`, or when `cap` is below `peak` (what the process
+    holds at once before any of them or the reserve is allocated)."""
     fixed = footprint + reserve
     count = (cap - fixed) // expert_bytes if cap > fixed else 0
-    if count < least:
-        smallest = fixed + least * expert_bytes
+    if count < least or cap < peak:
+        smallest = max(fixed + least * expert_bytes, peak)
+        opening = (f"; {peak / 2**30:.2f} GiB at its peak while the expert store opens"
+                   if peak > fixed + least * expert_bytes else "")
         raise CapacityError(
             f"--memory {cap / 2**30:.2f} GiB cannot hold this model: the process needs {fixed / 2**30:.2f} GiB "
             f"beside its experts (libraries, the weights other than the experts and the predictor, "
-            f"{reserve / 2**20:.0f} MiB of KV cache and buffers) and {least} {what} of {expert_bytes / 2**20:.1f} MiB; "
-            f"the smallest memory that works is {smallest / 2**30:.2f} GiB ({-(-smallest // 2**20)}MiB)")
+            f"{reserve / 2**20:.0f} MiB of KV cache and buffers) and {least} {what} of {expert_bytes / 2**20:.1f} MiB"
+            f"{opening}; the smallest memory that works is {smallest / 2**30:.2f} GiB ({-(-smallest // 2**20)}MiB)")
     return int(count)
 
 
@@ -290,11 +294,13 @@ class MemoryPlanner:
                         f"the libraries' code")
         return None
 
-    def slots(self, footprint: int, expert_bytes: int, layers: list[MoELayer], predictor_work: int) -> MemoryPlan:
+    def slots(self, footprint: int, expert_bytes: int, layers: list[MoELayer], predictor_work: int,
+              peak: int = 0) -> MemoryPlan:
         """The slots of `expert_bytes` each that the cap buys beside this process's measured
         `footprint` (non-expert weights and predictor loaded), the reserve (with one expert's read
         in flight per transfer worker) and what its predictor holds at work (`predictor_work`); a
-        CapacityError naming the smallest cap that works below one layer's top-k."""
+        CapacityError naming the smallest cap that works below one layer's top-k, or below the
+        process's `peak` before it holds slots or reserve."""
         plan = plan_offloaded(self.options.memory, footprint, self.reserve(self.options.transfer_workers * expert_bytes),
-                              expert_bytes, len(layers) * layers[0].num_experts, layers[0].top_k, predictor_work)
+                              expert_bytes, len(layers) * layers[0].num_experts, layers[0].top_k, predictor_work, peak)
         return replace(plan, why=self.why) if self.why else plan

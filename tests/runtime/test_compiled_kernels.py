@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from offload_runtime.engine import loader
+from offload_runtime.engine import compiled, loader
 from offload_runtime.engine.memory_plan import MiB
 from prescient.errors import CapacityError
 from tests.runtime.test_memory_guard import _slot_cap
 from tests.runtime.test_memory_plan import FOOTPRINT, _model
 
-# one process loading the kernels with numba's cache in NUMBA_CACHE_DIR: how many child processes
-# compiled, and what numba compiled in the process itself (warned)
+# one process loading the kernels with numba's cache in NUMBA_CACHE_DIR: how often it compiled them in
+# child processes, what numba compiled in the process itself (warned), and what it compiled after
 LOADING = textwrap.dedent("""
     import json, logging
     from offload_runtime.engine import compiled
@@ -88,10 +88,13 @@ def test_the_plan_measures_the_process_after_the_kernels_are_loaded(tiny_moe_dir
 
 def test_a_cap_that_cannot_hold_any_slots_is_refused_before_the_kernels_load(tiny_moe_dir, monkeypatch):
     """Below the least a plan of slots needs (from the shapes, before the weights) nothing compiled
-    is loaded (under a cgroup that would only slow the refusal); the refusal comes after the weights."""
+    is loaded (under a cgroup that would only slow the refusal); the refusal comes after the weights
+    and names a cap that holds the kernels too."""
     path, _, _ = _model(tiny_moe_dir)
     events = []
     _recording_load(monkeypatch, events)
-    with pytest.raises(CapacityError, match="smallest memory that works"):
+    with pytest.raises(CapacityError, match="smallest memory that works") as refused:
         loader.load_offloaded(path, memory=FOOTPRINT + MiB)
     assert "kernels" not in events
+    named = int(str(refused.value).rsplit("(", 1)[1].split("MiB")[0]) * MiB
+    assert named >= FOOTPRINT + compiled.LOADED_BYTES  # the cap named counts the kernels it will load

@@ -5,6 +5,7 @@ the kernel) when major faults climb, computing the same tokens."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import psutil
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from cache import ExpertCache, make_policy
 from offload_runtime.engine import loader, memory_guard
+from offload_runtime.engine.expert_layout import expert_spec
 from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.memory_plan import MiB, reserve_bytes
 from offload_runtime.engine.slots import release_pages
@@ -121,3 +123,22 @@ def test_a_cap_the_store_cannot_open_in_is_refused_before_it_opens(tiny_moe_dir,
         load_offloaded(path, memory=cap)
     assert not opened
     assert int(str(refused.value).rsplit("(", 1)[1].split("MiB")[0]) * MiB > cap + READ_HEADROOM_BYTES
+
+
+def test_the_store_opening_peak_is_not_counted_beside_the_slots_and_reserve_it_precedes(tiny_moe_dir, monkeypatch):
+    """While the store derives its layout the process holds no slot, KV cache or read yet: a cap
+    just above that peak, which holds the plan's slots and reserve apart from it, loads; a cap just
+    below it is refused, naming at least the peak."""
+    path, directory, _ = _model(tiny_moe_dir)
+    monkeypatch.setattr(loader, "process_footprint", lambda reads=True: FOOTPRINT)
+    steady = _slot_cap(path, directory, 12)  # 12 slots beside the footprint and reserve
+    spec, _ = expert_spec(load_model(path)[1][0])
+    elements = sum(math.prod(shape) for shape in spec.shapes.values())
+    per_element = (steady + 8 * MiB - FOOTPRINT + READ_HEADROOM_BYTES) // elements  # a peak 8 MiB above it
+    monkeypatch.setattr(loader, "LAYOUT_BYTES_PER_ELEMENT", per_element)
+    peak = FOOTPRINT - READ_HEADROOM_BYTES + per_element * elements
+    with load_offloaded(path, memory=peak + MiB) as model:  # the reserve beside the peak would not fit
+        assert model.runtime.memory_plan.slots >= 12
+    with pytest.raises(CapacityError, match="at its peak while the expert store opens") as refused:
+        load_offloaded(path, memory=peak - MiB)
+    assert int(str(refused.value).rsplit("(", 1)[1].split("MiB")[0]) * MiB >= peak
