@@ -44,6 +44,11 @@ PARITY = "bench-memory-tb-parity.json"
 # stepped down to the mapped model (3f37558, one run per prompt: not kept), then to slots (ebeb4f2)
 PARITY_MAPPED, PARITY_SLOTS = "bench-memory-tb-parity-mapped.json", "bench-memory-tb-parity-slots.json"
 PARITY_HOLDS = "bench-memory-tb-parity-holds.json"  # the holds table's two middle caps again at ebeb4f2
+# c0055fe: the guard acting first, its probes after a pause run in the shadow (acting again only once a twin beat LRU)
+SHADOW, SHADOW_WIDE = "bench-prediction-tb-shadow.json", "bench-prediction-tw-1.1-shadow.json"
+# probing in the shadow from the start (measured, not kept): over the prompt's forward (6fab5af), from the first
+# decoded token (ad48f87)
+SHADOW_PROMPT, SHADOW_DECODE = "bench-prediction-tb-shadow-prompt.json", "bench-prediction-tb-shadow-decode.json"
 FUSED = "bench-prediction-tb-fused.json"  # c1d9968: the fused SiDA step, forecasts sent when they decide
 FUSED_WIDE = "bench-prediction-tw-1.1-fused.json"  # the same commit on runs/tw at 1.1 GB, llama.cpp beside it
 COST_SLEEP = "bench-prediction-tb-costsleep.json"  # a53fe87: 128 forwards asleep after a cost pause (not kept)
@@ -63,12 +68,23 @@ def _speed(entry: dict[str, Any]) -> str:
     for status in STOPS:
         if entry[status] and not entry["tokens_per_s"]:
             return f"{status} ({entry[status]} of {entry['runs']})"
-    t = entry["tokens_per_s"]
-    ran = entry["runs"] - sum(entry[status] for status in STOPS)
-    cell = spread(t["median"], [t["min"], t["max"]], 1) if ran > 1 else f"{t['median']:.1f} (1 run)"
+    ran = _ran(entry)
+    cell = _of_runs(entry["tokens_per_s"], ran, 1) + (" (1 run)" if ran == 1 else "")
     if ran < entry["runs"]:
         cell += "; " + ", ".join(f"{entry[status]} {status}" for status in STOPS if entry[status])
     return cell + ("" if entry["exact"] else " NOT EXACT")
+
+
+def _ran(entry: dict[str, Any]) -> int:
+    """How many of a system's runs at a cap decoded (the others ended as `STOPS` counts)."""
+    return entry["runs"] - sum(entry.get(status, 0) for status in STOPS)
+
+
+def _of_runs(stat: dict[str, float], ran: int, digits: int, scale: float = 1.0) -> str:
+    """The median (range) of what the runs that decoded measured; the value alone where one did
+    (a range of one run would read as several that agreed)."""
+    lo_hi = [stat["min"] / scale, stat["max"] / scale] if ran > 1 else None
+    return spread(stat["median"] / scale, lo_hi, digits)
 
 
 def _plans(result: dict[str, Any], cap: int) -> str:
@@ -83,7 +99,7 @@ def _plans(result: dict[str, Any], cap: int) -> str:
 def _read_mib(entry: dict[str, Any]) -> str:
     """A system's median MiB read from storage per decoded token (range), where the runs counted it."""
     read = entry.get("read_bytes_per_token")
-    return spread(read["median"] / 2**20, [read["min"] / 2**20, read["max"] / 2**20], 0) if read else "–"
+    return _of_runs(read, _ran(entry), 0, 2**20) if read else "–"
 
 
 def curve_rows(name: str) -> Rows:
@@ -192,7 +208,7 @@ def holds_rows(name: str) -> Rows:
         faults, anon, files = s.get("major_faults_per_token"), s.get("RssAnon"), s.get("RssFile")
         moved = (s.get("runtime") or {}).get("bytes_moved_per_token")
         rows.append([num(s["cap_bytes"] / 2**20, 0), s["system"], _speed(s),
-                     spread(faults["median"], [faults["min"], faults["max"]], 2) if faults else "–",
+                     _of_runs(faults, _ran(s), 2) if faults else "–",
                      _read_mib(s), num(moved / 2**20, 1) if moved is not None else "–",
                      num(anon["median"] / 2**20, 0) if anon else "–", num(files["median"] / 2**20, 0) if files else "–"])
     return ["cap (MiB)", "system", "tokens/s", "major faults/token", "MiB read from disk/token",
@@ -234,8 +250,37 @@ def tune_rows(name: str) -> Rows:
 
 
 CONCLUSION = """
-**The predictor at a third of its inline cost, and a plan that counts the compiled kernels (today's
-defaults, 8c2e022).** Inline, the predictor ran with the CPU's caches cold from the experts' weights,
+**The prediction guard's probes in its shadow (today's defaults, c0055fe).** After the guard pauses a
+predictor, its probes no longer act on the live cache: for 8 forwards a twin of the LRU shadow takes
+the forecasts while the live cache runs as LRU, and the runtime acts again only if the twin missed at
+least 2 experts fewer and those misses outweigh the probe's predicting time
+(`engine/prediction_guard.py`). The first tables run runs/tb at 0.66 and 0.85 GB (8 prompts, 2
+interleaved repeats, every baseline in the same cgroups; through ../shared/bin/quiet, load average
+1.01 before). At 0.85 GB the predictor decoded a median 1.17x the runtime without it (0.99x to 1.63x
+per prompt; 8c2e022's live probes: 1.05x, 0.97x to 1.55x), the oracle 1.43x; by median speed 95.4
+tokens/s with the predictor, 86.8 without, 122.8 for the oracle, 65.9 memory-mapped, plain killed in
+every run. Where the oracle gains 1.5x or more there (prompts 3, 6 and 8) the predictor gained 1.63x,
+1.22x and 1.22x. At 0.66 GB: 1.14x (0.74x to 1.67x), the oracle 1.54x; 23.3, 19.2, 28.8 and 21.9
+tokens/s. There the predictor's runs held 14 slots in 11 of 16 runs, where the runtime without it
+held 15 in all but its first run: the plan's process with the predictor (about 431.3 MB, its reserve
+57.7 MB) left between 14.99 and 15.02 slots' worth of the cap from run to run, a knife edge that
+8c2e022's runs fell on the other side of (15 slots); the two prompts LRU
+decodes fastest lost most from it (prompt 2: 0.74x with 91 misses against 72; prompt 5: 0.79x, 193
+against 157, the guard never pausing since learned eviction missed no more than its LRU shadow of 14
+slots). The predictor's prompt 2 at 0.66 GB paused once and probed 8 forwards in the shadow, where
+8c2e022 lost two windows live. Probing in the shadow from the first forward instead of acting first
+was measured twice and not kept: 1.16x and 0.97x over the prompt's forward (6fab5af), 1.09x and 1.01x
+from the first decoded token (ad48f87, 14 slots at 0.66 GB), against 1.26x and 1.05x acting first
+with live probes. Every run exact, tables on time for every forward, no prefetch issued on the CPU.
+On runs/tw at 1.1 GB at the same commit (8 prompts, one run per prompt and system, interleaved,
+llama.cpp f32 memory-mapped beside the others; load average 1.44 before) the predictor decoded a
+median 1.28x the runtime without it (0.75x to 2.53x; 8c2e022: 1.36x, 0.88x to 2.16x), the oracle
+1.42x; by median speed 10.8 tokens/s with the predictor, 7.9 without, 11.5 for the oracle, 9.9 for
+llama.cpp (the predictor 1.09x llama.cpp), 12.8 memory-mapped (4.8 to 30.7), plain past the 60 s
+limit in every run; 16 slots each. Below 1.0x only prompt 2 (0.75x, where LRU decodes 63 tokens/s,
+the oracle gains 1.04x and the first acting window cost 4 misses more than LRU's 71).
+**The predictor at a third of its inline cost, and a plan that counts the compiled kernels (the run
+before, 8c2e022).** Inline, the predictor ran with the CPU's caches cold from the experts' weights,
 so its torch ops cost several times their standalone time: SiDA's step is now one compiled call
 (`predictor/sida_decode.py`: 0.16 ms a token after 90 MB of weights streamed, where the torch step and
 forecasts take 0.49 ms, results/predictor-latency-demo-cold.json) and a layer's renewed chances reach
@@ -471,30 +516,65 @@ def _history_note(name: str) -> str:
     return " ".join(lines)
 
 
+def _tb_cmd(name: str) -> str:
+    """The command of a prediction bench on runs/tb at its two caps."""
+    return ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory 0.66GB,0.85GB --prompts 8 "
+            "--new-tokens 96 --repeats 2 --threads 2 --systems plain,mmap,no-predictor,prescient,oracle "
+            f"--run-timeout 120 --json results/{name}")
+
+
+def _tw_cmd(name: str, cap: str = "1.1GB", systems: str = "plain,mmap") -> str:
+    """The command of a prediction bench on runs/tw at one cap, llama.cpp beside the other systems."""
+    return (f"prescient bench --model runs/tw --predictor runs/demo/predictor/sida --memory {cap} --prompts 8 "
+            f"--new-tokens 96 --repeats 1 --threads 2 --run-timeout 60 --systems {systems},no-predictor,prescient,"
+            "oracle,llama.cpp --llama-cpp /work/llama/llama.cpp/build/bin --gguf runs/gguf/tw-f32.gguf "
+            f"--json results/{name}")
+
+
+def _run_tables(name: str, cmd: str, title: str, baselines: str) -> tuple[Table, Table]:
+    """A prediction bench's two tables: per prompt the runtime's systems, then every system's baselines."""
+    return (Table(title, (name,), cmd, partial(prediction_rows, name), note=_history_note(name)),
+            Table(baselines, (name,), cmd, partial(systems_rows, name)))
+
+
+def _shadow_tables() -> tuple[Table, ...]:
+    """The guard's probes in the shadow (c0055fe), every baseline in the same run: runs/tb at its two
+    caps, runs/tw at 1.1 GB with llama.cpp beside it; and the two starts in the shadow not kept."""
+    setup = ("runs/tb (733 MB of experts) at 0.66 and 0.85 GB, 8 held-out prompts of 16 tokens, 96 new tokens, 2 "
+             "interleaved repeats, `--memory`'s defaults (the guard acting first, probing in the shadow after a "
+             "pause, SiDA's fused step inline, learned eviction blending the history, nothing prefetched on the CPU)")
+    baselines = ("The same run's baselines over all prompts and repeats: plain transformers, the model memory-mapped, "
+                 "and the runtime's systems")
+    return (
+        *_run_tables(SHADOW, _tb_cmd(SHADOW), f"The guard's probes in the shadow ({setup}): per prompt the runtime "
+                     "without a predictor, with it and with the oracle", baselines),
+        *_run_tables(SHADOW_WIDE, _tw_cmd(SHADOW_WIDE), "runs/tw (2.2 GB of experts) at its tightest cap, 1.1 GB, at "
+                     "the same commit: 8 prompts, one run per prompt and system, interleaved",
+                     "runs/tw's baselines in that run, llama.cpp (f32, memory-mapped) among them"),
+        *_run_tables(SHADOW_PROMPT, _tb_cmd(SHADOW_PROMPT), "Measured and not kept (6fab5af): the runtime acting only "
+                     "after a probe in the shadow from the first forward on, the prompt's included, its twin starting "
+                     "empty (5 of 8 prompts at 0.85 GB won it, acted and were paused)", "That run's baselines"),
+        *_run_tables(SHADOW_DECODE, _tb_cmd(SHADOW_DECODE), "Measured and not kept (ad48f87): the first probe from the "
+                     "first decoded token, its twin seeded with what the prompt left (the predictor's runs held 14 "
+                     "slots at 0.66 GB, the runtime without it 15: the plan's process 94 KB larger than in the run "
+                     "before)", "That run's baselines"),
+    )
+
+
 def _fused_tables() -> tuple[Table, ...]:
     """The predictor's inline work cut (c1d9968: the fused step, forecasts sent when they decide),
     every baseline in the same run: runs/tb at its two caps, runs/tw at its tightest with llama.cpp
     beside it."""
-    cmd = ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory 0.66GB,0.85GB --prompts 8 "
-           "--new-tokens 96 --repeats 2 --threads 2 --systems plain,mmap,no-predictor,prescient,oracle "
-           f"--run-timeout 120 --json results/{FUSED}")
-    wide_cmd = ("prescient bench --model runs/tw --predictor runs/demo/predictor/sida --memory 1.1GB --prompts 8 "
-                "--new-tokens 96 --repeats 1 --threads 2 --run-timeout 60 --systems plain,mmap,no-predictor,prescient,"
-                "oracle,llama.cpp --llama-cpp /work/llama/llama.cpp/build/bin --gguf runs/gguf/tw-f32.gguf "
-                f"--json results/{FUSED_WIDE}")
     setup = ("runs/tb (733 MB of experts) at 0.66 and 0.85 GB, 8 held-out prompts of 16 tokens, 96 new tokens, 2 "
              "interleaved repeats, `--memory`'s defaults (SiDA's step fused into one compiled call, the hash "
              "builder inline, learned eviction blending the history, nothing prefetched on the CPU, the guard)")
     return (
-        Table(f"The predictor at a third of its inline cost ({setup}): per prompt the runtime without a predictor, "
-              "with it and with the oracle", (FUSED,), cmd, partial(prediction_rows, FUSED), note=_history_note(FUSED)),
-        Table("The same run's baselines over all prompts and repeats: plain transformers, the model memory-mapped, "
-              "and the runtime's systems", (FUSED,), cmd, partial(systems_rows, FUSED)),
-        Table("runs/tw (2.2 GB of experts) at its tightest cap, 1.1 GB, at the same commit: 8 prompts, one run per "
-              "prompt and system, interleaved", (FUSED_WIDE,), wide_cmd, partial(prediction_rows, FUSED_WIDE),
-              note=_history_note(FUSED_WIDE)),
-        Table("runs/tw's baselines in that run, llama.cpp (f32, memory-mapped) among them", (FUSED_WIDE,), wide_cmd,
-              partial(systems_rows, FUSED_WIDE)),
+        *_run_tables(FUSED, _tb_cmd(FUSED), f"The predictor at a third of its inline cost ({setup}): per prompt the "
+                     "runtime without a predictor, with it and with the oracle", "The same run's baselines over all "
+                     "prompts and repeats: plain transformers, the model memory-mapped, and the runtime's systems"),
+        *_run_tables(FUSED_WIDE, _tw_cmd(FUSED_WIDE), "runs/tw (2.2 GB of experts) at its tightest cap, 1.1 GB, at "
+                     "the same commit: 8 prompts, one run per prompt and system, interleaved",
+                     "runs/tw's baselines in that run, llama.cpp (f32, memory-mapped) among them"),
     )
 
 
@@ -698,6 +778,7 @@ def page() -> Page:
                  "1100MiB,0.85GB,660MiB,520MiB --prompts 1 --new-tokens 96 --repeats 3 --threads 2 --systems "
                  "plain,no-predictor,prescient --run-timeout 120 --json ...")
     return Page("memory", "Speed against memory", CONCLUSION, (
+        *_shadow_tables(),
         *_fused_tables(),
         *_cost_guard_tables(),
         *_parity_tables(),
