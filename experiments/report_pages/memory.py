@@ -757,6 +757,58 @@ def _earlier_prediction_tables() -> tuple[Table, ...]:
     )
 
 
+def _holds_tables() -> tuple[Table, ...]:
+    """Issue 53's: --memory from plain's need down, refusals of caps too small, first runs against
+    the next, and the file pages a token touches."""
+    holds_cmd = ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory "
+                 "1100MiB,0.85GB,660MiB,520MiB --prompts 1 --new-tokens 96 --repeats 3 --threads 2 --systems "
+                 "plain,no-predictor,prescient --run-timeout 120 --json ...")
+    return (
+    Table("`--memory` holds: runs/tb from the plain model's need (1100 MiB) down, one prompt, 3 interleaved "
+          "repeats (medians and ranges): major page faults and bytes read from disk per decoded token beside "
+          "what the slots moved, and the process's anonymous and file-backed memory at its end",
+          (HOLDS,), holds_cmd, partial(holds_rows, HOLDS)),
+    *(Table(f"A cap too small, in a memory cgroup: runs/tb with the predictor, the page cache dropped before each "
+            f"run{when}", (name,), load(name)["command"], partial(refusal_rows, name))
+      for when, name in (("", "refusal-tb.json"), (", at ec14e04 (before the kernels loaded outside the cap)",
+                                                   "refusal-tb-ec14e04.json"))),
+    *(Table(f"A fresh checkout's first run and the next {at}, runs/tb {who}: numba's cache of the kernels cleared "
+            "before the first, in a memory cgroup, the page cache dropped before each run",
+            (name,), load(name)["command"], partial(refusal_rows, name))
+      for at, who, name in (("at 0.66 GB (629 MiB)", "without a predictor", "refusal-tb-first-run.json"),
+                            ("at 0.66 GB (629 MiB)", "with the predictor", "refusal-tb-first-run-sida.json"),
+                            ("at 520 MiB", "with the predictor", "refusal-tb-first-run-520.json"),
+                            ("at 480 MiB (the first run's compilers killed at the limit, the next one's too)",
+                             "with the predictor", "refusal-tb-first-run-480.json"))),
+    Table("The file-backed pages a decoded token of runs/tb touches under `--memory` (referenced bits cleared "
+          "after the prefill and 4 tokens, read after 32 more): what the plan's 96 MiB of library pages covers",
+          ("code-pages-tb.json",), load("code-pages-tb.json")["command"], partial(code_pages_rows, "code-pages-tb.json")),
+    )
+
+
+def _trace_tables() -> tuple[Table, ...]:
+    """`prescient trace` through the runtime, whole and under caps."""
+    return (
+    Table("`prescient trace` through the runtime: 4 096 tokens of stdlib-code, whole and under a cap, 2 "
+          "interleaved runs each (no cgroup: the runtime drops the pages it reads)", (TRACE,),
+          load(TRACE)["command"], trace_rows),
+    *(Table(f"`prescient trace` of {model} under a real cap: the same 4 096 tokens, each run a fresh process "
+            f"in a memory cgroup capped at the size (the resident trace uncapped), the page cache dropped before "
+            f"each, {load(name)['settings']['repeats']} interleaved repeats (medians and ranges){when}",
+            (name,), load(name)["command"], partial(trace_capped_rows, name))
+      for name, model, when in (
+          (TRACE_CAPPED, "runs/tb (0.73 GB of experts)", "; under `--memory` 4 windows per forward, the "
+           "512-token prefill the plan reserves"),
+          (TRACE_CAPPED_UNCUT, "runs/tb", ", before `trace --memory` cut its batch: 16 windows of 128 tokens "
+           "per forward, beyond the plan's reserve"),
+          (TRACE_CAPPED_2X, "runs/tb2x (runs/tb widened by zeros to 1.46 GB of experts, the same routing)",
+           "; under `--memory` 4 windows per forward"),
+          (TRACE_CAPPED_WIDE, "runs/tw (configs/reference/tiny-bench-wide.yaml: 2.2 GB of experts, the same "
+           "routing)", "; under `--memory` 4 windows per forward, the prefill workspace reserved for the top-k "
+           "rows"))),
+    )
+
+
 def page() -> Page:
     setup = ("the demo's reference model with its experts widened as configs/reference/bench.yaml widens the base "
              "one (runs/tb: 4 layers of 16 experts, 733 MB of float32 experts), a SiDA predictor with two forecast "
@@ -774,9 +826,6 @@ def page() -> Page:
                 "--json ...")
     tune_wide_cmd = ("prescient tune --model runs/tw --predictor runs/tb-predictor/sida --memory 1.1GB,1.7GB "
                      "--new-tokens 32 --json ...")
-    holds_cmd = ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory "
-                 "1100MiB,0.85GB,660MiB,520MiB --prompts 1 --new-tokens 96 --repeats 3 --threads 2 --systems "
-                 "plain,no-predictor,prescient --run-timeout 120 --json ...")
     return Page("memory", "Speed against memory", CONCLUSION, (
         *_shadow_tables(),
         *_fused_tables(),
@@ -785,25 +834,7 @@ def page() -> Page:
         *_history_tables(),
         *_guard_tables(),
         *_earlier_prediction_tables(),
-        Table("`--memory` holds: runs/tb from the plain model's need (1100 MiB) down, one prompt, 3 interleaved "
-              "repeats (medians and ranges): major page faults and bytes read from disk per decoded token beside "
-              "what the slots moved, and the process's anonymous and file-backed memory at its end",
-              (HOLDS,), holds_cmd, partial(holds_rows, HOLDS)),
-        *(Table(f"A cap too small, in a memory cgroup: runs/tb with the predictor, the page cache dropped before each "
-                f"run{when}", (name,), load(name)["command"], partial(refusal_rows, name))
-          for when, name in (("", "refusal-tb.json"), (", at ec14e04 (before the kernels loaded outside the cap)",
-                                                       "refusal-tb-ec14e04.json"))),
-        *(Table(f"A fresh checkout's first run and the next {at}, runs/tb {who}: numba's cache of the kernels cleared "
-                "before the first, in a memory cgroup, the page cache dropped before each run",
-                (name,), load(name)["command"], partial(refusal_rows, name))
-          for at, who, name in (("at 0.66 GB (629 MiB)", "without a predictor", "refusal-tb-first-run.json"),
-                                ("at 0.66 GB (629 MiB)", "with the predictor", "refusal-tb-first-run-sida.json"),
-                                ("at 520 MiB", "with the predictor", "refusal-tb-first-run-520.json"),
-                                ("at 480 MiB (the first run's compilers killed at the limit, the next one's too)",
-                                 "with the predictor", "refusal-tb-first-run-480.json"))),
-        Table("The file-backed pages a decoded token of runs/tb touches under `--memory` (referenced bits cleared "
-              "after the prefill and 4 tokens, read after 32 more): what the plan's 96 MiB of library pages covers",
-              ("code-pages-tb.json",), load("code-pages-tb.json")["command"], partial(code_pages_rows, "code-pages-tb.json")),
+        *_holds_tables(),
         Table("runs/tw beside llama.cpp at 1.7 GB with `gemv`'s row kernel (`rowdot`), measured while the bench's "
               "llama.cpp child still imported torch inside llama.cpp's cgroup (about 290 MB anonymous and 130 MB of "
               "library pages: llama.cpp handicapped; fixed in b18ef03, the runtime page has the fair runs): plain "
@@ -846,23 +877,7 @@ def page() -> Page:
               "prompts, a change kept only where it wins on each (2 interleaved runs per configuration, 32 new "
               "tokens per prompt, each run a fresh process in a cgroup capped at the size, page cache dropped first)",
               (TUNE_WIDE,), tune_wide_cmd, partial(tune_rows, TUNE_WIDE)),
-        Table("`prescient trace` through the runtime: 4 096 tokens of stdlib-code, whole and under a cap, 2 "
-              "interleaved runs each (no cgroup: the runtime drops the pages it reads)", (TRACE,),
-              load(TRACE)["command"], trace_rows),
-        *(Table(f"`prescient trace` of {model} under a real cap: the same 4 096 tokens, each run a fresh process "
-                f"in a memory cgroup capped at the size (the resident trace uncapped), the page cache dropped before "
-                f"each, {load(name)['settings']['repeats']} interleaved repeats (medians and ranges){when}",
-                (name,), load(name)["command"], partial(trace_capped_rows, name))
-          for name, model, when in (
-              (TRACE_CAPPED, "runs/tb (0.73 GB of experts)", "; under `--memory` 4 windows per forward, the "
-               "512-token prefill the plan reserves"),
-              (TRACE_CAPPED_UNCUT, "runs/tb", ", before `trace --memory` cut its batch: 16 windows of 128 tokens "
-               "per forward, beyond the plan's reserve"),
-              (TRACE_CAPPED_2X, "runs/tb2x (runs/tb widened by zeros to 1.46 GB of experts, the same routing)",
-               "; under `--memory` 4 windows per forward"),
-              (TRACE_CAPPED_WIDE, "runs/tw (configs/reference/tiny-bench-wide.yaml: 2.2 GB of experts, the same "
-               "routing)", "; under `--memory` 4 windows per forward, the prefill workspace reserved for the top-k "
-               "rows"))),
+        *_trace_tables(),
     ))
 
 
