@@ -174,6 +174,7 @@ _NEEDS_A_TRACE = {
     "belady": "it needs the future access sequence (the offline bound); compare it with `prescient compare-caches`",
     "static": "it needs expert frequencies counted on a trace; compare it with `prescient compare-caches`",
 }
+SERVING_POLICIES = tuple(name for name in POLICIES if name not in _NEEDS_A_TRACE)
 
 
 def make_serving_policy(name: str, top_k: int) -> EvictionPolicy:
@@ -182,5 +183,5 @@ def make_serving_policy(name: str, top_k: int) -> EvictionPolicy:
     key = name.lower()
     if key in _NEEDS_A_TRACE:
         raise PolicyError(f"cache policy {name!r} cannot serve: {_NEEDS_A_TRACE[key]}; "
-                          f"serving policies: {', '.join(p for p in POLICIES if p not in _NEEDS_A_TRACE)}")
+                          f"serving policies: {', '.join(SERVING_POLICIES)}")
     return make_policy(key, **({"top_k": top_k} if key == "mrs" else {}))

@@ -56,8 +56,11 @@ def output_dir(text: str) -> str:
 
 
 def device(text: str) -> str:
-    """`cpu`, `cuda` or `cuda:N`, present on this machine."""
-    _checked(check_device, text)
+    """`cpu`, `cuda` or `cuda:N`, present on this machine. `cpu` (the default, which argparse
+    parses too) is not checked: the check imports torch, and a command under `--memory` imports
+    none before its kernels are compiled (`compile_kernels_ahead`)."""
+    if text != "cpu":
+        _checked(check_device, text)
     return text
 
 
@@ -421,6 +424,17 @@ def runtime_settings(args: argparse.Namespace, **fields: object) -> dict[str, ob
     if "next_token" in names and args.next_token is not None:
         flags["next_token_min_chance"] = args.next_token_min_chance if args.next_token else None
     return {**flags, **fields}
+
+
+def compile_kernels_ahead(args: argparse.Namespace) -> None:
+    """Under a command's `--memory`, the runtime's compiled kernels that numba's on-disk cache lacks
+    compiled into it first, by child processes while this one holds neither torch nor the model
+    (`offload_runtime.engine.compiled.compile_ahead`; called before the command runs)."""
+    if "memory" not in getattr(args, "runtime_flags", ()) or args.memory is None:
+        return
+    from offload_runtime.engine.compiled import compile_ahead
+
+    compile_ahead()
 
 
 def runtime_options(args: argparse.Namespace, **fields: object) -> RuntimeOptions:

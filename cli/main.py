@@ -54,6 +54,9 @@ def run_command(argv: list[str]) -> None:
     named = argv[0] if argv and argv[0] in COMMANDS else ""  # "": no command named (`prescient --help`)
     parser, modules = build_parser(named)
     args = parser.parse_args(argv)
+    from cli.args import compile_kernels_ahead  # numba, which `prescient --help` does without
+
+    compile_kernels_ahead(args)  # before the command imports torch
     modules[args.command].run(args)
 
 

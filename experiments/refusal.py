@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from experiments.machine import machine_info
+from offload_runtime.engine.compiled import KERNEL_PACKAGES
 from prescient.atomic import write_results
 from prescient.capped_run import drop_page_cache, run_capped
 
 PROMPT = "def read_config(path):\n"
 NEW_TOKENS = 32
-KERNEL_PACKAGES = ("cache", "predictor", "offload_runtime")  # where numba keeps the compiled kernels (`__pycache__`)
 
 
 def clear_kernel_cache() -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem")
+RUNTIME_SYSTEMS = ("no-predictor", "prescient", "prefetch", "oracle")  # those of `systems.RUNNERS` that run the runtime
 
 
 def proc_status() -> dict[str, int]:
@@ -39,6 +40,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         from experiments.bench_memory.llama_cpp import run_llama_cpp
 
         return run_llama_cpp(spec)
+    if spec["memory"] is not None and spec["system"] in RUNTIME_SYSTEMS:
+        # the kernels numba's cache lacks compiled while this process is small, as `prescient generate --memory` does
+        from offload_runtime.engine.compiled import compile_ahead
+
+        compile_ahead()
     import torch
     import transformers  # noqa: F401  (the floor holds it)
 

@@ -46,6 +46,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from offload_runtime.engine.compiled import compile_ahead
 from offload_runtime.engine.generate import generate_offloaded
 from offload_runtime.engine.loader import whole_model_memory
 from offload_runtime.engine.options import RuntimeOptions
@@ -94,7 +95,9 @@ def decode_capped(model_dir: str, prompts: list[str], new_tokens: int, predictor
                   options: RuntimeOptions, timeout_s: float = RUN_TIMEOUT_S) -> dict[str, Any]:
     """One calibration run in a new process in a memory cgroup capped at `options.memory`, the page
     cache dropped first (pages an earlier run left would serve this one uncharged); a run the kernel
-    kills, or one still going after `timeout_s`, scores 0 tokens/s on every prompt."""
+    kills, or one still going after `timeout_s`, scores 0 tokens/s on every prompt. The kernels numba's
+    cache lacks are compiled first, outside the cap (`compile_ahead`)."""
+    compile_ahead()
     with tempfile.TemporaryDirectory(prefix="prescient-tune-") as tmp:
         spec, out = Path(tmp, "spec.pickle"), Path(tmp, "out.json")
         spec.write_bytes(pickle.dumps((model_dir, prompts, new_tokens, predictor, options)))

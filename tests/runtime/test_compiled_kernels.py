@@ -1,6 +1,7 @@
 """Under `--memory` the compiled kernels are in the process before the plan measures it, loaded
 from numba's on-disk cache: where the cache lacks them a child process compiles them, so that a
-first run's plan measures the same process as every later run's."""
+first run's plan measures the same process as every later run's; a command under `--memory` has
+them compiled before it imports torch, while its process is small."""
 
 from __future__ import annotations
 
@@ -49,19 +50,69 @@ LOADING = textwrap.dedent("""
 """)
 
 
-def _load_in_fresh_process(cache_dir) -> dict:
-    done = subprocess.run([sys.executable, "-c", LOADING], capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parents[2], env=dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir)))
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _in_fresh_process(script: str, cache_dir, *argv: str) -> dict:
+    """The last line of `script`'s output, as JSON, run with numba's cache in `cache_dir`."""
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT, env=dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir)))
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.splitlines()[-1])
 
 
 def test_a_cache_without_the_kernels_is_filled_by_a_child_and_the_process_compiles_nothing(tmp_path):
-    first = _load_in_fresh_process(tmp_path)
+    first = _in_fresh_process(LOADING, tmp_path)
     # the child compiled every kernel the process then loads, and those the runtime runs after its plan
     assert first == {"children": 1, "warned": [], "compiled_after": []}
     assert list(tmp_path.rglob("*.nbi"))
-    assert _load_in_fresh_process(tmp_path) == {"children": 0, "warned": [], "compiled_after": []}  # all found
+    assert _in_fresh_process(LOADING, tmp_path) == {"children": 0, "warned": [], "compiled_after": []}  # all found
+
+
+# `compile_ahead` (what a command under `--memory` runs first) in a process of its own: the children
+# it ran, by their work
+COUNTING = textwrap.dedent("""
+    import json
+    from offload_runtime.engine import compiled
+    works, run_child = [], compiled._run_child
+    compiled._run_child = lambda what, work, *args: (works.append(work), run_child(what, work, *args))[1]
+    compiled.compile_ahead()
+    print(json.dumps(works))
+""")
+
+
+def test_compile_ahead_fills_a_fresh_cache_with_every_kernel_the_run_then_loads(tmp_path):
+    assert _in_fresh_process(COUNTING, tmp_path) == ["missing_here", *["compile_here"] * 3, "missing_here"]
+    assert _in_fresh_process(LOADING, tmp_path) == {"children": 0, "warned": [], "compiled_after": []}
+    # the last lookup's stamp holds: a later run spawns nothing, until a file the lookup read changes
+    assert _in_fresh_process(COUNTING, tmp_path) == []
+    os.utime(next(tmp_path.rglob("*.nbi")))
+    assert _in_fresh_process(COUNTING, tmp_path) == ["missing_here"]
+    assert _in_fresh_process(COUNTING, tmp_path) == []
+
+
+# `prescient CMD ...` with the compiling children stopped at their start: which parts they were to
+# compile, and whether the command had imported torch or transformers by then
+COMMAND = textwrap.dedent("""
+    import json, sys
+    from offload_runtime.engine import compiled
+    def compile_in_child(kernels, parts=None):
+        print(json.dumps({"parts": parts, "imported": [m for m in ("torch", "transformers") if m in sys.modules]}))
+        raise SystemExit(0)
+    compiled.compile_in_child = compile_in_child
+    from cli.main import main
+    main(sys.argv[1:])
+""")
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["serve"],
+                                     ["trace", "--dataset", "stdlib-code", "--out", "TMP/trace"]])
+def test_a_command_under_memory_compiles_what_the_cache_lacks_before_it_imports_torch(tmp_path, command):
+    """A fresh checkout's first `--memory` run: by the loader's turn the process holds torch, the
+    libraries and the weights, and the compiler children had no room beside it under the cap."""
+    named = [arg.replace("TMP", str(tmp_path)) for arg in command]
+    record = _in_fresh_process(COMMAND, tmp_path / "numba", named[0], "--model", "unused", "--memory", "480MiB", *named[1:])
+    assert record == {"parts": ["cache", "predictor_step", "rowdot"], "imported": []}
 
 
 def _recording_load(monkeypatch, events: list) -> None:
