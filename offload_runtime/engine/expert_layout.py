@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 from transformers.core_model_loading import revert_weight_conversion
 
+from offload_runtime.engine.direct_read import phased_empty
 from prescient.arch import MoELayer
 from prescient.errors import PrescientError
 
@@ -53,10 +55,14 @@ class ExpertSpec:
     def nbytes(self) -> int:
         return sum(math.prod(s) * self.dtypes[n].itemsize for n, s in self.shapes.items())
 
-    def empty(self, n: int, device: torch.device | str = "cpu", pin: bool = False) -> dict[str, torch.Tensor]:
-        """Uninitialised buffers [n, *shape] per parameter."""
+    def empty(self, n: int, device: torch.device | str = "cpu", pin: bool = False,
+              phases: Mapping[str, int] | None = None) -> dict[str, torch.Tensor]:
+        """Uninitialised buffers [n, *shape] per parameter; on the CPU, a parameter named in `phases`
+        starts at that address phase (`ExpertStore.read_phases`: read around the page cache)."""
+        phases = dict(phases or {}) if torch.device(device).type == "cpu" and not pin else {}
         return {
-            name: torch.empty((n, *shape), dtype=self.dtypes[name], device=device, pin_memory=pin)
+            name: phased_empty((n, *shape), self.dtypes[name], phases[name]) if name in phases
+            else torch.empty((n, *shape), dtype=self.dtypes[name], device=device, pin_memory=pin)
             for name, shape in self.shapes.items()
         }
 

@@ -7,9 +7,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from cache import make_serving_policy
-from offload_runtime.engine.expert_layout import LAYOUT_BYTES_PER_ELEMENT, expert_spec
 from offload_runtime.engine.compiled import LOADED_BYTES, Kernels, load_compiled
+from offload_runtime.engine.direct_read import opens_direct
+from offload_runtime.engine.expert_layout import LAYOUT_BYTES_PER_ELEMENT, expert_spec
 from offload_runtime.engine.hash_builder import warm_up
 from offload_runtime.engine.loaded import LoadedModel
 from offload_runtime.engine.mapped import load_mmap_model
@@ -94,7 +97,7 @@ def _load_into_slots(model_dir: ModelDirectory, predictor: str | Path | ExpertPr
     predictor = _checked_predictor(predictor, fingerprint, model, options, eviction.uses_forecasts)
     if planner is not None:
         # a cap too small is refused before the predictor's warm-up; one the warm-up leaves too small after it
-        _refuse_before_opening(planner, layers, 0, 0 if early else LOADED_BYTES)
+        _refuse_before_opening(planner, layers, 0, 0 if early else LOADED_BYTES, _may_read_direct(options, model_dir))
         if not early:
             load_compiled(kernels)
     # under a cap the predictor runs once first, so that the plan measures what it holds at work
@@ -106,10 +109,12 @@ def _load_into_slots(model_dir: ModelDirectory, predictor: str | Path | ExpertPr
         # make the kernel evict the libraries' code that every token runs, and read it back per token
         drop = options.drop_page_cache or planner is not None
         if planner is not None:
-            _refuse_before_opening(planner, layers, at_work)
+            _refuse_before_opening(planner, layers, at_work, direct=_may_read_direct(options, model_dir))
         stores.append(ExpertStore(model_dir, model, layers, mode=options.store, drop_page_cache=drop,
                                   slot_format=options.slot_format, read_depth=options.read_depth))
-        plan = None if planner is None else planner.slots(process_footprint(), _expert_bytes(stores[0]), layers, at_work)
+        direct = _reads_direct(options, stores[0])
+        plan = None if planner is None else planner.slots(process_footprint(reads=not direct), _expert_bytes(stores[0]),
+                                                          layers, at_work, direct=direct)
         pool = _slot_pool(options, plan, fingerprint, model, layers, stores)
         runtime = OffloadRuntime(model, layers, stores[0], pool, fingerprint, eviction, options, predictor=predictor,
                                  fine_store=stores[1] if len(stores) > 1 else None, memory_plan=plan)
@@ -136,7 +141,8 @@ def whole_model_memory(model_dir: str | Path | ModelDirectory, options: RuntimeO
     return planner.need(process_footprint(reads=False)).total
 
 
-def _refuse_before_opening(planner: MemoryPlanner, layers, predictor_work: int, unloaded: int = 0) -> None:
+def _refuse_before_opening(planner: MemoryPlanner, layers, predictor_work: int, unloaded: int = 0,
+                           direct: bool = False) -> None:
     """A CapacityError now, naming the smallest cap that works, where the cap cannot hold this
     process's plan of one layer's top-k slots, or the process itself while the store opens:
     deriving the checkpoint's layout holds temporaries of `LAYOUT_BYTES_PER_ELEMENT` per element of
@@ -146,16 +152,29 @@ def _refuse_before_opening(planner: MemoryPlanner, layers, predictor_work: int, 
     kernels compiled in the process, refused runs/tb's 520 MiB naming 571 where 560 decoded,
     results/refusal-tb-ec14e04.json; now 480 decodes, results/refusal-tb.json). A cap
     refused before the process holds `unloaded` bytes more (the compiled kernels, not loaded yet)
-    is refused naming a cap that holds them too."""
+    is refused naming a cap that holds them too; `direct`: the store will read around the page cache."""
     spec, _ = expert_spec(layers[0])
     elements = sum(math.prod(shape) for shape in spec.shapes.values())
-    steady = process_footprint()  # the read headroom it books is not needed before any read
-    peak = steady - READ_HEADROOM_BYTES + LAYOUT_BYTES_PER_ELEMENT * elements
+    steady = process_footprint(reads=not direct)
+    peak = process_footprint() - READ_HEADROOM_BYTES + LAYOUT_BYTES_PER_ELEMENT * elements  # no read yet: no headroom
     try:
-        planner.slots(steady, spec.nbytes, layers, predictor_work, peak=peak)
+        planner.slots(steady, spec.nbytes, layers, predictor_work, peak=peak, direct=direct)
     except CapacityError:
-        planner.slots(steady + unloaded, spec.nbytes, layers, predictor_work, peak=peak + unloaded)
+        planner.slots(steady + unloaded, spec.nbytes, layers, predictor_work, peak=peak + unloaded, direct=direct)
         raise
+
+
+def _may_read_direct(options: RuntimeOptions, model_dir: ModelDirectory) -> bool:
+    """Before the store opens: whether its misses will read around the page cache (`_reads_direct`
+    after it opens decides), from the options and whether the weight files take `O_DIRECT`."""
+    return (options.store == "disk" and options.slot_format == "expanded" and options.fine_model is None
+            and torch.device(options.device).type == "cpu" and opens_direct(model_dir.weight_files))
+
+
+def _reads_direct(options: RuntimeOptions, store: ExpertStore) -> bool:
+    """Whether every miss reads around the page cache (`direct_read`): into CPU slots of one tier,
+    laid out at the store's read phases (`_slot_pool`)."""
+    return store.reads_direct and torch.device(options.device).type == "cpu" and options.fine_model is None
 
 
 def _kind(predictor: str | Path | ExpertPredictor | None) -> str | None:
@@ -195,9 +214,10 @@ def _slot_pool(options: RuntimeOptions, plan: MemoryPlan | None, fingerprint: Mo
     (mixed precision, whose store joins `stores`) that many bytes split between fine and coarse."""
     specs, experts, top_k = stores[0].slot_specs, layers[0].num_experts, layers[0].top_k
     if options.fine_model is None:
+        phases = stores[0].read_phases
         if plan is not None:
-            return SlotPool.for_slots(specs, experts, plan.slots, options.device)
-        return SlotPool.for_budget(specs, experts, top_k, options.budget, options.device)
+            return SlotPool.for_slots(specs, experts, plan.slots, options.device, phases)
+        return SlotPool.for_budget(specs, experts, top_k, options.budget, options.device, phases)
     stores.append(_fine_store(options, fingerprint, model, layers, stores[0]))
     budget = options.budget if plan is None else Budget(plan.slots, "slots")  # in coarse experts, split by bytes
     return TieredSlotPool.for_budget(stores[1].slot_specs, specs, experts, top_k, budget, options.fine_share,

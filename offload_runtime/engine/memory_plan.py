@@ -169,15 +169,17 @@ def plan_mapped(cap: int, footprint: int, reserve: int, expert_bytes: int, total
 
 
 def plan_offloaded(cap: int, footprint: int, reserve: int, expert_bytes: int, total_experts: int,
-                   min_slots: int, predictor_work: int = 0, peak: int = 0) -> MemoryPlan:
+                   min_slots: int, predictor_work: int = 0, peak: int = 0,
+                   file_pages: int = HOT_LIBRARY_BYTES) -> MemoryPlan:
     """The slots what is left of `cap` buys beside the process's measured `footprint` (non-expert
-    weights and predictor loaded), the reserve and what the predictor adds at work; a CapacityError
-    naming the smallest cap that works when that is fewer than `min_slots` (one layer's top-k) or
-    `cap` is below the process's `peak` before it holds any slot or reserve (its store opening)."""
+    weights and predictor loaded, with `file_pages` of file-backed pages), the reserve and what the
+    predictor adds at work; a CapacityError naming the smallest cap that works when that is fewer
+    than `min_slots` (one layer's top-k) or `cap` is below the process's `peak` before it holds any
+    slot or reserve (its store opening)."""
     reserve += predictor_work
     slots = _require(cap, footprint, reserve, expert_bytes, min_slots, "expert slots", peak)
     return MemoryPlan(cap, footprint, reserve, expert_bytes, total_experts, min(slots, total_experts), False,
-                      held_by(cap), predictor_work=predictor_work)
+                      held_by(cap), predictor_work=predictor_work, file_pages=file_pages)
 
 
 def _require(cap: int, footprint: int, reserve: int, expert_bytes: int, least: int, what: str, peak: int = 0) -> int:
@@ -295,12 +297,15 @@ class MemoryPlanner:
         return None
 
     def slots(self, footprint: int, expert_bytes: int, layers: list[MoELayer], predictor_work: int,
-              peak: int = 0) -> MemoryPlan:
+              peak: int = 0, direct: bool = False) -> MemoryPlan:
         """The slots of `expert_bytes` each that the cap buys beside this process's measured
-        `footprint` (non-expert weights and predictor loaded), the reserve (with one expert's read
-        in flight per transfer worker) and what its predictor holds at work (`predictor_work`); a
-        CapacityError naming the smallest cap that works below one layer's top-k, or below the
-        process's `peak` before it holds slots or reserve."""
-        plan = plan_offloaded(self.options.memory, footprint, self.reserve(self.options.transfer_workers * expert_bytes),
-                              expert_bytes, len(layers) * layers[0].num_experts, layers[0].top_k, predictor_work, peak)
+        `footprint` (non-expert weights and predictor loaded, `process_footprint(reads=not direct)`),
+        the reserve (with one expert's read in flight per transfer worker, in the page cache, unless
+        reads are `direct`: straight into the slots) and what its predictor holds at work
+        (`predictor_work`); a CapacityError naming the smallest cap that works below one layer's
+        top-k, or below the process's `peak` before it holds slots or reserve."""
+        in_flight = 0 if direct else self.options.transfer_workers * expert_bytes
+        plan = plan_offloaded(self.options.memory, footprint, self.reserve(in_flight), expert_bytes,
+                              len(layers) * layers[0].num_experts, layers[0].top_k, predictor_work, peak,
+                              CODE_BYTES if direct else HOT_LIBRARY_BYTES)
         return replace(plan, why=self.why) if self.why else plan

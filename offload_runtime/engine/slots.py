@@ -173,29 +173,30 @@ class SlotPool:
     """`num_slots` expert buffers on `device`, laid out per parameter as [S, *shape]."""
 
     def __init__(self, spec: ExpertSpec, num_slots: int, num_layers: int, num_experts: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", phases: Mapping[str, int] | None = None) -> None:
         if num_slots < 1:
             raise CapacityError(f"a slot pool needs at least 1 slot, got {num_slots}")
         self.spec = spec
         self.device = torch.device(device)
-        self.buffers = spec.empty(num_slots, device=self.device)
+        # `phases`: where the store reads around the page cache, each parameter's buffers at its phase
+        self.buffers = spec.empty(num_slots, device=self.device, phases=phases)
         self.map = SlotMap(num_slots, num_layers, num_experts)
         log.info("slot pool: %d slots × %.2f MiB on %s", num_slots, spec.nbytes / 2**20, self.device)
 
     @classmethod
     def for_budget(cls, specs: Sequence[ExpertSpec], num_experts: int, top_k: int, budget: float | int | str,
-                   device: torch.device | str = "cpu") -> "SlotPool":
+                   device: torch.device | str = "cpu", phases: Mapping[str, int] | None = None) -> "SlotPool":
         """A pool for `len(specs)` MoE layers of `num_experts` experts each (one spec per layer,
         e.g. `ExpertStore.specs`), sized by `budget` (see `slots_for_budget`)."""
         slots = slots_for_budget(budget, _one_spec(specs).nbytes, len(specs) * num_experts, top_k)
-        return cls.for_slots(specs, num_experts, slots, device)
+        return cls.for_slots(specs, num_experts, slots, device, phases)
 
     @classmethod
     def for_slots(cls, specs: Sequence[ExpertSpec], num_experts: int, slots: int,
-                  device: torch.device | str = "cpu") -> "SlotPool":
+                  device: torch.device | str = "cpu", phases: Mapping[str, int] | None = None) -> "SlotPool":
         """A pool of `slots` slots (a memory plan's count) for `len(specs)` MoE layers of
         `num_experts` experts each."""
-        return cls(_one_spec(specs), slots, len(specs), num_experts, device)
+        return cls(_one_spec(specs), slots, len(specs), num_experts, device, phases)
 
     @property
     def num_slots(self) -> int:
