@@ -9,6 +9,7 @@ import experiments.quality as quality
 from cli.main import main
 from experiments.quality import measure_quality
 from offload_runtime.engine import loader
+from offload_runtime.engine import store as store_module
 from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.memory_plan import MiB, reserve_bytes
 from offload_runtime.engine.options import RuntimeOptions
@@ -44,6 +45,8 @@ def test_quality_command_under_a_memory_cap_runs_both_models_offloaded_and_equal
     # a fixed process, which grows by what the reference's plan holds once it is loaded
     held = [FOOTPRINT]
     monkeypatch.setattr(loader, "process_footprint", lambda reads=True: held[0])
+    monkeypatch.setattr(store_module, "open_direct", lambda path: None)  # reads through the page cache, as
+    monkeypatch.setattr(loader, "opens_direct", lambda paths: False)  # `reserve` above books them
     monkeypatch.setattr(quality, "process_footprint", lambda: held[0])
     real_loaded = quality._loaded
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 ALIGN = 4096
+BOUNCE_BYTES = 4 << 20  # per reading thread, where a slot does not lie at its file's phase (at most)
 
 
 def open_direct(path: Path) -> int | None:
@@ -66,34 +67,49 @@ def phased_empty(shape: tuple[int, ...], dtype: torch.dtype, phase: int) -> torc
     return raw[shift:shift + nbytes].view(dtype)[: torch.Size(shape).numel()].view(shape)
 
 
+def bounce_size(expert_bytes: int) -> int:
+    """One reading thread's bounce buffer: `BOUNCE_BYTES`, or half an expert where that is less (two
+    threads' buffers then hold no more than the expert in flight a buffered read books), whole blocks."""
+    return max(ALIGN, min(BOUNCE_BYTES, expert_bytes // 2 // ALIGN * ALIGN))
+
+
 def can_read_direct(address: int, file_offset: int) -> bool:
     """Whether memory at `address` can take the file's bytes from `file_offset` directly."""
     return (address - file_offset) % ALIGN == 0
 
 
 def read_edges(fd: int, memory: memoryview, offset: int) -> tuple[int, int]:
-    """Fill the unaligned ends of `memory` (the file's bytes from `offset` on) through a bounce
-    block; returns the aligned middle [start, end) of `memory` still to read directly (empty where
-    the whole piece lay in its end blocks)."""
+    """Fill the unaligned ends of `memory` (the file's bytes from `offset` on, at the file's phase)
+    through a bounce block; returns the aligned middle [start, end) of `memory` still to read
+    directly (empty where the whole piece lay in its end blocks)."""
     end = offset + len(memory)
     middle_start = min(-(-offset // ALIGN) * ALIGN, end)
     middle_end = max(end // ALIGN * ALIGN, middle_start)
-    bounce = mmap.mmap(-1, ALIGN)  # page-aligned, as O_DIRECT wants
-    try:
+    with mmap.mmap(-1, ALIGN) as block:  # page-aligned, as O_DIRECT wants
+        bounce = memoryview(block)
         if middle_start > offset:
-            _copy_block(fd, bounce, offset // ALIGN * ALIGN, offset, memory[: middle_start - offset])
+            read_bounced(fd, memory[: middle_start - offset], offset, bounce)
         if end > middle_end:
-            _copy_block(fd, bounce, middle_end, middle_end, memory[middle_end - offset:])
-    finally:
-        bounce.close()
+            read_bounced(fd, memory[middle_end - offset:], middle_end, bounce)
+        bounce.release()
     return middle_start - offset, middle_end - offset
 
 
-def _copy_block(fd: int, bounce: mmap.mmap, block: int, start: int, target: memoryview) -> None:
-    """Read the block at file offset `block` into `bounce`, then copy its bytes from file offset
-    `start` into `target`."""
-    got = os.preadv(fd, [bounce], block)
-    lo = start - block
-    if got < lo + len(target):
-        raise OSError(f"short read: {got} bytes of the block at {block}")
-    target[:] = bounce[lo:lo + len(target)]
+def read_bounced(fd: int, memory: memoryview, offset: int, bounce: memoryview) -> None:
+    """Fill `memory` with the file's bytes from `offset` on, at any address: the whole blocks that
+    cover them are read directly into `bounce` (aligned, a multiple of `ALIGN` long), span by span,
+    and each span's bytes copied out."""
+    end = offset + len(memory)
+    block = offset // ALIGN * ALIGN
+    while block < end:
+        got = 0
+        while got < len(bounce):  # a direct read returns less only at the end of the file
+            read = os.preadv(fd, [bounce[got:]], block + got)
+            if read == 0:
+                break
+            got += read
+        first, last = max(offset, block), min(end, block + len(bounce))
+        if block + got < last:
+            raise OSError(f"the file ends at byte {block + got}, before byte {last}")
+        memory[first - offset:last - offset] = bounce[first - block:last - block]
+        block += len(bounce)

@@ -11,7 +11,7 @@ import torch
 
 from cache import make_serving_policy
 from offload_runtime.engine.compiled import LOADED_BYTES, Kernels, load_compiled
-from offload_runtime.engine.direct_read import opens_direct
+from offload_runtime.engine.direct_read import ALIGN, bounce_size, opens_direct
 from offload_runtime.engine.expert_layout import LAYOUT_BYTES_PER_ELEMENT, expert_spec
 from offload_runtime.engine.hash_builder import warm_up
 from offload_runtime.engine.loaded import LoadedModel
@@ -97,7 +97,8 @@ def _load_into_slots(model_dir: ModelDirectory, predictor: str | Path | ExpertPr
     predictor = _checked_predictor(predictor, fingerprint, model, options, eviction.uses_forecasts)
     if planner is not None:
         # a cap too small is refused before the predictor's warm-up; one the warm-up leaves too small after it
-        _refuse_before_opening(planner, layers, 0, 0 if early else LOADED_BYTES, _may_read_direct(options, model_dir))
+        opening_buffers = _direct_buffers_before_opening(options, model_dir, expert_spec(layers[0])[0].nbytes)
+        _refuse_before_opening(planner, layers, 0, 0 if early else LOADED_BYTES, opening_buffers)
         if not early:
             load_compiled(kernels)
     # under a cap the predictor runs once first, so that the plan measures what it holds at work
@@ -109,12 +110,12 @@ def _load_into_slots(model_dir: ModelDirectory, predictor: str | Path | ExpertPr
         # make the kernel evict the libraries' code that every token runs, and read it back per token
         drop = options.drop_page_cache or planner is not None
         if planner is not None:
-            _refuse_before_opening(planner, layers, at_work, direct=_may_read_direct(options, model_dir))
+            _refuse_before_opening(planner, layers, at_work, direct_buffers=opening_buffers)
         stores.append(ExpertStore(model_dir, model, layers, mode=options.store, drop_page_cache=drop,
                                   slot_format=options.slot_format, read_depth=options.read_depth))
-        direct = _reads_direct(options, stores[0])
-        plan = None if planner is None else planner.slots(process_footprint(reads=not direct), _expert_bytes(stores[0]),
-                                                          layers, at_work, direct=direct)
+        buffers = _direct_buffers(options, stores[0].reads_direct, 0 if stores[0].reads_in_place else stores[0].bounce_bytes)
+        plan = None if planner is None else planner.slots(
+            process_footprint(reads=buffers is None), _expert_bytes(stores[0]), layers, at_work, direct_buffers=buffers)
         pool = _slot_pool(options, plan, fingerprint, model, layers, stores)
         runtime = OffloadRuntime(model, layers, stores[0], pool, fingerprint, eviction, options, predictor=predictor,
                                  fine_store=stores[1] if len(stores) > 1 else None, memory_plan=plan)
@@ -142,7 +143,7 @@ def whole_model_memory(model_dir: str | Path | ModelDirectory, options: RuntimeO
 
 
 def _refuse_before_opening(planner: MemoryPlanner, layers, predictor_work: int, unloaded: int = 0,
-                           direct: bool = False) -> None:
+                           direct_buffers: int | None = None) -> None:
     """A CapacityError now, naming the smallest cap that works, where the cap cannot hold this
     process's plan of one layer's top-k slots, or the process itself while the store opens:
     deriving the checkpoint's layout holds temporaries of `LAYOUT_BYTES_PER_ELEMENT` per element of
@@ -152,29 +153,34 @@ def _refuse_before_opening(planner: MemoryPlanner, layers, predictor_work: int, 
     kernels compiled in the process, refused runs/tb's 520 MiB naming 571 where 560 decoded,
     results/refusal-tb-ec14e04.json; now 480 decodes, results/refusal-tb.json). A cap
     refused before the process holds `unloaded` bytes more (the compiled kernels, not loaded yet)
-    is refused naming a cap that holds them too; `direct`: the store will read around the page cache."""
+    is refused naming a cap that holds them too; `direct_buffers`: the store will read around the page
+    cache (`MemoryPlanner.slots`)."""
     spec, _ = expert_spec(layers[0])
     elements = sum(math.prod(shape) for shape in spec.shapes.values())
-    steady = process_footprint(reads=not direct)
+    steady = process_footprint(reads=direct_buffers is None)
     peak = process_footprint() - READ_HEADROOM_BYTES + LAYOUT_BYTES_PER_ELEMENT * elements  # no read yet: no headroom
     try:
-        planner.slots(steady, spec.nbytes, layers, predictor_work, peak=peak, direct=direct)
+        planner.slots(steady, spec.nbytes, layers, predictor_work, peak=peak, direct_buffers=direct_buffers)
     except CapacityError:
-        planner.slots(steady + unloaded, spec.nbytes, layers, predictor_work, peak=peak + unloaded, direct=direct)
+        planner.slots(steady + unloaded, spec.nbytes, layers, predictor_work, peak=peak + unloaded,
+                      direct_buffers=direct_buffers)
         raise
 
 
-def _may_read_direct(options: RuntimeOptions, model_dir: ModelDirectory) -> bool:
-    """Before the store opens: whether its misses will read around the page cache (`_reads_direct`
-    after it opens decides), from the options and whether the weight files take `O_DIRECT`."""
-    return (options.store == "disk" and options.slot_format == "expanded" and options.fine_model is None
-            and torch.device(options.device).type == "cpu" and opens_direct(model_dir.weight_files))
+def _direct_buffers_before_opening(options: RuntimeOptions, model_dir: ModelDirectory, expert_bytes: int) -> int | None:
+    """`_direct_buffers` before the store opens, from whether the weight files take `O_DIRECT` (every
+    read through a bounce buffer, at worst)."""
+    return _direct_buffers(options, options.store == "disk" and options.slot_format == "expanded"
+                           and expert_bytes >= 2 * ALIGN and opens_direct(model_dir.weight_files), bounce_size(expert_bytes))
 
 
-def _reads_direct(options: RuntimeOptions, store: ExpertStore) -> bool:
-    """Whether every miss reads around the page cache (`direct_read`): into CPU slots of one tier,
-    laid out at the store's read phases (`_slot_pool`)."""
-    return store.reads_direct and torch.device(options.device).type == "cpu" and options.fine_model is None
+def _direct_buffers(options: RuntimeOptions, reads_direct: bool, bounce_bytes: int) -> int | None:
+    """Where every miss reads around the page cache (`direct_read`) into CPU slots of one tier, the
+    bytes of the bounce buffers its reading threads hold, `bounce_bytes` each (0 where every read
+    goes straight into its slot); None where reads pass through the page cache."""
+    if not reads_direct or torch.device(options.device).type != "cpu" or options.fine_model is not None:
+        return None
+    return bounce_bytes * (options.transfer_workers + options.read_depth)
 
 
 def _kind(predictor: str | Path | ExpertPredictor | None) -> str | None:

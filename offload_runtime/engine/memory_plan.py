@@ -297,14 +297,16 @@ class MemoryPlanner:
         return None
 
     def slots(self, footprint: int, expert_bytes: int, layers: list[MoELayer], predictor_work: int,
-              peak: int = 0, direct: bool = False) -> MemoryPlan:
+              peak: int = 0, direct_buffers: int | None = None) -> MemoryPlan:
         """The slots of `expert_bytes` each that the cap buys beside this process's measured
-        `footprint` (non-expert weights and predictor loaded, `process_footprint(reads=not direct)`),
-        the reserve (with one expert's read in flight per transfer worker, in the page cache, unless
-        reads are `direct`: straight into the slots) and what its predictor holds at work
+        `footprint` (non-expert weights and predictor loaded,
+        `process_footprint(reads=direct_buffers is None)`), the reserve (with one expert's read in
+        flight in the page cache per transfer worker, or, where reads pass around the page cache,
+        the `direct_buffers` bytes of their bounce buffers) and what its predictor holds at work
         (`predictor_work`); a CapacityError naming the smallest cap that works below one layer's
         top-k, or below the process's `peak` before it holds slots or reserve."""
-        in_flight = 0 if direct else self.options.transfer_workers * expert_bytes
+        direct = direct_buffers is not None
+        in_flight = direct_buffers if direct else self.options.transfer_workers * expert_bytes
         plan = plan_offloaded(self.options.memory, footprint, self.reserve(in_flight), expert_bytes,
                               len(layers) * layers[0].num_experts, layers[0].top_k, predictor_work, peak,
                               CODE_BYTES if direct else HOT_LIBRARY_BYTES)

@@ -46,8 +46,9 @@ import logging
 import math
 import mmap
 import os
+import threading
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +62,8 @@ from cache.policy import Key
 from offload_runtime.compression.codec import check_parts, compressed_names, expand_into
 from offload_runtime.compression.kernels import (KERNEL_DTYPE, SCALES_SUFFIX, PackedMatrixSpec, kernel_matrix,
                                                  pack_for_kernel)
-from offload_runtime.engine.direct_read import ALIGN, can_read_direct, open_direct, phase_of, read_edges
+from offload_runtime.engine.direct_read import (ALIGN, bounce_size, can_read_direct, open_direct, phase_of, read_bounced,
+                                                 read_edges)
 from offload_runtime.engine.expert_layout import ExpertSpec, LayoutDeriver, Piece, PieceRead, StoreError, expert_spec
 from prescient.arch import MoELayer, find_moe_layers
 from prescient.checkpoint_schemes import PACKED_SUFFIX, CompressionError, WeightScheme
@@ -218,9 +220,13 @@ class ExpertStore:
                  for path in _files(step)}
         self._fds = {path: os.open(path, os.O_RDONLY) for path in paths}
         self._dropped: set[int] = set()  # files whose whole page cache was dropped once
-        # reads around the page cache into slots at the files' phase (`direct_read`), where it drops
-        self._direct = {path: fd for path in paths if (fd := open_direct(path)) is not None} \
-            if drop_page_cache and mode == "disk" and not self.packed else {}
+        # reads around the page cache (`direct_read`) where it drops, for experts of two blocks or more
+        # (a smaller one's bounce buffers would hold more than the expert in flight a buffered read books)
+        direct = drop_page_cache and mode == "disk" and not self.packed \
+            and min(spec.nbytes for spec in self.slot_specs) >= 2 * ALIGN
+        self._direct = {path: fd for path in paths if (fd := open_direct(path)) is not None} if direct else {}
+        self._bounces = threading.local()  # per reading thread, where a slot is not at its piece's phase
+        self.bounce_bytes = bounce_size(self.expert_nbytes)
         # one read split into `read_depth` reads in flight at once: the queue depth a storage device
         # needs for its rate, reached by a single expert's read, with no buffer beyond the slot
         self._readers = ThreadPoolExecutor(read_depth, "expert-read") if read_depth > 1 else None
@@ -297,11 +303,16 @@ class ExpertStore:
 
     @property
     def reads_direct(self) -> bool:
-        """Whether every read into slots laid out at `read_phases` passes around the page cache (every
-        piece lies at its parameter's phase): the plan then books no page cache for reads
-        (`MemoryPlanner.slots(direct=True)`)."""
+        """Whether every read passes around the page cache (`direct_read`): the plan then books no page
+        cache for reads (`MemoryPlanner.slots(direct_buffers=...)`)."""
+        return bool(self._direct) and self._direct.keys() == self._fds.keys()
+
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether every read goes straight into slots laid out at `read_phases` (every piece lies
+        at its parameter's phase): no bounce buffer, no copy."""
         slot_params = {name for spec in self.slot_specs for name in spec.shapes}
-        return (bool(self._direct) and self._direct.keys() == self._fds.keys() and self.read_phases.keys() == slot_params
+        return (self.reads_direct and self.read_phases.keys() == slot_params
                 and all(phase == self.read_phases[param] for param, phase, _ in self._piece_phases()))
 
     @functools.cached_property
@@ -530,27 +541,38 @@ class ExpertStore:
             if self.drop_page_cache and self._host is None and fd not in self._dropped:
                 drop_pages(fd)  # the first read: what loading the model's other weights left cached goes
                 self._dropped.add(fd)
-            if direct is not None and can_read_direct(tensor.data_ptr(), offset):
+            if direct is not None and can_read_direct(tensor.data_ptr(), offset):  # straight into place
                 start, end = read_edges(direct, memory, offset)
-                self._read_chunks(direct, path, memory[start:end], offset + start)
+                self._read_chunks(direct, path, memory[start:end], offset + start, _read_fully)
                 return
-            self._read_chunks(fd, path, memory, offset)
+            if direct is not None:  # around the page cache all the same, through this thread's bounce buffer
+                self._read_chunks(direct, path, memory, offset, self._read_bounced)
+                return
+            self._read_chunks(fd, path, memory, offset, _read_fully)
             if self.drop_page_cache and self._host is None:
                 drop_pages(fd, offset, len(memory))  # the pages just read
         except OSError as exc:
             raise StoreError(f"reading weight file {path} failed ({exc})") from exc
 
-    def _read_chunks(self, fd: int, path: Path, memory: memoryview, offset: int) -> None:
-        """`memory` filled from `offset` on, in `read_depth` chunks read at once where it is large
-        enough (each chunk starts a multiple of `CHUNK_ALIGN` after the first, as direct reads need)."""
+    def _read_chunks(self, fd: int, path: Path, memory: memoryview, offset: int,
+                     read: Callable[[int, Path, memoryview, int], None]) -> None:
+        """`memory` filled from `offset` on by `read`, in `read_depth` chunks read at once where it is
+        large enough (each chunk starts a multiple of `CHUNK_ALIGN` after the first, as direct reads need)."""
         chunk = max(-(-len(memory) // self.read_depth // CHUNK_ALIGN) * CHUNK_ALIGN, MIN_CHUNK)
         if self._readers is None or len(memory) <= chunk:
-            _read_fully(fd, path, memory, offset)
+            read(fd, path, memory, offset)
             return
-        parts = [self._readers.submit(_read_fully, fd, path, memory[start:start + chunk], offset + start)
+        parts = [self._readers.submit(read, fd, path, memory[start:start + chunk], offset + start)
                  for start in range(0, len(memory), chunk)]
         for part in parts:
             part.result()
+
+    def _read_bounced(self, fd: int, path: Path, memory: memoryview, offset: int) -> None:
+        """`read_bounced` through the calling thread's bounce buffer (made at its first use)."""
+        bounce = getattr(self._bounces, "buffer", None)
+        if bounce is None:
+            bounce = self._bounces.buffer = memoryview(mmap.mmap(-1, self.bounce_bytes))
+        read_bounced(fd, memory, offset, bounce)
 
     def _load_host(self, pin: bool) -> None:
         self._host = [spec.empty(self.num_experts, pin=pin) for spec in self.slot_specs]

@@ -84,6 +84,7 @@ def test_drop_page_cache_drops_every_page_it_reads_and_reads_correct_data(mixtra
 
     monkeypatch.setattr(os, "posix_fadvise", advise)
     monkeypatch.setattr(os, "preadv", read)
+    monkeypatch.setattr(store_module, "open_direct", lambda path: None)  # the buffered path (direct: test_direct_read)
     with ExpertStore(path, model, drop_page_cache=True) as store:
         assert_store_matches(store, find_moe_layers(model))
     assert calls[0][0] == os.POSIX_FADV_RANDOM and calls[0][2:] == (0, 0)  # read-ahead off: one file
@@ -187,6 +188,7 @@ def test_reads_split_into_parallel_reads_fill_the_same_bytes(mixtral, monkeypatc
     path, model = mixtral
     monkeypatch.setattr(store_module, "MIN_CHUNK", 256)
     monkeypatch.setattr(store_module, "CHUNK_ALIGN", 256)
+    monkeypatch.setattr(store_module, "open_direct", lambda path: None)  # chunks of direct reads: test_direct_read
     chunks = []
     read_fully = store_module._read_fully
     monkeypatch.setattr(store_module, "_read_fully", lambda *args: (chunks.append(len(args[2])), read_fully(*args)))
