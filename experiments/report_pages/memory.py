@@ -53,6 +53,12 @@ FUSED = "bench-prediction-tb-fused.json"  # c1d9968: the fused SiDA step, foreca
 FUSED_WIDE = "bench-prediction-tw-1.1-fused.json"  # the same commit on runs/tw at 1.1 GB, llama.cpp beside it
 COST_SLEEP = "bench-prediction-tb-costsleep.json"  # a53fe87: 128 forwards asleep after a cost pause (not kept)
 COST_GUARD_WIDE_2X = "bench-prediction-tw-1.7-2x.json"  # runs/tw at 1.7 GB at 6a7adf3, 2 repeats
+SHADOW_WIDE_17 = "bench-prediction-tw-1.7-shadow.json"  # runs/tw at 1.7 GB at 373aecd (the guard's shadow probes)
+DIRECT, DIRECT_WIDE = "bench-prediction-tb-direct.json", "bench-prediction-tw-1.1-direct.json"  # 504f329: O_DIRECT
+DIRECT_AB_TB = tuple((f"{commit}, round {n}", f"bench-direct-ab-tb-{commit}-{n}.json") for n in (1, 2)
+                     for commit in ("dc02560", "504f329"))  # reads through the page cache, then around it
+DIRECT_AB_TW = tuple((commit, f"bench-direct-ab-tw-{commit}.json") for commit in ("dc02560", "504f329"))
+READ_PATH = "read-path-tw.json"  # one expert's cold read: buffered, direct in place, bounced
 RUNTIMES = ("no-predictor", "prescient", "prefetch", "oracle")  # in their columns' order
 SYSTEM_NAMES = {"no-predictor": "no predictor", "prescient": "predictor", "prefetch": "predictor + prefetch",
                 "oracle": "oracle"}
@@ -133,6 +139,24 @@ def systems_rows(name: str) -> Rows:
                      num(peak["median"] / 2**30, 2) if peak else "–", num(ratio) if ratio else "–"])
     return ["cap (GB)", "system", "decode tokens/s", "MiB read from disk/token", "peak GiB (cgroup)",
             "over llama.cpp"], rows
+
+
+def direct_ab_rows(labelled: tuple[tuple[str, str], ...]) -> Rows:
+    """Per run of an A/B (label, JSON) and runtime system: median tokens/s (range), slots, hit rate,
+    MiB read from storage and major faults per decoded token."""
+    rows = []
+    for label, name in labelled:
+        result = load(name)
+        for entry in result["summary"]:
+            runtime = entry.get("runtime") or {}
+            faults = entry.get("major_faults_per_token")
+            slots = sorted({r["runtime"]["slots"] for r in result["runs"] if r["system"] == entry["system"]
+                            and r.get("runtime")})
+            rows.append([label, num(entry["cap_bytes"] / GB, 2), SYSTEM_NAMES[entry["system"]], _speed(entry),
+                         "/".join(map(str, slots)) or "–", num(runtime.get("hit_rate"), 2), _read_mib(entry),
+                         _of_runs(faults, _ran(entry), 2) if faults else "–"])
+    return ["run", "cap (GB)", "system", "decode tokens/s", "slots", "hit rate", "MiB read from disk/token",
+            "major faults/token"], rows
 
 
 def _one_thread_note() -> str:
@@ -250,7 +274,36 @@ def tune_rows(name: str) -> Rows:
 
 
 CONCLUSION = """
-**The prediction guard's probes in its shadow (today's defaults, c0055fe).** After the guard pauses a
+**Expert reads around the page cache (today's defaults, 504f329).** Under `--memory` a miss is now
+read with `O_DIRECT` (`engine/direct_read.py`): straight into its slot where the slot pool laid it
+out at the checkpoint's address phase, else (runs/tb's and runs/tw's layers lie at four phases)
+through the reading thread's bounce buffer. No read's page enters the page cache, so the plan books
+no 64 MiB of read headroom and no expert in flight, and a read costs the CPU 2-4 ms instead of 15
+for a 34 MB expert (the read path's table). In an A/B against the commit before (dc02560, reads
+through the page cache; 4 prompts, the commits' invocations alternating, through
+../shared/bin/quiet, load average 0.5-1.5) runs/tb at 0.66 GB held 21 slots where it held 15 (14
+with the predictor) and the runtime without a predictor decoded a median 124.5 and 132.6 tokens/s in
+two rounds against 18.5 and 20.5 (hit rate 0.90 against 0.49), at 0.01-0.07 major faults per token;
+runs/tw at 1.1 GB held 18 slots where it held 16, and decoded 22.3 tokens/s without the predictor
+against 7.9, 28.1 with it against 18.7. The next tables run the prediction bench at 504f329 (load
+average 0.81 before): on runs/tb at 0.66 GB the predictor decoded a median 1.28x the runtime without
+it (0.90x to 2.12x per prompt), the oracle 1.38x; by median speed 77.4 tokens/s with the predictor,
+67.6 without, 85.6 for the oracle, 15.8 memory-mapped (plain transformers killed in every run; 64.5
+uncapped in the reference run). At 0.85 GB, where LRU already hits 0.91, 1.04x (0.87x to 1.38x), the
+oracle 1.18x; 140.0, 150.7, 149.9 and 67.7 tokens/s. Below 1.0x: 0.66 GB prompt 4 (0.90x, the oracle
+0.97x) and 0.85 GB prompts 4, 6 and 7 (0.87x, 0.96x, 0.89x; the oracle 1.03x, 1.75x, 0.94x). Every run
+exact. On runs/tw at 1.1 GB at the same commit (8 prompts, one run per prompt and system, llama.cpp
+f32 memory-mapped beside the others; load average 1.31 before) the predictor decoded a median 1.69x
+the runtime without it (1.00x to 2.84x: below 1.0x on no prompt), the oracle 1.89x; by median speed
+22.3 tokens/s with the predictor, 9.5 without, 19.0 for the oracle (its prefetches and its wait for
+each table cost it more than they win on 3 prompts), 12.6 for llama.cpp (the predictor 1.77x
+llama.cpp, 0.81x to 3.99x per prompt), 11.9 memory-mapped, plain past the 60 s limit in every run;
+the predictor read 52.8 MiB from disk per token where llama.cpp read 107.4. On runs/tw at 1.7 GB,
+measured just before (373aecd, reads through the page cache): the predictor 1.25x the runtime
+without it (1.09x to 1.56x), the oracle 1.63x; 53.9, 44.9, 61.9 tokens/s, llama.cpp 52.0 (the
+predictor 1.04x llama.cpp), memory-mapped 27.9. A cap too small is refused in 5.8-6.8 s naming 461
+MiB (the expert store's opening peak now decides it); 480 MiB decodes.
+**The prediction guard's probes in its shadow (c0055fe).** After the guard pauses a
 predictor, its probes no longer act on the live cache: for 8 forwards a twin of the LRU shadow takes
 the forecasts while the live cache runs as LRU, and the runtime acts again only if the twin missed at
 least 2 experts fewer and those misses outweigh the probe's predicting time
@@ -567,6 +620,51 @@ def _shadow_tables() -> tuple[Table, ...]:
     )
 
 
+def _direct_tables() -> tuple[Table, ...]:
+    """Expert reads around the page cache (504f329): the A/B against the commit before, the read path
+    alone, and the prediction benches at the new commit with every baseline in the same run."""
+    ab_cmd = ("prescient bench --model {model} --predictor runs/demo/predictor/sida --memory {cap} --prompts 4 "
+              "--new-tokens 96 --repeats 1 --threads 2 --run-timeout {timeout} --systems no-predictor,prescient "
+              "--json results/bench-direct-ab-{short}-COMMIT[-ROUND].json, from a worktree of each commit, the "
+              "commits' runs alternating")
+    return (
+        Table("Reads through the page cache (dc02560) against reads around it (504f329), runs/tb at 0.66 GB: the "
+              "runtime without a predictor and with it, 4 prompts, one run each per invocation, the two commits' "
+              "invocations alternating (A B A B; through ../shared/bin/quiet, load average 0.5-1.4)", tuple(
+                  name for _, name in DIRECT_AB_TB), ab_cmd.format(model="runs/tb", cap="0.66GB", timeout=120, short="tb"),
+              partial(direct_ab_rows, DIRECT_AB_TB)),
+        Table("The same on runs/tw at 1.1 GB (one invocation per commit)", tuple(name for _, name in DIRECT_AB_TW),
+              ab_cmd.format(model="runs/tw", cap="1.1GB", timeout=60, short="tw"), partial(direct_ab_rows, DIRECT_AB_TW)),
+        Table("One cold read of a 34 MB expert of runs/tw, as the store reads a miss: through the page cache (pages "
+              "dropped after), around it straight into memory at the file's phase, or through a bounce buffer into "
+              "memory at another phase; 1-8 reads in flight, 8 reads per cell, interleaved", (READ_PATH,),
+              f"python -m experiments.read_path --file runs/tw/model.safetensors --mib 34 --reads 8 --json "
+              f"results/{READ_PATH}", partial(read_path_rows, READ_PATH)),
+        *_run_tables(DIRECT, _tb_cmd(DIRECT), "Prediction with reads around the page cache (504f329): runs/tb (733 MB "
+                     "of experts) at 0.66 and 0.85 GB, 8 held-out prompts, 96 new tokens, 2 interleaved repeats, "
+                     "`--memory`'s defaults; per prompt the runtime without a predictor, with it and with the oracle",
+                     "The same run's baselines over all prompts and repeats: plain transformers, the model "
+                     "memory-mapped, and the runtime's systems"),
+        *_run_tables(DIRECT_WIDE, _tw_cmd(DIRECT_WIDE), "runs/tw (2.2 GB of experts) at 1.1 GB at the same commit: 8 "
+                     "prompts, one run per prompt and system, interleaved",
+                     "runs/tw's baselines in that run, llama.cpp (f32, memory-mapped) among them"),
+        *_run_tables(SHADOW_WIDE_17, _tw_cmd(SHADOW_WIDE_17, "1.7GB"), "runs/tw at 1.7 GB at 373aecd (reads through "
+                     "the page cache; the guard's probes in the shadow): 8 prompts, one run per prompt and system",
+                     "runs/tw's baselines at 1.7 GB in that run, llama.cpp (f32, memory-mapped) among them"),
+    )
+
+
+def read_path_rows(name: str) -> Rows:
+    """Per way of reading and reads in flight: GB/s and the CPU's milliseconds per read (median, range)."""
+    result = load(name)
+    kinds = {"buffered": "through the page cache", "direct": "around it, in place", "bounced": "around it, bounced"}
+    rows = [[kinds[row["kind"]], str(row["depth"]),
+             spread(row["GB_per_s"]["median"], [row["GB_per_s"]["min"], row["GB_per_s"]["max"]], 2),
+             spread(row["cpu_ms"]["median"], [row["cpu_ms"]["min"], row["cpu_ms"]["max"]], 1)]
+            for row in result["summary"]]
+    return ["read", "reads in flight", "GB/s", "CPU ms per read"], rows
+
+
 def _fused_tables() -> tuple[Table, ...]:
     """The predictor's inline work cut (c1d9968: the fused step, forecasts sent when they decide),
     every baseline in the same run: runs/tb at its two caps, runs/tw at its tightest with llama.cpp
@@ -776,8 +874,10 @@ def _holds_tables() -> tuple[Table, ...]:
           (HOLDS,), holds_cmd, partial(holds_rows, HOLDS)),
     *(Table(f"A cap too small, in a memory cgroup: runs/tb with the predictor, the page cache dropped before each "
             f"run{when}", (name,), load(name)["command"], partial(refusal_rows, name))
-      for when, name in (("", "refusal-tb.json"), (", at ec14e04 (before the kernels loaded outside the cap)",
-                                                   "refusal-tb-ec14e04.json"))),
+      for when, name in ((", reads around the page cache (504f329: the plan books no read headroom)",
+                          "refusal-tb-direct.json"),
+                         (", reads through the page cache (8ad6f5d)", "refusal-tb.json"),
+                         (", at ec14e04 (before the kernels loaded outside the cap)", "refusal-tb-ec14e04.json"))),
     *(Table(f"A fresh checkout's first run {runs}, runs/tb {who}: numba's cache of the kernels cleared "
             "before the first, in a memory cgroup, the page cache dropped before each run",
             (name,), load(name)["command"], partial(refusal_rows, name))
@@ -838,6 +938,7 @@ def page() -> Page:
     tune_wide_cmd = ("prescient tune --model runs/tw --predictor runs/tb-predictor/sida --memory 1.1GB,1.7GB "
                      "--new-tokens 32 --json ...")
     return Page("memory", "Speed against memory", CONCLUSION, (
+        *_direct_tables(),
         *_shadow_tables(),
         *_fused_tables(),
         *_cost_guard_tables(),

@@ -220,11 +220,7 @@ class ExpertStore:
                  for path in _files(step)}
         self._fds = {path: os.open(path, os.O_RDONLY) for path in paths}
         self._dropped: set[int] = set()  # files whose whole page cache was dropped once
-        # reads around the page cache (`direct_read`) where it drops, for experts of two blocks or more
-        # (a smaller one's bounce buffers would hold more than the expert in flight a buffered read books)
-        direct = drop_page_cache and mode == "disk" and not self.packed \
-            and min(spec.nbytes for spec in self.slot_specs) >= 2 * ALIGN
-        self._direct = {path: fd for path in paths if (fd := open_direct(path)) is not None} if direct else {}
+        self._direct = self._open_direct(paths) if drop_page_cache and mode == "disk" else {}
         self._bounces = threading.local()  # per reading thread, where a slot is not at its piece's phase
         self.bounce_bytes = bounce_size(self.expert_nbytes)
         # one read split into `read_depth` reads in flight at once: the queue depth a storage device
@@ -528,6 +524,14 @@ class ExpertStore:
         first = step.offset // step.dtype.itemsize
         view = buffer.view(-1)[first:first + step.span].as_strided(step.size, step.stride).permute(step.order)
         target.copy_(view.reshape(target.shape))
+
+    def _open_direct(self, paths: set[Path]) -> dict[Path, int]:
+        """Descriptors that read `paths` around the page cache (`direct_read`), those the file system
+        allows; none for packed slots, or experts under two blocks (their bounce buffers would hold more
+        than the expert in flight a buffered read books)."""
+        if self.packed or min(spec.nbytes for spec in self.slot_specs) < 2 * ALIGN:
+            return {}
+        return {path: fd for path in paths if (fd := open_direct(path)) is not None}
 
     def _pread(self, path: Path, tensor: torch.Tensor, offset: int) -> None:
         """Fill contiguous CPU `tensor` with the file's bytes from `offset` on: around the page cache
