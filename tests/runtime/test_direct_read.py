@@ -31,10 +31,12 @@ def direct_or_skip(path) -> int:
     return fd
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("phase", [0, 4, 3472, ALIGN - 4])
-def test_phased_empty_starts_at_the_phase(phase):
-    tensor = phased_empty((3, 5, 7), torch.float32, phase)
-    assert tensor.shape == (3, 5, 7) and tensor.is_contiguous() and tensor.data_ptr() % ALIGN == phase
+def test_phased_empty_starts_at_the_phase(phase, dtype):
+    tensor = phased_empty((3, 5, 7), dtype, phase)
+    assert tensor.shape == (3, 5, 7) and tensor.dtype == dtype and tensor.is_contiguous()
+    assert tensor.data_ptr() % ALIGN == phase
 
 
 def test_phased_empty_of_an_impossible_phase_is_a_plain_tensor():
