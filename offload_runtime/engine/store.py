@@ -40,6 +40,7 @@ Modes:
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
@@ -221,6 +222,7 @@ class ExpertStore:
         self._fds = {path: os.open(path, os.O_RDONLY) for path in paths}
         self._dropped: set[int] = set()  # files whose whole page cache was dropped once
         self._direct = self._open_direct(paths) if drop_page_cache and mode == "disk" else {}
+        self._direct_refused: set[Path] = set()  # opened with O_DIRECT, but a direct read was refused
         self._bounces = threading.local()  # per reading thread, where a slot is not at its piece's phase
         self.bounce_bytes = bounce_size(self.expert_nbytes)
         # one read split into `read_depth` reads in flight at once: the queue depth a storage device
@@ -541,23 +543,36 @@ class ExpertStore:
         if fd is None:
             raise StoreError(f"the expert store of {self.model_dir} is closed")
         memory = memoryview(tensor.view(-1).view(torch.uint8).numpy())
-        direct = self._direct.get(path)
+        direct = None if path in self._direct_refused else self._direct.get(path)
         try:
             if self.drop_page_cache and self._host is None and fd not in self._dropped:
                 drop_pages(fd)  # the first read: what loading the model's other weights left cached goes
                 self._dropped.add(fd)
-            if direct is not None and can_read_direct(tensor.data_ptr(), offset):  # straight into place
-                start, end = read_edges(direct, memory, offset)
-                self._read_chunks(direct, path, memory[start:end], offset + start, _read_fully)
-                return
-            if direct is not None:  # around the page cache all the same, through this thread's bounce buffer
-                self._read_chunks(direct, path, memory, offset, self._read_bounced)
+            if direct is not None and self._read_direct(direct, path, memory, offset, tensor.data_ptr()):
                 return
             self._read_chunks(fd, path, memory, offset, _read_fully)
             if self.drop_page_cache and self._host is None:
                 drop_pages(fd, offset, len(memory))  # the pages just read
         except OSError as exc:
             raise StoreError(f"reading weight file {path} failed ({exc})") from exc
+
+    def _read_direct(self, direct: int, path: Path, memory: memoryview, offset: int, address: int) -> bool:
+        """Read around the page cache: straight into place where `address` lies at the file's phase,
+        else through this thread's bounce buffer. False where the file system opened the file with
+        `O_DIRECT` but refuses the read (EINVAL): the file is read through the page cache from then on."""
+        try:
+            if can_read_direct(address, offset):
+                start, end = read_edges(direct, memory, offset)
+                self._read_chunks(direct, path, memory[start:end], offset + start, _read_fully)
+            else:
+                self._read_chunks(direct, path, memory, offset, self._read_bounced)
+            return True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            log.warning("%s: the file system refused a direct read (%s); reading it through the page cache", path, exc)
+            self._direct_refused.add(path)
+            return False
 
     def _read_chunks(self, fd: int, path: Path, memory: memoryview, offset: int,
                      read: Callable[[int, Path, memoryview, int], None]) -> None:

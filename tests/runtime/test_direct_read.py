@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 
@@ -10,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from offload_runtime.engine import loader
+from offload_runtime.engine import store as store_module
 from offload_runtime.engine.direct_read import ALIGN, can_read_direct, open_direct, phased_empty, read_edges
 from offload_runtime.engine.loader import load_offloaded
 from offload_runtime.engine.memory_plan import MiB
@@ -151,3 +153,18 @@ def test_a_plan_whose_reads_pass_around_the_page_cache_books_no_page_cache_for_t
         prompt = torch.tensor([[5, 9, 11, 2]])
         assert torch.equal(direct.generate(prompt, max_new_tokens=8, do_sample=False),
                            buffered.generate(prompt, max_new_tokens=8, do_sample=False))
+
+
+def test_a_file_system_that_refuses_a_direct_read_is_read_through_the_page_cache(one_layer_mixtral, monkeypatch):
+    """Some file systems take `O_DIRECT` at open and refuse the read (EINVAL): that file's reads go
+    through the page cache from then on, every expert exact."""
+    path, model = one_layer_mixtral
+    os.close(direct_or_skip(path / "model.safetensors"))
+
+    def refuse(*args):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(store_module, "read_edges", refuse)
+    with ExpertStore(path, model, drop_page_cache=True) as store:
+        fds = read_every_expert(store, model, monkeypatch)
+        assert fds and not set(fds) & set(store._direct.values())  # every byte through the buffered descriptor
