@@ -305,7 +305,7 @@ class ExpertStore:
         cache for reads (`MemoryPlanner.slots(direct_buffers=...)`)."""
         return bool(self._direct) and self._direct.keys() == self._fds.keys()
 
-    @property
+    @functools.cached_property
     def reads_in_place(self) -> bool:
         """Whether every read goes straight into slots laid out at `read_phases` (every piece lies
         at its parameter's phase): no bounce buffer, no copy."""
