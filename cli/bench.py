@@ -77,8 +77,8 @@ def _add_memory_curve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predictor", metavar="ARTIFACT", help="--memory: the runtime's predictor (default: none)")
     p.add_argument("--systems", type=names, default=None, metavar="NAMES",
                    help="--memory: comma list of plain, mmap, no-predictor, prescient (the runtime with --predictor), "
-                        "prefetch (prescient with in-token prefetch), oracle, llama.cpp (with --llama-cpp and --gguf) "
-                        "(default: all; prescient and prefetch only with --predictor, llama.cpp only with --llama-cpp)")
+                        "prefetch (prescient with in-token prefetch), next (prescient with cross-token prefetch), "
+                        "oracle, llama.cpp (with --llama-cpp and --gguf) (default: all; prescient, prefetch and next only with --predictor, llama.cpp only with --llama-cpp)")
     p.add_argument("--llama-cpp", metavar="BIN_DIR",
                    help="--memory: a llama.cpp build's bin folder (llama-completion): llama.cpp runs beside the other "
                         "systems, in the same cgroups, on --gguf (docs/memory.md; default: not run)")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem")
-RUNTIME_SYSTEMS = ("no-predictor", "prescient", "prefetch", "oracle")  # those of `systems.RUNNERS` that run the runtime
+RUNTIME_SYSTEMS = ("no-predictor", "prescient", "prefetch", "next", "oracle")  # those of `systems.RUNNERS` that run the runtime
 
 
 def proc_status() -> dict[str, int]:

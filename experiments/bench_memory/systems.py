@@ -12,6 +12,8 @@ prompt's put and each new token; prefill runs to the first new token, decode fro
 - `prefetch`: `prescient` with SiDA's in-token prefetch on (each predicted token's top-k experts per
   layer, `prefetch_per_layer`), the default only where the slots are on a GPU: the CPU's default
   measured beside it.
+- `next`: `prescient` with cross-token prefetch on (the forecast heads' next-token experts of chance
+  at least 0.5, `next_token_min_chance`: what the oracle does with certain forecasts).
 - `oracle`: the runtime with a predictor that knows the run's true routing (`OraclePredictor` over
   the reference run's own trace: the prompt and the plain model's tokens): learned eviction on
   certain forecasts (Belady's rule over the next 8 tokens), prefetch of every layer's experts and of
@@ -28,9 +30,10 @@ from torch import nn
 
 from offload_runtime.engine.generate import generate_offloaded, timed_generate
 
-SYSTEMS = ("plain", "mmap", "no-predictor", "prescient", "prefetch", "oracle", "llama.cpp")  # llama.cpp: `llama_cpp`, run by `child`
-WITH_PREDICTOR = ("prescient", "prefetch")  # the systems that run the user's predictor
-ORACLE_OPTIONS = {"policy": "learned-belady", "next_token_min_chance": 0.5, "table_wait": 0.05,
+SYSTEMS = ("plain", "mmap", "no-predictor", "prescient", "prefetch", "next", "oracle", "llama.cpp")  # llama.cpp: `llama_cpp`, run by `child`
+WITH_PREDICTOR = ("prescient", "prefetch", "next")  # the systems that run the user's predictor
+NEXT_TOKEN_MIN_CHANCE = 0.5  # the `next` system's and the oracle's cross-token prefetch threshold (generate's default)
+ORACLE_OPTIONS = {"policy": "learned-belady", "next_token_min_chance": NEXT_TOKEN_MIN_CHANCE, "table_wait": 0.05,
                   "prediction_guard": False}  # the oracle is the bound: nothing guards it
 
 
@@ -131,6 +134,10 @@ def run_prefetch(spec: dict[str, Any]) -> dict[str, Any]:
     return run_prescient(spec, named={"prefetch_per_layer": top_k})
 
 
+def run_next(spec: dict[str, Any]) -> dict[str, Any]:
+    return run_prescient(spec, named={"next_token_min_chance": NEXT_TOKEN_MIN_CHANCE})
+
+
 def run_oracle(spec: dict[str, Any]) -> dict[str, Any]:
     from predictor.baselines import OraclePredictor
     from prescient.traces import load_trace
@@ -143,4 +150,4 @@ def _share(on_time: int, late: int) -> float | None:
 
 
 RUNNERS = {"plain": run_plain, "mmap": run_mmap, "no-predictor": run_no_predictor, "prescient": run_prescient,
-           "prefetch": run_prefetch, "oracle": run_oracle}
+           "prefetch": run_prefetch, "next": run_next, "oracle": run_oracle}

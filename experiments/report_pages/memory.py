@@ -60,9 +60,9 @@ DIRECT_AB_TB = tuple((f"{commit}, round {n}", f"bench-direct-ab-tb-{commit}-{n}.
                      for commit in ("dc02560", "504f329"))  # reads through the page cache, then around it
 DIRECT_AB_TW = tuple((commit, f"bench-direct-ab-tw-{commit}.json") for commit in ("dc02560", "504f329"))
 READ_PATH = "read-path-tw.json"  # one expert's cold read: buffered, direct in place, bounced
-RUNTIMES = ("no-predictor", "prescient", "prefetch", "oracle")  # in their columns' order
+RUNTIMES = ("no-predictor", "prescient", "prefetch", "next", "oracle")  # in their columns' order
 SYSTEM_NAMES = {"no-predictor": "no predictor", "prescient": "predictor", "prefetch": "predictor + prefetch",
-                "oracle": "oracle"}
+                "next": "predictor + next-token prefetch", "oracle": "oracle"}
 GB = 1e9
 STOPS = ("killed", "refused", "timeout", "failed")  # how a run can end without a speed
 
