@@ -59,11 +59,14 @@ def test_cgroup_runner_reports_a_kill():
 
 
 def _fake_runner(speeds: dict[tuple[str, int | None], float | None]):
-    """A runner that answers from `speeds` ((system, cap) -> tokens/s; None: killed; "refused") without a child."""
+    """A runner that answers from `speeds` ((system, cap[, prompt]) -> tokens/s, or a list of them taken
+    one per run in turn; None: killed; "refused") without a child."""
 
     def run(argv: list[str], cap: int | None, _timeout: float) -> CappedRun:
         spec = json.loads(Path(argv[-2]).read_text())
         speed = speeds.get((spec["system"], cap, spec.get("prompt_index")), speeds.get((spec["system"], cap), 10.0))
+        if isinstance(speed, list):
+            speed = speed.pop(0)
         if speed == "refused":
             Path(argv[-1]).write_text(json.dumps({"refused": "--memory 50 MiB cannot hold this model"}))
         elif speed is not None:
@@ -122,6 +125,20 @@ def test_prediction_is_judged_per_prompt_against_the_runtime_without_it(tmp_path
     assert cap_entry["median_over_no_predictor"]["prescient"] == {"median": 1.0, "min": 0.5, "max": 1.5}
     assert cap_entry["median_over_no_predictor"]["oracle"]["median"] == pytest.approx(1.6)
     assert "oracle/no-predictor over 2 prompts: median 1.60" in orchestrate.summary_text(result)
+
+
+def test_each_prompt_keeps_its_spread_and_the_ratios_repeat_by_repeat(tmp_path):
+    """A ratio of medians hides how far the repeats differ: each prompt's entry keeps every system's
+    range of tokens/s and its ratio over no-predictor within each repeat (the rounds interleave)."""
+    cap = 2**30
+    runner = _fake_runner({("no-predictor", cap): [10.0, 20.0, 12.0], ("prescient", cap): [15.0, 16.0, 12.0]})
+    out = tmp_path / "curve.json"
+    orchestrate.bench_memory("model", [cap], [PROMPT], json_path=out, new_tokens=4, repeats=3, runner=runner,
+                             predictor="p", systems=("no-predictor", "prescient"))
+    (row,) = json.loads(out.read_text())["per_prompt"][0]["prompts"]
+    assert row["tokens_per_s_range"] == {"no-predictor": [10.0, 20.0], "prescient": [12.0, 16.0]}
+    assert row["paired_over_no_predictor"]["prescient"] == pytest.approx([1.5, 0.8, 1.0])
+    assert row["over_no_predictor"]["prescient"] == pytest.approx(15.0 / 12.0)  # of the medians
 
 
 def test_the_prescient_system_needs_a_predictor(tmp_path):

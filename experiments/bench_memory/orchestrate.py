@@ -33,8 +33,9 @@ METHOD = {
     "order": "the import floor, one uncapped plain run per prompt (reference ids, and the oracle's trace), then per "
              "cap `repeats` rounds of every prompt's systems in turn (A B C A B C)",
     "prompts": "the first texts of the corpus's held-out split with at least prompt_tokens tokens, cut to that many",
-    "per_prompt": "per cap, prompt and system: median tokens/s over the repeats; ratios of each runtime system over "
-                  "no-predictor per prompt, and their median over the prompts (the paired statistic)",
+    "per_prompt": "per cap, prompt and system: median tokens/s over the repeats and their range; ratios of each "
+                  "runtime system over no-predictor per prompt (of the medians, and per repeat: paired), and their "
+                  "median over the prompts (the paired statistic)",
     "decoding": "greedy, up to new_tokens after the prompt, batch 1; a streamer notes each token: prefill to the "
                 "first new token, tokens/s over the rest (decode only)",
     "exact": "a run is exact when its token ids equal the uncapped plain model's (llama.cpp, whose ids are not "
@@ -130,24 +131,35 @@ def summarize(runs: list[dict[str, Any]], caps: list[int], systems: tuple[str, .
 
 
 def per_prompt(runs: list[dict[str, Any]], caps: list[int], systems: tuple[str, ...], prompts: int) -> list[dict]:
-    """Per cap: each prompt's median tokens/s per system, each runtime system's ratio over
-    no-predictor per prompt, and the median and range of those ratios over the prompts."""
+    """Per cap: each prompt's median tokens/s per system and their range over the repeats, each
+    runtime system's ratio over no-predictor per prompt (of the medians, and paired: repeat by
+    repeat), and the median and range of those ratios over the prompts."""
     out = []
     for cap in caps:
         table = []
         for index in range(prompts):
-            speeds = {}
-            for system in systems:
-                done = [r["tokens_per_s"] for r in runs if r["cap_bytes"] == cap and r["system"] == system
-                        and r.get("prompt_index") == index and r["status"] == "ok" and r.get("tokens_per_s")]
-                speeds[system] = statistics.median(done) if done else None
+            done = {system: {r.get("repeat", 0): r["tokens_per_s"] for r in runs
+                             if r["cap_bytes"] == cap and r["system"] == system and r.get("prompt_index") == index
+                             and r["status"] == "ok" and r.get("tokens_per_s")} for system in systems}
+            speeds = {system: statistics.median(by.values()) if by else None for system, by in done.items()}
             table.append({"prompt_index": index, "tokens_per_s": speeds,
-                          "over_no_predictor": _over(speeds, "no-predictor")})
+                          "tokens_per_s_range": {system: [min(by.values()), max(by.values())] if by else None
+                                                 for system, by in done.items()},
+                          "over_no_predictor": _over(speeds, "no-predictor"),
+                          "paired_over_no_predictor": _paired(done, "no-predictor")})
         ratios = {system: _spread([row["over_no_predictor"][system] for row in table
                                    if row["over_no_predictor"].get(system) is not None])
                   for system in systems if system != "no-predictor"}
         out.append({"cap_bytes": cap, "prompts": table, "median_over_no_predictor": ratios})
     return out
+
+
+def _paired(done: dict[str, dict[int, float]], base: str) -> dict[str, list[float]]:
+    """Each system's tokens/s over `base`'s in the same repeat (the rounds interleave the systems), per
+    repeat where both finished: the spread a ratio of medians hides."""
+    theirs = done.get(base, {})
+    return {system: [mine[repeat] / theirs[repeat] for repeat in sorted(mine) if repeat in theirs]
+            for system, mine in done.items() if system != base}
 
 
 def _over(speeds: dict[str, float | None], base: str) -> dict[str, float | None]:

@@ -56,6 +56,7 @@ COST_SLEEP = "bench-prediction-tb-costsleep.json"  # a53fe87: 128 forwards aslee
 COST_GUARD_WIDE_2X = "bench-prediction-tw-1.7-2x.json"  # runs/tw at 1.7 GB at 6a7adf3, 2 repeats
 SHADOW_WIDE_17 = "bench-prediction-tw-1.7-shadow.json"  # runs/tw at 1.7 GB at 373aecd (the guard's shadow probes)
 DIRECT, DIRECT_WIDE = "bench-prediction-tb-direct.json", "bench-prediction-tw-1.1-direct.json"  # 504f329: O_DIRECT
+REPEATED = ("bench-prediction-tb-0.66-3x.json", "bench-prediction-tb-0.85-3x.json")  # 6cc3e5a: 3 repeats per cap
 DIRECT_AB_TB = tuple((f"{commit}, round {n}", f"bench-direct-ab-tb-{commit}-{n}.json") for n in (1, 2)
                      for commit in ("dc02560", "504f329"))  # reads through the page cache, then around it
 DIRECT_AB_TW = tuple((commit, f"bench-direct-ab-tw-{commit}.json") for commit in ("dc02560", "504f329"))
@@ -180,10 +181,15 @@ def prediction_rows(name: str) -> Rows:
     rows = []
     for cap in _caps_run(result):
         for row in cap["prompts"]:
-            speed, over = row["tokens_per_s"], row["over_no_predictor"]
+            speed, over, paired = row["tokens_per_s"], row["over_no_predictor"], row.get("paired_over_no_predictor", {})
+            counted = [_prompt_runtime(result, cap["cap_bytes"], row["prompt_index"], system) for system in systems]
             rows.append([num(cap["cap_bytes"] / GB, 2), str(row["prompt_index"] + 1),
                          *(num(speed.get(system), 1) for system in systems),
-                         *(num(over.get(system)) for system in predicting), "", "", "", ""])
+                         *(spread(over[system], [min(paired[system]), max(paired[system])])
+                           if over.get(system) and len(paired.get(system) or ()) > 1 else num(over.get(system))
+                           for system in predicting),
+                         " / ".join(num(c.get("hit_rate"), 2) for c in counted),
+                         " / ".join(num(c.get("loads_per_token"), 2) for c in counted), "", ""])
         medians = cap["median_over_no_predictor"]
         counters = [(by.get((cap["cap_bytes"], system)) or {}).get("runtime") or {} for system in systems]
         rows.append([num(cap["cap_bytes"] / GB, 2), "median",
@@ -198,9 +204,18 @@ def prediction_rows(name: str) -> Rows:
                      " / ".join(num(c.get("tables_on_time"), 2) for c in counters[1:])])
     names = [SYSTEM_NAMES[system] for system in systems]
     return ["cap (GB)", "prompt", *(f"{name} tokens/s" for name in names),
-            *(f"{name} / none" for name in names[1:]), f"hit rate ({' / '.join(names)})",
+            *(f"{name} / none (repeat by repeat)" for name in names[1:]), f"hit rate ({' / '.join(names)})",
             f"loads per token ({' / '.join(names)})", f"wasted prefetch MiB/token ({' / '.join(names[1:])})",
             f"tables on time ({' / '.join(names[1:])})"], rows
+
+
+def _prompt_runtime(result: dict[str, Any], cap: int, prompt: int, system: str) -> dict[str, float]:
+    """A system's runtime counters on one prompt at one cap: the medians over its finished runs
+    (the hit rate and loads per token are the same from run to run: the disk's noise is in the time)."""
+    stats = [r["runtime"] for r in result["runs"] if r["cap_bytes"] == cap and r.get("prompt_index") == prompt
+             and r["system"] == system and r["status"] == "ok" and r.get("runtime")]
+    return {field: median(s[field] for s in stats) for field in ("hit_rate", "loads_per_token")
+            if stats and all(s.get(field) is not None for s in stats)}
 
 
 def _caps_run(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -575,14 +590,27 @@ def _history_note(name: str) -> str:
         parts = [f"{SYSTEM_NAMES[system]} {spread(m['median'], [m['min'], m['max']])}x"
                  for system in RUNTIMES[1:] if (m := medians.get(system))]
         lines.append(f"At {num(cap['cap_bytes'] / GB, 2)} GB, per prompt over no predictor (median, range): "
-                     f"{', '.join(parts)}; the predictor below 1.0x on prompt(s) {', '.join(below) or 'none'}.")
+                     f"{', '.join(parts)}; the predictor below 1.0x on prompt(s) {', '.join(below) or 'none'}"
+                     f"{_beyond_spread(cap['prompts'])}.")
     return " ".join(lines)
 
 
-def _tb_cmd(name: str) -> str:
+def _beyond_spread(prompts: list[dict[str, Any]]) -> str:
+    """Where the bench kept each repeat's ratio (`paired_over_no_predictor`): the prompts where the
+    predictor was slower than no predictor in every repeat, the losses beyond the runs' spread."""
+    paired = [(row["prompt_index"] + 1, row.get("paired_over_no_predictor", {}).get("prescient")) for row in prompts]
+    if not any(ratios for _, ratios in paired):
+        return ""
+    every = [f"{index} ({', '.join(num(r) for r in ratios)})" for index, ratios in paired
+             if ratios and len(ratios) > 1 and max(ratios) < 1.0]
+    return (f"; slower in every repeat (ratios repeat by repeat) on prompt(s) {', '.join(every)}" if every
+            else "; on no prompt slower in every repeat")
+
+
+def _tb_cmd(name: str, caps: str = "0.66GB,0.85GB", repeats: int = 2) -> str:
     """The command of a prediction bench on runs/tb at its two caps."""
-    return ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory 0.66GB,0.85GB --prompts 8 "
-            "--new-tokens 96 --repeats 2 --threads 2 --systems plain,mmap,no-predictor,prescient,oracle "
+    return (f"prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory {caps} --prompts 8 "
+            f"--new-tokens 96 --repeats {repeats} --threads 2 --systems plain,mmap,no-predictor,prescient,oracle "
             f"--run-timeout 120 --json results/{name}")
 
 
@@ -622,6 +650,20 @@ def _shadow_tables() -> tuple[Table, ...]:
                      "slots at 0.66 GB, the runtime without it 15: the plan's process 94 KB larger than in the run "
                      "before)", "That run's baselines"),
     )
+
+
+def _repeated_tables() -> tuple[Table, ...]:
+    """runs/tb's prediction bench at 6cc3e5a with three interleaved repeats, one invocation per cap:
+    per prompt the medians, and each repeat's ratio in the note (the losses beyond the spread)."""
+    tables = []
+    for name, cap in zip(REPEATED, ("0.66GB", "0.85GB")):
+        tables += _run_tables(name, _tb_cmd(name, cap, 3), f"Prediction at {cap[:-2]} GB with three repeats (6cc3e5a, "
+                              "through ../shared/bin/quiet): runs/tb (733 MB of experts), 8 held-out prompts, 96 new "
+                              "tokens, 3 interleaved repeats, `--memory`'s defaults; per prompt the medians of the "
+                              "runtime without a predictor, with it and with the oracle",
+                              f"The same run's baselines at {cap[:-2]} GB over all prompts and repeats: plain "
+                              "transformers, the model memory-mapped, and the runtime's systems")
+    return tuple(tables)
 
 
 def _direct_tables() -> tuple[Table, ...]:
@@ -947,6 +989,7 @@ def page() -> Page:
     tune_wide_cmd = ("prescient tune --model runs/tw --predictor runs/tb-predictor/sida --memory 1.1GB,1.7GB "
                      "--new-tokens 32 --json ...")
     return Page("memory", "Speed against memory", CONCLUSION, (
+        *_repeated_tables(),
         *_direct_tables(),
         *_shadow_tables(),
         *_fused_tables(),
