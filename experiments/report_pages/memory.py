@@ -57,6 +57,7 @@ COST_GUARD_WIDE_2X = "bench-prediction-tw-1.7-2x.json"  # runs/tw at 1.7 GB at 6
 SHADOW_WIDE_17 = "bench-prediction-tw-1.7-shadow.json"  # runs/tw at 1.7 GB at 373aecd (the guard's shadow probes)
 DIRECT, DIRECT_WIDE = "bench-prediction-tb-direct.json", "bench-prediction-tw-1.1-direct.json"  # 504f329: O_DIRECT
 REPEATED = ("bench-prediction-tb-0.66-3x.json", "bench-prediction-tb-0.85-3x.json")  # 6cc3e5a: 3 repeats per cap
+DIRECT_WIDE_17 = "bench-prediction-tw-1.7-direct.json"  # runs/tw at 1.7 GB at 6cc3e5a
 DIRECT_AB_TB = tuple((f"{commit}, round {n}", f"bench-direct-ab-tb-{commit}-{n}.json") for n in (1, 2)
                      for commit in ("dc02560", "504f329"))  # reads through the page cache, then around it
 DIRECT_AB_TW = tuple((commit, f"bench-direct-ab-tw-{commit}.json") for commit in ("dc02560", "504f329"))
@@ -290,6 +291,32 @@ def tune_rows(name: str) -> Rows:
 
 
 CONCLUSION = """
+**What prediction is worth, three repeats per prompt (6cc3e5a, today's runtime).** The first tables
+run runs/tb's prediction bench again with three interleaved repeats, one invocation per cap
+(through ../shared/bin/quiet, load average 0.88 and 1.59 before), and keep each prompt's ratio
+repeat by repeat. At 0.66 GB the predictor decoded a median 1.26x the runtime without it per
+prompt (0.96x to 1.74x), the oracle 1.36x; by median speed 76.5 tokens/s with the predictor, 64.9
+without, 87.5 for the oracle (1.14x the predictor), 24.7 memory-mapped, plain transformers killed in
+all 24 runs (a median 102.7 uncapped in the bench's reference runs, one per prompt). It was below 1.0x on prompts 4 and 5 (0.97x and 0.96x) but slower in every repeat on
+none (their repeats 0.83-1.02x and 0.91-1.14x), and where the oracle gains 1.5x or more (prompts 3,
+6, 7 and 8) it gained 1.64x, 1.74x, 1.36x and 1.60x. At 0.85 GB, where LRU already hits 0.91: 1.03x
+(0.81x to 1.33x), the oracle 1.19x; 135.9, 138.4 and 155.2 tokens/s, memory-mapped 67.7. The
+predictor loaded fewer experts per token than LRU on all 8 prompts there, and was slower in every
+repeat on none; its 0.81x on prompt 6 (repeats 0.74x, 1.45x, 0.81x) is the disk's: the runtime
+without a predictor stalled 13-23 ms a token over the same 197 loads in its three runs. Where the
+oracle gains 1.5x there (prompts 3, 6 and 8) the predictor gained 1.16x, 0.81x and 1.33x: on prompt 3
+its forecasts keep a 0.87 hit rate where the oracle's keep 0.98. No prefetch wasted (none on the CPU),
+every table on time, every run exact, at most 0.18 major faults per token. The speeds' spread is the
+disk's: a demand load (the same 11.4 MB read each time) waited 6.4-16.2 ms over the runtime's runs
+without a predictor, and an expert's read keeps its rate through a run and changes between runs
+(runs/tw's per-run wait per load, below, 19.8-36.3 ms for 34 MB). On runs/tw at 1.7 GB at the same
+commit (one run per prompt and system, load average 1.29 before): the predictor 1.19x the runtime
+without it per prompt (0.65x to 1.95x), the oracle 1.34x; 64.7 tokens/s with the predictor, 51.7
+without, 66.9 for the oracle, 50.9 for llama.cpp (the predictor 1.27x llama.cpp), 29.2
+memory-mapped, plain past the 60 s limit in every run (40.9 uncapped). Its one loss, prompt 6
+(0.65x), loaded 205 experts against LRU's 217 and waited 34.7 ms per load against 19.8; where the
+oracle gains 1.5x (prompts 3 and 8: 2.70x, 3.50x) the predictor gained 1.48x and 1.95x.
+
 **Expert reads around the page cache (today's defaults, 504f329).** Under `--memory` a miss is now
 read with `O_DIRECT` (`engine/direct_read.py`): straight into its slot where the slot pool laid it
 out at the checkpoint's address phase, else (runs/tb's and runs/tw's layers lie at four phases)
@@ -591,7 +618,7 @@ def _history_note(name: str) -> str:
                  for system in RUNTIMES[1:] if (m := medians.get(system))]
         lines.append(f"At {num(cap['cap_bytes'] / GB, 2)} GB, per prompt over no predictor (median, range): "
                      f"{', '.join(parts)}; the predictor below 1.0x on prompt(s) {', '.join(below) or 'none'}"
-                     f"{_beyond_spread(cap['prompts'])}.")
+                     f"{_beyond_spread(cap['prompts'])}.{_wait_per_load(result, cap['cap_bytes'])}")
     return " ".join(lines)
 
 
@@ -605,6 +632,20 @@ def _beyond_spread(prompts: list[dict[str, Any]]) -> str:
              if ratios and len(ratios) > 1 and max(ratios) < 1.0]
     return (f"; slower in every repeat (ratios repeat by repeat) on prompt(s) {', '.join(every)}" if every
             else "; on no prompt slower in every repeat")
+
+
+def _wait_per_load(result: dict[str, Any], cap: int) -> str:
+    """The range over the runs at `cap` of each runtime system's wait per demand load (one expert's
+    read, the same bytes every time: how far the disk's rate moved from run to run)."""
+    parts = []
+    for system in ("no-predictor", "prescient"):
+        waits = [stats["stall_seconds"] / stats["demand_loads"] * 1e3 for r in result["runs"]
+                 if r["cap_bytes"] == cap and r["system"] == system and r["status"] == "ok"
+                 and (stats := (r.get("runtime") or {}).get("stats")) and stats.get("demand_loads")]
+        if len(waits) > 1:
+            parts.append(f"{SYSTEM_NAMES[system]} {num(min(waits), 1)}-{num(max(waits), 1)} ms")
+    return (f" The wait per demand load (one expert read, the same bytes each time) over the runs: {', '.join(parts)}."
+            if parts else "")
 
 
 def _tb_cmd(name: str, caps: str = "0.66GB,0.85GB", repeats: int = 2) -> str:
@@ -663,6 +704,10 @@ def _repeated_tables() -> tuple[Table, ...]:
                               "runtime without a predictor, with it and with the oracle",
                               f"The same run's baselines at {cap[:-2]} GB over all prompts and repeats: plain "
                               "transformers, the model memory-mapped, and the runtime's systems")
+    tables += _run_tables(DIRECT_WIDE_17, _tw_cmd(DIRECT_WIDE_17, "1.7GB"), "runs/tw (2.2 GB of experts) at 1.7 GB at "
+                          "the same commit, reads around the page cache: 8 prompts, one run per prompt and system, "
+                          "interleaved", "runs/tw's baselines at 1.7 GB in that run, llama.cpp (f32, memory-mapped) "
+                          "among them")
     return tuple(tables)
 
 
