@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from cache import make_serving_policy
-from offload_runtime.engine.compiled import LOADED_BYTES, Kernels, load_compiled
+from offload_runtime.engine.compiled import Kernels, load_compiled, restarts
 from offload_runtime.engine.direct_read import ALIGN, bounce_size, opens_direct
 from offload_runtime.engine.expert_layout import LAYOUT_BYTES_PER_ELEMENT, expert_spec
 from offload_runtime.engine.hash_builder import warm_up
@@ -28,7 +28,6 @@ from predictor.base import ExpertPredictor, PredictorError
 from prescient.arch import is_encoder_decoder
 from prescient.budget import Budget
 from prescient.checkpoint_schemes import CompressionError
-from prescient.errors import CapacityError
 from prescient.fingerprint import ModelFingerprint, fingerprint_model_dir, loaded_fingerprint
 from prescient.loading import load_model, load_without_experts
 from prescient.memory_cap import READ_HEADROOM_BYTES, drop_file_pages, file_backed_bytes, process_footprint
@@ -87,8 +86,9 @@ def _load_into_slots(model_dir: ModelDirectory, predictor: str | Path | ExpertPr
     kernels = Kernels(options.policy, predictor_step=_kind(predictor) == "sida")
     # under a cap the compiled kernels load from numba's cache before the weights (so that the plan measures
     # them, and a child process compiling what the cache lacks has room beside this one), unless the cap
-    # cannot hold any plan of slots: then they would only slow the refusal below (in a cgroup, to a thrash)
-    early = planner is not None and planner.may_hold_slots(process_footprint())
+    # cannot hold any plan of slots (they would only slow the refusal below; in a cgroup, to a thrash), or
+    # a command may start again to compile them (`compiled.prepare_command`): the refusal comes first then
+    early = planner is not None and not restarts() and planner.may_hold_slots(process_footprint())
     if early:
         load_compiled(kernels)
     model, layers = load_without_experts(model_dir, dtype=options.torch_dtype)  # experts stay on disk
@@ -98,7 +98,7 @@ def _load_into_slots(model_dir: ModelDirectory, predictor: str | Path | ExpertPr
     if planner is not None:
         # a cap too small is refused before the predictor's warm-up; one the warm-up leaves too small after it
         opening_buffers = _direct_buffers_before_opening(options, model_dir, expert_spec(layers[0])[0].nbytes)
-        _refuse_before_opening(planner, layers, 0, 0 if early else LOADED_BYTES, opening_buffers)
+        _refuse_before_opening(planner, layers, 0, 0 if early else kernels.loaded_bytes, opening_buffers)
         if not early:
             load_compiled(kernels)
     # under a cap the predictor runs once first, so that the plan measures what it holds at work
@@ -151,20 +151,17 @@ def _refuse_before_opening(planner: MemoryPlanner, layers, predictor_work: int, 
     could refuse it. At that peak no slot, KV cache or read exists yet: it is the process's
     anonymous memory and code pages alone (the reserve and two slots counted on top of it, with the
     kernels compiled in the process, refused runs/tb's 520 MiB naming 571 where 560 decoded,
-    results/refusal-tb-ec14e04.json; now 480 decodes, results/refusal-tb.json). A cap
-    refused before the process holds `unloaded` bytes more (the compiled kernels, not loaded yet)
-    is refused naming a cap that holds them too; `direct_buffers`: the store will read around the page
-    cache (`MemoryPlanner.slots`)."""
+    results/refusal-tb-ec14e04.json; now 480 decodes, results/refusal-tb.json). `unloaded`: what
+    the process will hold by then and does not yet (the compiled kernels, where they load after this
+    check), counted as held, so that a fresh checkout refuses before it compiles them what a later
+    run refuses after loading them; `direct_buffers`: the store will read around the page cache
+    (`MemoryPlanner.slots`)."""
     spec, _ = expert_spec(layers[0])
     elements = sum(math.prod(shape) for shape in spec.shapes.values())
-    steady = process_footprint(reads=direct_buffers is None)
-    peak = process_footprint() - READ_HEADROOM_BYTES + LAYOUT_BYTES_PER_ELEMENT * elements  # no read yet: no headroom
-    try:
-        planner.slots(steady, spec.nbytes, layers, predictor_work, peak=peak, direct_buffers=direct_buffers)
-    except CapacityError:
-        planner.slots(steady + unloaded, spec.nbytes, layers, predictor_work, peak=peak + unloaded,
-                      direct_buffers=direct_buffers)
-        raise
+    steady = process_footprint(reads=direct_buffers is None) + unloaded
+    # no read yet at the peak: no read headroom
+    peak = process_footprint() - READ_HEADROOM_BYTES + LAYOUT_BYTES_PER_ELEMENT * elements + unloaded
+    planner.slots(steady, spec.nbytes, layers, predictor_work, peak=peak, direct_buffers=direct_buffers)
 
 
 def _direct_buffers_before_opening(options: RuntimeOptions, model_dir: ModelDirectory, expert_bytes: int) -> int | None:
