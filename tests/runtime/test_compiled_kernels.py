@@ -109,15 +109,15 @@ def test_compiling_children_run_two_at_once_where_the_cgroup_leaves_room_for_two
 
 
 # `prescient CMD ...` with each compiling child recorded in the file RECORD (one JSON line: the part,
-# the kernels, whether the process had imported torch or transformers by then, whether it was started
-# again to compile); `main` given the process's own arguments (the command can be started again) or,
-# with a first argument "in-process", the rest (a caller's process: it cannot)
+# the kernels, whether the process had imported torch or transformers by then); `main` given the
+# process's own arguments (the command can be started again) or, with a first argument "in-process",
+# the rest (a caller's process: it cannot)
 COMMAND = textwrap.dedent("""
     import json, os, sys
     from offload_runtime.engine import compiled
     run_child = compiled._run_child
     def recording(kernels, part):
-        record = {"part": part, "kernels": kernels.__dict__, "restarted": compiled.COMPILE_FIRST in os.environ,
+        record = {"part": part, "kernels": kernels.__dict__,
                   "imported": [m for m in ("torch", "transformers") if m in sys.modules]}
         with open(os.environ["RECORD"], "a") as file:
             file.write(json.dumps(record) + "\\n")
@@ -165,8 +165,8 @@ def test_a_fresh_checkout_whose_plan_holds_starts_again_compiling_only_what_the_
     assert "starting the command again" in done.stderr
     assert not json.loads((tmp_path / "run.json").read_text())["memory_plan"]["resident"]
     assert sorted(child["part"] for child in children) == ["cache", "rowdot"]
-    assert all(child["kernels"] == {"policy": "lru", "predictor_step": False} and child["restarted"]
-               and child["imported"] == [] for child in children)
+    assert all(child["kernels"] == {"policy": "lru", "predictor_step": False} and child["imported"] == []
+               for child in children)
     again, children = _command(tmp_path, *argv)
     assert again.returncode == 0 and children == [] and "starting the command again" not in again.stderr
 
