@@ -11,22 +11,23 @@ processes (the same calls, with the expert kernel's `rowdot` product, each compi
 the compiler's memory ending with the child) and calls them again, loaded from the cache now. Where
 numba cannot save (no writable cache folder) they compile here after all, said in the log.
 
-A command under `--memory` refuses a cap too small before it compiles anything: the compiling
-takes 10-13 s on two cores against the refusal's 6 s, and the process cannot compile beside itself
-once it holds torch (about 400 MiB on runs/tb, of which torch and transformers are most): under a
-cap just above the refusal the compiler children (70-125 MB each) found no room beside it (a fresh
-checkout's first run at 480 MiB never finished, results/refusal-tb-first-run-480.json). So the
-command, before it imports torch, only notes that it may start again (`prepare_command`); the
-loader checks the plan first, and where numba's cache then lacks what the run calls (its policy's
-cache kernels, SiDA's step with a SiDA predictor, the row product), `load_compiled` starts the
-command again in the same process (`exec`), naming those kernels (`COMPILE_FIRST`): small again, it
-compiles them in child processes, two at once where the cap leaves room, and runs. A run whose
-every expert is resident calls no kernel and compiles none. `compile_ahead` compiles every kernel a
-run may call (`AHEAD`) before torch for `tune` and `bench`, whose runs start from their own
-processes; once its children have found them all it keeps what they read in a stamp (`STAMP`: each
-file, with its time and size), and while the stamp holds it spawns nothing. This module imports no
-torch (the kernels' modules that do are imported where they are called) so that a command can call
-it that early.
+A command under `--memory` refuses a cap too small before it compiles anything: compiling runs/tb's
+kernels took 13.8 s of a fresh checkout's 20.4 s refusal (each child timed: the cache's 7.1, SiDA's
+step 4.1, the row product 1.1, two lookups 1.5; results/refusal-tb-first-run-470.json), against the
+5 s a refusal takes without, and the process cannot compile beside itself once it holds torch (about
+400 MiB on runs/tb, of which torch and transformers are most): under a cap just above the refusal
+the compiler children (70-125 MB each) found no room beside it (a fresh checkout's first run at 480
+MiB never finished, results/refusal-tb-first-run-480.json). So the command, before it imports torch,
+only notes that it may start again (`prepare_command`); the loader checks the plan first, and where
+numba's cache then lacks what the run calls (its policy's cache kernels, SiDA's step with a SiDA
+predictor, the row product), `load_compiled` starts the command again in the same process (`exec`),
+naming those kernels (`COMPILE_FIRST`): small again, it compiles them in child processes, two at
+once where the cap leaves room, and runs. A run whose every expert is resident calls no kernel and
+compiles none. `compile_ahead` compiles every kernel a run may call (`AHEAD`) before torch for
+`tune` and `bench`, whose runs start from their own processes; once its children have found them all
+it keeps what they read in a stamp (`STAMP`: each file, with its time and size), and while the stamp
+holds it spawns nothing. This module imports no torch (the kernels' modules that do are imported
+where they are called) so that a command can call it that early.
 """
 
 from __future__ import annotations

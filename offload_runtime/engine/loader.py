@@ -28,6 +28,7 @@ from predictor.base import ExpertPredictor, PredictorError
 from prescient.arch import is_encoder_decoder
 from prescient.budget import Budget
 from prescient.checkpoint_schemes import CompressionError
+from prescient.errors import CapacityError
 from prescient.fingerprint import ModelFingerprint, fingerprint_model_dir, loaded_fingerprint
 from prescient.loading import load_model, load_without_experts
 from prescient.memory_cap import READ_HEADROOM_BYTES, drop_file_pages, file_backed_bytes, process_footprint
@@ -98,7 +99,8 @@ def _load_into_slots(model_dir: ModelDirectory, predictor: str | Path | ExpertPr
     if planner is not None:
         # a cap too small is refused before the predictor's warm-up; one the warm-up leaves too small after it
         opening_buffers = _direct_buffers_before_opening(options, model_dir, expert_spec(layers[0])[0].nbytes)
-        _refuse_before_opening(planner, layers, 0, 0 if early else kernels.loaded_bytes, opening_buffers)
+        _refuse_before_opening(planner, layers, 0, 0 if early else kernels.loaded_bytes, opening_buffers,
+                               count_unloaded=restarts())
         if not early:
             load_compiled(kernels)
     # under a cap the predictor runs once first, so that the plan measures what it holds at work
@@ -143,7 +145,7 @@ def whole_model_memory(model_dir: str | Path | ModelDirectory, options: RuntimeO
 
 
 def _refuse_before_opening(planner: MemoryPlanner, layers, predictor_work: int, unloaded: int = 0,
-                           direct_buffers: int | None = None) -> None:
+                           direct_buffers: int | None = None, count_unloaded: bool = False) -> None:
     """A CapacityError now, naming the smallest cap that works, where the cap cannot hold this
     process's plan of one layer's top-k slots, or the process itself while the store opens:
     deriving the checkpoint's layout holds temporaries of `LAYOUT_BYTES_PER_ELEMENT` per element of
@@ -151,17 +153,24 @@ def _refuse_before_opening(planner: MemoryPlanner, layers, predictor_work: int, 
     could refuse it. At that peak no slot, KV cache or read exists yet: it is the process's
     anonymous memory and code pages alone (the reserve and two slots counted on top of it, with the
     kernels compiled in the process, refused runs/tb's 520 MiB naming 571 where 560 decoded,
-    results/refusal-tb-ec14e04.json; now 480 decodes, results/refusal-tb.json). `unloaded`: what
-    the process will hold by then and does not yet (the compiled kernels, where they load after this
-    check), counted as held, so that a fresh checkout refuses before it compiles them what a later
-    run refuses after loading them; `direct_buffers`: the store will read around the page cache
+    results/refusal-tb-ec14e04.json; now 480 decodes, results/refusal-tb.json). A cap refused
+    before the process holds `unloaded` bytes more (the compiled kernels, not loaded yet) is refused
+    naming a cap that holds them too; with `count_unloaded` they decide the refusal too (a command
+    that may start again to compile them refuses before it compiles what a later run, which loads
+    them first, refuses); `direct_buffers`: the store will read around the page cache
     (`MemoryPlanner.slots`)."""
     spec, _ = expert_spec(layers[0])
     elements = sum(math.prod(shape) for shape in spec.shapes.values())
-    steady = process_footprint(reads=direct_buffers is None) + unloaded
-    # no read yet at the peak: no read headroom
-    peak = process_footprint() - READ_HEADROOM_BYTES + LAYOUT_BYTES_PER_ELEMENT * elements + unloaded
-    planner.slots(steady, spec.nbytes, layers, predictor_work, peak=peak, direct_buffers=direct_buffers)
+    steady = process_footprint(reads=direct_buffers is None)
+    peak = process_footprint() - READ_HEADROOM_BYTES + LAYOUT_BYTES_PER_ELEMENT * elements  # no read yet: no headroom
+    counted = unloaded if count_unloaded else 0
+    try:
+        planner.slots(steady + counted, spec.nbytes, layers, predictor_work, peak=peak + counted,
+                      direct_buffers=direct_buffers)
+    except CapacityError:
+        planner.slots(steady + unloaded, spec.nbytes, layers, predictor_work, peak=peak + unloaded,
+                      direct_buffers=direct_buffers)
+        raise
 
 
 def _direct_buffers_before_opening(options: RuntimeOptions, model_dir: ModelDirectory, expert_bytes: int) -> int | None:
