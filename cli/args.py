@@ -426,15 +426,18 @@ def runtime_settings(args: argparse.Namespace, **fields: object) -> dict[str, ob
     return {**flags, **fields}
 
 
-def compile_kernels_ahead(args: argparse.Namespace) -> None:
-    """Under a command's `--memory`, the runtime's compiled kernels that numba's on-disk cache lacks
-    compiled into it first, by child processes while this one holds neither torch nor the model
-    (`offload_runtime.engine.compiled.compile_ahead`; called before the command runs)."""
+def compile_kernels_ahead(args: argparse.Namespace, restartable: bool) -> None:
+    """Under a command's `--memory`, before it imports torch: the runtime's compiled kernels that
+    numba's on-disk cache lacks compiled by child processes while this one holds neither torch nor
+    the model, or, where this process runs the command alone (`restartable`) and loads the model
+    itself, left to the loader, which checks the plan first and starts the command again to compile
+    what the run calls (`offload_runtime.engine.compiled.prepare_command`; called before the command
+    runs)."""
     if "memory" not in getattr(args, "runtime_flags", ()) or args.memory is None:
         return
-    from offload_runtime.engine.compiled import compile_ahead
+    from offload_runtime.engine.compiled import prepare_command
 
-    compile_ahead()
+    prepare_command(restartable and getattr(args, "replicas", None) is None)  # replicas load in other processes
 
 
 def runtime_options(args: argparse.Namespace, **fields: object) -> RuntimeOptions:

@@ -56,7 +56,7 @@ def run_command(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     from cli.args import compile_kernels_ahead  # numba, which `prescient --help` does without
 
-    compile_kernels_ahead(args)  # before the command imports torch
+    compile_kernels_ahead(args, restartable=argv == sys.argv[1:])  # before the command imports torch
     modules[args.command].run(args)
 
 

@@ -36,6 +36,9 @@ HISTORY_FIRST = "bench-prediction-tb-history-first.json"  # the same before the 
 LLAMA = "bench-memory-tw-llama.json"  # runs/tw beside llama.cpp at 1.7 and 1.1 GB (issue 52)
 LLAMA_ROWDOT = "bench-memory-tw-rowdot.json"  # the same at 1.7 GB with gemv's row kernel (issue 52)
 ONE_THREAD = "bench-memory-tw-1.1-threads1.json"  # the runtime at 1.1 GB with one thread
+PLAN_FIRST = "912cdea"  # the commit of the refusal and parity results below: the plan checked before the kernels load
+PARITY_NEED = f"bench-parity-tb-1110-{PLAN_FIRST}.json"  # --memory at plain's need, found in PLAIN_NEED*
+PLAIN_NEED, PLAIN_NEED_FINE = "bench-plain-need-tb-search.json", "bench-plain-need-tb-search2.json"
 HOLDS_DIRECT = "bench-memory-holds-tb-direct.json"  # the same at c21682d, reads around the page cache
 HOLDS = "bench-memory-holds-tb.json"  # --memory from plain's need down: faults, RSS, reads per token (issue 53)
 # the guard's steady cost sum (ce108ba): runs/tb's two caps, runs/tw at 1.7 GB, runs/tb at plain's need
@@ -240,12 +243,11 @@ def history_sweep_rows(name: str) -> Rows:
             "over LRU (largest)"], rows
 
 
-def holds_rows(name: str) -> Rows:
-    """Per cap and system: tokens/s, major faults and MiB read from disk per token, MiB the slots
-    moved per token, the process's anonymous and file-backed memory at its end."""
-    result = load(name)
+def holds_rows(*names: str) -> Rows:
+    """Per cap and system of each result: tokens/s, major faults and MiB read from disk per token, MiB
+    the slots moved per token, the process's anonymous and file-backed memory at its end."""
     rows = []
-    for s in result["summary"]:
+    for s in (summary for name in names for summary in load(name)["summary"]):
         faults, anon, files = s.get("major_faults_per_token"), s.get("RssAnon"), s.get("RssFile")
         moved = (s.get("runtime") or {}).get("bytes_moved_per_token")
         rows.append([num(s["cap_bytes"] / 2**20, 0), s["system"], _speed(s),
@@ -568,7 +570,18 @@ what the cache lacks while its process is that small (a stamp of what the lookup
 runs the lookup): at 480 MiB a first run decoded in 25.5 s against the next one's 10.5, both
 processes 411.8 MiB with 2 slots (9.4 and 8.6 tokens/s, `results/refusal-tb-first-run-480-fixed.json`);
 470 MiB is still refused naming 475 MiB, in 6.0 s, or in 20.4 s on a fresh checkout, whose refusal
-comes after the compilers (`results/refusal-tb-first-run-470.json`).
+comes after the compilers (`results/refusal-tb-first-run-470.json`: 13.8 s of it the compilers, a
+lookup child 0.7 s, the cache's kernels 7.1, SiDA's step 4.1, the row product 1.1, a second lookup
+0.8). **Since 912cdea** the loader checks the plan before the kernels load, counting the 26-28 MiB
+they add (measured beside torch: 26.3-26.6 MiB for the cache's kernels whatever the policy, 28.4-28.7
+with SiDA's step), and only where it holds and numba's cache lacks what the run calls does the command
+start itself again (`exec`) and compile those kernels alone, before torch, two children at once: a
+fresh checkout refuses 440 MiB in 5.0 s as later runs refuse 380-440 MiB in 4.7-5.2 s, all naming 461
+MiB; 470 and 480 MiB decode, a first run in 22.6 and 20.2 s against the next one's 10.1 and 8.8,
+every first run's plan the next one's (7 and 8 slots, process 347.4-347.8 MiB). At the plain model's
+need in the bench's cgroup, 1110 MiB (plain ran 3 of 3 there, 1 of 3 killed at 1100), `--memory`
+keeps every expert in slots: 212.2 and 199.7 tokens/s without and with the predictor against plain's
+104.7 (2.0x, 1.9x), at 1120 MiB 212.6 and 211.1 against 104.4.
 
 Each system decodes the same prompt greedily in a fresh process inside a memory cgroup capped at the
 size, which counts the page cache as a real machine does; the page cache is dropped before every run,
@@ -958,7 +971,17 @@ def _holds_tables() -> tuple[Table, ...]:
     holds_cmd = ("prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory "
                  "1100MiB,0.85GB,660MiB,520MiB --prompts 1 --new-tokens 96 --repeats 3 --threads 2 --systems "
                  "plain,no-predictor,prescient --run-timeout 120 --json ...")
+    parity_cmd = holds_cmd.replace("1100MiB,0.85GB,660MiB,520MiB", "1110MiB,1120MiB")
     return (
+    Table("The plain model's need in the bench's cgroup (v1, counting the page cache): plain transformers alone on "
+          "runs/tb at 1100-1140 MiB and 1150-1400 MiB (two invocations), one prompt, 3 repeats (through "
+          "../shared/bin/quiet)",
+          (PLAIN_NEED, PLAIN_NEED_FINE), parity_cmd.replace("1110MiB,1120MiB", "1100MiB,1110MiB,1120MiB,1130MiB,1140MiB")
+          .replace("plain,no-predictor,prescient", "plain").replace("--json ...", f"--json results/{PLAIN_NEED_FINE}"),
+          partial(holds_rows, PLAIN_NEED_FINE, PLAIN_NEED)),
+    Table(f"`--memory` at the plain model's need (1110 MiB, the smallest cap where plain ran in 3 of 3 runs) and "
+          f"just above, at {PLAN_FIRST}: one prompt, 3 interleaved repeats (medians and ranges)", (PARITY_NEED,),
+          parity_cmd.replace("--json ...", f"--json results/{PARITY_NEED}"), partial(holds_rows, PARITY_NEED)),
     Table("`--memory` holds with reads around the page cache (c21682d): runs/tb from the plain model's need (1100 "
           "MiB) down to 480 MiB, the smallest cap the plan accepts there, one prompt, 3 interleaved repeats (medians "
           "and ranges; through ../shared/bin/quiet)", (HOLDS_DIRECT,),
@@ -970,7 +993,9 @@ def _holds_tables() -> tuple[Table, ...]:
           (HOLDS,), holds_cmd, partial(holds_rows, HOLDS)),
     *(Table(f"A cap too small, in a memory cgroup: runs/tb with the predictor, the page cache dropped before each "
             f"run{when}", (name,), load(name)["command"], partial(refusal_rows, name))
-      for when, name in ((", reads around the page cache (504f329: the plan books no read headroom)",
+      for when, name in ((f", the plan checked before the kernels load ({PLAN_FIRST})",
+                          f"refusal-tb-warm-{PLAN_FIRST}.json"),
+                         (", reads around the page cache (504f329: the plan books no read headroom)",
                           "refusal-tb-direct.json"),
                          (", reads through the page cache (8ad6f5d)", "refusal-tb.json"),
                          (", at ec14e04 (before the kernels loaded outside the cap)", "refusal-tb-ec14e04.json"))),
@@ -978,6 +1003,9 @@ def _holds_tables() -> tuple[Table, ...]:
             "before the first, in a memory cgroup, the page cache dropped before each run",
             (name,), load(name)["command"], partial(refusal_rows, name))
       for runs, who, name in (
+          *((f"and the next at {cap} MiB, the plan checked before the kernels, which a run whose plan holds compiles "
+             f"after starting again ({PLAN_FIRST})", "with the predictor",
+             f"refusal-tb-first-run-{cap}-{PLAN_FIRST}.json") for cap in (440, 470, 480)),
           ("and the next at 0.66 GB (629 MiB)", "without a predictor", "refusal-tb-first-run.json"),
           ("and the next at 0.66 GB (629 MiB)", "with the predictor", "refusal-tb-first-run-sida.json"),
           ("and the next at 520 MiB", "with the predictor", "refusal-tb-first-run-520.json"),

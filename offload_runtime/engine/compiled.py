@@ -11,15 +11,23 @@ processes (the same calls, with the expert kernel's `rowdot` product, each compi
 the compiler's memory ending with the child) and calls them again, loaded from the cache now. Where
 numba cannot save (no writable cache folder) they compile here after all, said in the log.
 
-The commands that take `--memory` call `compile_ahead` first, before they import torch or the
-model: by the loader's turn the process holds torch, transformers and the non-expert weights
-(about 400 MiB on runs/tb), and under a cap just above that the compiler children (70-125 MB each)
-found no room beside it (a fresh checkout's first run at 480 MiB never finished,
-results/refusal-tb-first-run-480.json). It has a child look every kernel up in numba's cache
-(`missing_here`), others compile what it found missing, and once a lookup finds them all it keeps
-what it found in a stamp (`STAMP`: each file the lookup read, with its time and size); a later run
-whose stamp still holds spawns nothing. This module imports no torch (the kernels' modules that do
-are imported where they are called) so that a command can call it that early.
+A command under `--memory` refuses a cap too small before it compiles anything: compiling runs/tb's
+kernels took 13.8 s of a fresh checkout's 20.4 s refusal (each child timed: the cache's 7.1, SiDA's
+step 4.1, the row product 1.1, two lookups 1.5; results/refusal-tb-first-run-470.json), against the
+5 s a refusal takes without, and the process cannot compile beside itself once it holds torch (about
+400 MiB on runs/tb, of which torch and transformers are most): under a cap just above the refusal
+the compiler children (70-125 MB each) found no room beside it (a fresh checkout's first run at 480
+MiB never finished, results/refusal-tb-first-run-480.json). So the command, before it imports torch,
+only notes that it may start again (`prepare_command`); the loader checks the plan first, and where
+numba's cache then lacks what the run calls (its policy's cache kernels, SiDA's step with a SiDA
+predictor, the row product), `load_compiled` starts the command again in the same process (`exec`),
+naming those kernels (`COMPILE_FIRST`): small again, it compiles them in child processes, two at
+once where the cap leaves room, and runs. A run whose every expert is resident calls no kernel and
+compiles none. `compile_ahead` compiles every kernel a run may call (`AHEAD`) before torch for
+`tune` and `bench`, whose runs start from their own processes; once its children have found them all
+it keeps what they read in a stamp (`STAMP`: each file, with its time and size), and while the stamp
+holds it spawns nothing. This module imports no torch (the kernels' modules that do are imported
+where they are called) so that a command can call it that early.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import os
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,16 +55,20 @@ from cache.expert_cache import load_kernels
 from cache.policies import SERVING_POLICIES
 from prescient.atomic import write_json_atomic
 from prescient.errors import PrescientError
+from prescient.memory_cap import cgroup_limit, process_footprint
 
 log = logging.getLogger(__name__)
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder the child imports this code from
 CHILD_TIMEOUT_S = 600.0
-# what loading the kernels from numba's cache adds to a process (numba's runtime, their machine code):
-# on runs/tb a refusal before they load named 447 MiB, one after 475 (results/refusal-tb.json)
-LOADED_BYTES = 28 * 2**20
+# what loading the kernels from numba's cache adds to a process beside torch (numba's runtime, their machine
+# code), at least: the cache's 26.3-26.6 MiB whatever the policy, with SiDA's step 28.4-28.7 (`Kernels.loaded_bytes`)
+LOADED_BYTES, STEP_BYTES = 26 * 2**20, 2 * 2**20
 KERNEL_PACKAGES = ("cache", "predictor", "offload_runtime")  # the packages whose modules hold the kernels
 STAMP = "runtime-kernels-found.json"  # `compile_ahead`'s, in numba's cache folder or this module's `__pycache__`
+COMPILE_FIRST = "PRESCIENT_COMPILE_FIRST"  # in a command started again to compile: the kernels it compiles (JSON)
+CHILD_BYTES = 128 * 2**20  # one compiling child's memory at most (70-125 MB on runs/tb's kernels)
+_restart = {"allowed": False}  # `prepare_command`'s note: `load_compiled` may start the command again
 
 
 @dataclass(frozen=True)
@@ -67,6 +80,15 @@ class Kernels:
 
     policy: str | None
     predictor_step: bool
+
+    @property
+    def loaded_bytes(self) -> int:
+        """What loading these kernels adds to a process, at least (a plan may count it before they load)."""
+        return LOADED_BYTES + (STEP_BYTES if self.predictor_step else 0)
+
+
+# what `compile_ahead` compiles by default: whatever policy and predictor a run resolves later (with torch)
+AHEAD = Kernels(None, predictor_step=True)
 
 
 class CompileNeeded(Exception):
@@ -109,7 +131,9 @@ def load_compiled(kernels: Kernels) -> None:
             _call(kernels)
         return
     except CompileNeeded as missing:
-        log.info("numba's cache lacks %s: compiling the runtime's kernels in a child process", missing)
+        if _restart["allowed"]:
+            _start_again_compiling(kernels, str(missing))
+        log.info("numba's cache lacks %s: compiling the runtime's kernels in child processes", missing)
     compile_in_child(kernels)
     with watching_compiles(refuse=False) as watch:
         _call(kernels)
@@ -118,31 +142,49 @@ def load_compiled(kernels: Kernels) -> None:
                     "the compiler's memory as the process's", ", ".join(watch.compiled))
 
 
-def compile_ahead() -> None:
-    """Put every kernel a run may load (`AHEAD`) and the expert kernel's product in numba's cache
-    where it lacks them, compiled by child processes, loading none into this process (see the
-    module's doc): unless the stamp of an earlier lookup still holds, a child looks them up, others
-    compile what it found missing, and a second lookup keeps the stamp. `load_compiled` then finds
-    them all; a lookup that fails is logged and leaves them to it."""
+def restarts() -> bool:
+    """Whether `load_compiled` starts the command again where numba's cache lacks a kernel (so the
+    loader checks the plan before it loads them: see the module's doc)."""
+    return _restart["allowed"]
+
+
+def prepare_command(restartable: bool) -> None:
+    """What a command under `--memory` runs before it imports torch (see the module's doc): in a
+    command started again to compile (`COMPILE_FIRST`), the kernels it named compiled now; else,
+    where the command can be started again as it was (`restartable`: this process runs it alone),
+    `load_compiled` allowed to do so; else every kernel compiled ahead (`compile_ahead`)."""
+    named = os.environ.pop(COMPILE_FIRST, None)
+    if named is not None:
+        compile_ahead(Kernels(**json.loads(named)))
+    elif restartable:
+        _restart["allowed"] = True
+    else:
+        compile_ahead()
+
+
+def _start_again_compiling(kernels: Kernels, missing: str) -> None:
+    """Replace this process by the command it runs, started again with `kernels` named to compile
+    first (`prepare_command`): it never returns."""
+    log.info("numba's cache lacks %s: starting the command again, to compile the kernels this run calls "
+             "first while the process is small", missing)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.execve(sys.executable, sys.orig_argv, {**os.environ, COMPILE_FIRST: json.dumps(asdict(kernels))})
+
+
+def compile_ahead(kernels: Kernels = AHEAD) -> None:
+    """Put `kernels` (default: every kernel a run may load, `AHEAD`) and the row product in numba's
+    cache where it lacks them, compiled by child processes, loading none into this process (see the
+    module's doc): unless the stamp of an earlier call holds, the children load or compile each
+    part, and where they found every part of `AHEAD` the files they read are kept in the stamp. A
+    child that fails is logged and leaves its part to `load_compiled`."""
     if _stamp_holds():
         return
-    missing = _look_up()
-    if missing:
-        log.info("numba's cache lacks the runtime's kernels (%s): compiling them in child processes", ", ".join(missing))
-        compile_in_child(AHEAD, missing)
-        _look_up()  # keeps the stamp
-
-
-def _look_up() -> list[str] | None:
-    """The parts of `AHEAD` numba's cache lacks, looked up by a child (None: it failed); where it
-    lacks none, the lookup's stamp kept."""
-    found = _run_child("looking the kernels up in numba's cache", "missing_here", AHEAD)
-    if found is None:
-        return None
-    record = json.loads(found.splitlines()[-1])
-    if not record["missing"]:
-        _keep_stamp(record["stamp"])
-    return record["missing"]
+    files = compile_in_child(kernels)
+    if kernels == AHEAD and files:
+        stamp = _stamp(files)
+        if None not in stamp["files"].values():  # a kernel numba did not save has no index file
+            _keep_stamp(stamp)
 
 
 def _stamp_path() -> Path:
@@ -151,7 +193,7 @@ def _stamp_path() -> Path:
 
 
 def _stamp(files) -> dict:
-    """What a lookup that read `files` depends on: numba, the python, each file's time and size."""
+    """What kernels loaded from `files` depend on: numba, the python, each file's time and size."""
     stats = {}
     for path in sorted(files):
         try:
@@ -163,7 +205,7 @@ def _stamp(files) -> dict:
 
 
 def _stamp_holds() -> bool:
-    """Whether a lookup's stamp was kept and nothing it depends on changed since."""
+    """Whether a stamp was kept and nothing it depends on changed since."""
     try:
         kept = json.loads(_stamp_path().read_text())
     except (OSError, ValueError):
@@ -175,7 +217,7 @@ def _keep_stamp(stamp: dict) -> None:
     """Write `stamp` where `_stamp_holds` reads it."""
     try:
         write_json_atomic(_stamp_path(), stamp)
-    except (OSError, PrescientError) as exc:  # a folder not writable: each run then looks the kernels up
+    except (OSError, PrescientError) as exc:  # a folder not writable: each `compile_ahead` then spawns its children
         log.debug("the kernels' stamp was not kept (%s)", exc)
 
 
@@ -191,14 +233,15 @@ for name in ("offload_runtime", "offload_runtime.engine", "predictor"):
     package.__path__ = [sys.argv[1] + "/" + name.replace(".", "/")]
     sys.modules[name] = package
 from offload_runtime.engine import compiled
-getattr(compiled, sys.argv[2])(compiled.Kernels(**json.loads(sys.argv[3])), *sys.argv[4:])
+compiled.compile_here(compiled.Kernels(**json.loads(sys.argv[2])), sys.argv[3])
 """
 
 
-def _run_child(what: str, work: str, kernels: Kernels, *args: str) -> str | None:
-    """Run this module's function `work` on `kernels` and `args` in a child process of the same
-    python (`CHILD`); its output, or None where it failed (logged as `what` failing)."""
-    argv = [sys.executable, "-c", CHILD, str(PACKAGE_ROOT), work, json.dumps(asdict(kernels)), *args]
+def _run_child(kernels: Kernels, part: str) -> str | None:
+    """`compile_here` of `part` of `kernels` in a child process of the same python (`CHILD`); its
+    output, or None where it failed (logged)."""
+    what = f"compiling the kernels ({part})"
+    argv = [sys.executable, "-c", CHILD, str(PACKAGE_ROOT), json.dumps(asdict(kernels)), part]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -211,31 +254,34 @@ def _run_child(what: str, work: str, kernels: Kernels, *args: str) -> str | None
     return done.stdout
 
 
-def compile_in_child(kernels: Kernels, parts: list[str] | None = None) -> None:
-    """Run `compile_here` in child processes of the same python, one after the other for each of
-    `parts` (default: every part of `kernels`, `_parts`), each compiling and saving what numba's
-    cache lacks (the compiler's memory is one part's at a time: 70-125 MB on runs/tb's kernels
-    against 170 MB for all in one); a child that fails is logged (the kernels then compile here)."""
-    for part in parts or _parts(kernels):
-        _run_child(f"compiling the kernels ({part})", "compile_here", kernels, part)
+def compile_in_child(kernels: Kernels) -> set[str] | None:
+    """Run `compile_here` in child processes of the same python, one per part of `kernels`
+    (`_parts`), as many at once as `_at_once` allows, each loading or compiling and saving its part;
+    the cache files they read (`_cache_files`), or None where one failed (logged: the kernels then
+    compile here)."""
+    parts = _parts(kernels)
+    with ThreadPoolExecutor(_at_once(len(parts))) as pool:
+        outputs = list(pool.map(lambda part: _run_child(kernels, part), parts))
+    if None in outputs:
+        return None
+    return {file for output in outputs for file in json.loads(output.splitlines()[-1])}
+
+
+def _at_once(parts: int) -> int:
+    """How many compiling children run at once: one per CPU this process may use, as many as the
+    cgroup's limit leaves room for beside this process (`CHILD_BYTES` each), at least one."""
+    room = parts
+    limit = cgroup_limit()
+    if limit is not None:
+        room = (limit - process_footprint(reads=False)) // CHILD_BYTES
+    return max(1, min(parts, len(os.sched_getaffinity(0)), room))
 
 
 def compile_here(kernels: Kernels, part: str) -> None:
-    """A child's work: one part of `kernels` (`_parts`), compiled where numba's cache lacks it."""
+    """A child's work: one part of `kernels` (`_parts`), compiled where numba's cache lacks it;
+    prints (as JSON) the cache files it read (`_cache_files`)."""
     PARTS[part](kernels)
-
-
-def missing_here(kernels: Kernels) -> None:
-    """A child's work: print (as JSON) the parts of `kernels` that numba's cache lacks, and the stamp
-    of the files it read (`_stamp`)."""
-    missing = []
-    for part in _parts(kernels):
-        try:
-            with watching_compiles(refuse=True):
-                PARTS[part](kernels)
-        except CompileNeeded:
-            missing.append(part)
-    print(json.dumps({"missing": missing, "stamp": _stamp(_cache_files())}))
+    print(json.dumps(sorted(_cache_files())))
 
 
 def _cache_files() -> set[str]:
@@ -294,8 +340,6 @@ def _rowdot_products() -> None:
         rowdot.rows_product(weight, row, out, threads)
 
 
-# what `compile_ahead` compiles: whatever policy and predictor the run resolves later (with torch)
-AHEAD = Kernels(None, predictor_step=True)
-# each part of the kernels a child compiles (`compile_here`) or looks up (`missing_here`)
+# each part of the kernels a child loads or compiles (`compile_here`)
 PARTS = {"cache": lambda kernels: _cache_kernels(kernels.policy), "predictor_step": lambda _kernels: _sida_step(),
          "rowdot": lambda _kernels: _rowdot_products()}

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from cache import make_serving_policy
-from offload_runtime.engine.compiled import LOADED_BYTES, Kernels, load_compiled
+from offload_runtime.engine.compiled import Kernels, load_compiled, restarts
 from offload_runtime.engine.direct_read import ALIGN, bounce_size, opens_direct
 from offload_runtime.engine.expert_layout import LAYOUT_BYTES_PER_ELEMENT, expert_spec
 from offload_runtime.engine.hash_builder import warm_up
@@ -87,8 +87,9 @@ def _load_into_slots(model_dir: ModelDirectory, predictor: str | Path | ExpertPr
     kernels = Kernels(options.policy, predictor_step=_kind(predictor) == "sida")
     # under a cap the compiled kernels load from numba's cache before the weights (so that the plan measures
     # them, and a child process compiling what the cache lacks has room beside this one), unless the cap
-    # cannot hold any plan of slots: then they would only slow the refusal below (in a cgroup, to a thrash)
-    early = planner is not None and planner.may_hold_slots(process_footprint())
+    # cannot hold any plan of slots (they would only slow the refusal below; in a cgroup, to a thrash), or
+    # a command may start again to compile them (`compiled.prepare_command`): the refusal comes first then
+    early = planner is not None and not restarts() and planner.may_hold_slots(process_footprint())
     if early:
         load_compiled(kernels)
     model, layers = load_without_experts(model_dir, dtype=options.torch_dtype)  # experts stay on disk
@@ -98,7 +99,8 @@ def _load_into_slots(model_dir: ModelDirectory, predictor: str | Path | ExpertPr
     if planner is not None:
         # a cap too small is refused before the predictor's warm-up; one the warm-up leaves too small after it
         opening_buffers = _direct_buffers_before_opening(options, model_dir, expert_spec(layers[0])[0].nbytes)
-        _refuse_before_opening(planner, layers, 0, 0 if early else LOADED_BYTES, opening_buffers)
+        _refuse_before_opening(planner, layers, 0, 0 if early else kernels.loaded_bytes, opening_buffers,
+                               count_unloaded=restarts())
         if not early:
             load_compiled(kernels)
     # under a cap the predictor runs once first, so that the plan measures what it holds at work
@@ -143,7 +145,7 @@ def whole_model_memory(model_dir: str | Path | ModelDirectory, options: RuntimeO
 
 
 def _refuse_before_opening(planner: MemoryPlanner, layers, predictor_work: int, unloaded: int = 0,
-                           direct_buffers: int | None = None) -> None:
+                           direct_buffers: int | None = None, count_unloaded: bool = False) -> None:
     """A CapacityError now, naming the smallest cap that works, where the cap cannot hold this
     process's plan of one layer's top-k slots, or the process itself while the store opens:
     deriving the checkpoint's layout holds temporaries of `LAYOUT_BYTES_PER_ELEMENT` per element of
@@ -151,16 +153,20 @@ def _refuse_before_opening(planner: MemoryPlanner, layers, predictor_work: int, 
     could refuse it. At that peak no slot, KV cache or read exists yet: it is the process's
     anonymous memory and code pages alone (the reserve and two slots counted on top of it, with the
     kernels compiled in the process, refused runs/tb's 520 MiB naming 571 where 560 decoded,
-    results/refusal-tb-ec14e04.json; now 480 decodes, results/refusal-tb.json). A cap
-    refused before the process holds `unloaded` bytes more (the compiled kernels, not loaded yet)
-    is refused naming a cap that holds them too; `direct_buffers`: the store will read around the page
-    cache (`MemoryPlanner.slots`)."""
+    results/refusal-tb-ec14e04.json; now 480 decodes, results/refusal-tb.json). A cap refused
+    before the process holds `unloaded` bytes more (the compiled kernels, not loaded yet) is refused
+    naming a cap that holds them too; with `count_unloaded` they decide the refusal too (a command
+    that may start again to compile them refuses before it compiles what a later run, which loads
+    them first, refuses); `direct_buffers`: the store will read around the page cache
+    (`MemoryPlanner.slots`)."""
     spec, _ = expert_spec(layers[0])
     elements = sum(math.prod(shape) for shape in spec.shapes.values())
     steady = process_footprint(reads=direct_buffers is None)
     peak = process_footprint() - READ_HEADROOM_BYTES + LAYOUT_BYTES_PER_ELEMENT * elements  # no read yet: no headroom
+    counted = unloaded if count_unloaded else 0
     try:
-        planner.slots(steady, spec.nbytes, layers, predictor_work, peak=peak, direct_buffers=direct_buffers)
+        planner.slots(steady + counted, spec.nbytes, layers, predictor_work, peak=peak + counted,
+                      direct_buffers=direct_buffers)
     except CapacityError:
         planner.slots(steady + unloaded, spec.nbytes, layers, predictor_work, peak=peak + unloaded,
                       direct_buffers=direct_buffers)

@@ -1,12 +1,14 @@
 """Under `--memory` the compiled kernels are in the process before the plan measures it, loaded
-from numba's on-disk cache: where the cache lacks them a child process compiles them, so that a
-first run's plan measures the same process as every later run's; a command under `--memory` has
-them compiled before it imports torch, while its process is small."""
+from numba's on-disk cache: where the cache lacks them child processes compile them, so that a
+first run's plan measures the same process as every later run's; a command under `--memory`
+refuses a cap too small before it compiles anything, and where its plan holds compiles what the
+run calls while its process is small (started again)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -69,51 +71,115 @@ def test_a_cache_without_the_kernels_is_filled_by_a_child_and_the_process_compil
     assert _in_fresh_process(LOADING, tmp_path) == {"children": 0, "warned": [], "compiled_after": []}  # all found
 
 
-# `compile_ahead` (what a command under `--memory` runs first) in a process of its own: the children
-# it ran, by their work
+# `compile_ahead` (what `tune` and `bench` run first) in a process of its own: the parts its children
+# loaded or compiled
 COUNTING = textwrap.dedent("""
     import json
     from offload_runtime.engine import compiled
-    works, run_child = [], compiled._run_child
-    compiled._run_child = lambda what, work, *args: (works.append(work), run_child(what, work, *args))[1]
+    parts, run_child = [], compiled._run_child
+    compiled._run_child = lambda kernels, part: (parts.append(part), run_child(kernels, part))[1]
     compiled.compile_ahead()
-    print(json.dumps(works))
+    print(json.dumps(sorted(parts)))
 """)
+EVERY_PART = ["cache", "predictor_step", "rowdot"]
 
 
 def test_compile_ahead_fills_a_fresh_cache_with_every_kernel_the_run_then_loads(tmp_path):
-    assert _in_fresh_process(COUNTING, tmp_path) == ["missing_here", *["compile_here"] * 3, "missing_here"]
+    assert _in_fresh_process(COUNTING, tmp_path) == EVERY_PART
     assert _in_fresh_process(LOADING, tmp_path) == {"children": 0, "warned": [], "compiled_after": []}
-    # the last lookup's stamp holds: a later run spawns nothing, until a file the lookup read changes
+    # the stamp of what the children read holds: a later run spawns nothing, until a file they read changes
     assert _in_fresh_process(COUNTING, tmp_path) == []
-    for index in tmp_path.rglob("*.nbi"):  # the lookup's among them
+    for index in tmp_path.rglob("*.nbi"):
         os.utime(index)
-    assert _in_fresh_process(COUNTING, tmp_path) == ["missing_here"]
+    assert _in_fresh_process(COUNTING, tmp_path) == EVERY_PART
     assert _in_fresh_process(COUNTING, tmp_path) == []
 
 
-# `prescient CMD ...` with the compiling children stopped at their start: which parts they were to
-# compile, and whether the command had imported torch or transformers by then
+def test_compiling_children_run_two_at_once_where_the_cgroup_leaves_room_for_two(monkeypatch):
+    monkeypatch.setattr(compiled.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(compiled, "process_footprint", lambda reads=True: 100 * MiB)
+    monkeypatch.setattr(compiled, "cgroup_limit", lambda: None)
+    assert compiled._at_once(3) == 2
+    monkeypatch.setattr(compiled, "cgroup_limit", lambda: 100 * MiB + 2 * compiled.CHILD_BYTES)
+    assert compiled._at_once(3) == 2
+    monkeypatch.setattr(compiled, "cgroup_limit", lambda: 100 * MiB + 2 * compiled.CHILD_BYTES - 1)
+    assert compiled._at_once(3) == 1
+    monkeypatch.setattr(compiled, "cgroup_limit", lambda: 50 * MiB)
+    assert compiled._at_once(3) == 1
+
+
+# `prescient CMD ...` with each compiling child recorded in the file RECORD (one JSON line: the part,
+# the kernels, whether the process had imported torch or transformers by then); `main` given the
+# process's own arguments (the command can be started again) or, with a first argument "in-process",
+# the rest (a caller's process: it cannot)
 COMMAND = textwrap.dedent("""
-    import json, sys
+    import json, os, sys
     from offload_runtime.engine import compiled
-    def compile_in_child(kernels, parts=None):
-        print(json.dumps({"parts": parts, "imported": [m for m in ("torch", "transformers") if m in sys.modules]}))
-        raise SystemExit(0)
-    compiled.compile_in_child = compile_in_child
+    run_child = compiled._run_child
+    def recording(kernels, part):
+        record = {"part": part, "kernels": kernels.__dict__,
+                  "imported": [m for m in ("torch", "transformers") if m in sys.modules]}
+        with open(os.environ["RECORD"], "a") as file:
+            file.write(json.dumps(record) + "\\n")
+        return run_child(kernels, part)
+    compiled._run_child = recording
     from cli.main import main
-    main(sys.argv[1:])
+    main(sys.argv[2:] if sys.argv[1:2] == ["in-process"] else sys.argv[1:])
 """)
 
 
-@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["serve"],
-                                     ["trace", "--dataset", "stdlib-code", "--out", "TMP/trace"]])
-def test_a_command_under_memory_compiles_what_the_cache_lacks_before_it_imports_torch(tmp_path, command):
-    """A fresh checkout's first `--memory` run: by the loader's turn the process holds torch, the
-    libraries and the weights, and the compiler children had no room beside it under the cap."""
-    named = [arg.replace("TMP", str(tmp_path)) for arg in command]
-    record = _in_fresh_process(COMMAND, tmp_path / "numba", named[0], "--model", "unused", "--memory", "480MiB", *named[1:])
-    assert record == {"parts": ["cache", "predictor_step", "rowdot"], "imported": []}
+def _command(tmp_path, *argv: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """`prescient ARGV` as COMMAND runs it, with numba's cache in tmp_path/numba: how it ended, and
+    the compiling children it ran (COMMAND's records)."""
+    record = tmp_path / "children.jsonl"
+    record.unlink(missing_ok=True)
+    done = subprocess.run([sys.executable, "-c", COMMAND, *argv], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT, env=dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), RECORD=str(record)))
+    children = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+    return done, children
+
+
+def _generate(model, memory: str, *extra: str) -> list[str]:
+    return ["generate", "--model", str(model), "--memory", memory, "--prompt", "def f(x):", "--max-new-tokens", "3",
+            *extra]
+
+
+def test_a_fresh_checkout_refuses_a_cap_too_small_before_it_compiles_anything(tiny_moe_dir, tmp_path):
+    """The refusal comes from the plan, which the loader checks before the kernels: a cap too small
+    spawns no compiling child (they took 13 s of runs/tb's 20 s first refusal)."""
+    done, children = _command(tmp_path, *_generate(tiny_moe_dir("mixtral"), "64MiB"))
+    assert done.returncode == 2 and "smallest memory that works" in done.stderr.splitlines()[-1], done.stderr[-800:]
+    assert children == []
+
+
+def test_a_fresh_checkout_whose_plan_holds_starts_again_compiling_only_what_the_run_calls(tiny_moe_dir, tmp_path):
+    """Where the plan holds and numba's cache lacks the kernels, the command starts again and
+    compiles, before it imports torch, the kernels of the policy it resolved (LRU without a
+    predictor: no predictor step); the next run spawns nothing."""
+    model = tiny_moe_dir("mixtral")
+    refused, _ = _command(tmp_path, *_generate(model, "64MiB"))
+    smallest = int(re.search(r"\((\d+)MiB\)", refused.stderr).group(1))
+    argv = _generate(model, f"{smallest + 2}MiB", "--json", str(tmp_path / "run.json"))
+    done, children = _command(tmp_path, *argv)
+    assert done.returncode == 0, done.stderr[-800:]
+    assert "starting the command again" in done.stderr
+    assert not json.loads((tmp_path / "run.json").read_text())["memory_plan"]["resident"]
+    assert sorted(child["part"] for child in children) == ["cache", "rowdot"]
+    assert all(child["kernels"] == {"policy": "lru", "predictor_step": False} and child["imported"] == []
+               for child in children)
+    again, children = _command(tmp_path, *argv)
+    assert again.returncode == 0 and children == [] and "starting the command again" not in again.stderr
+
+
+def test_a_command_run_inside_a_callers_process_compiles_every_kernel_before_it_imports_torch(tiny_moe_dir,
+                                                                                            tmp_path):
+    """`main(argv)` called by a process that runs more than the command cannot be started again: it
+    compiles every kernel a run may call first, while it holds neither torch nor the model."""
+    done, children = _command(tmp_path, "in-process", *_generate(tiny_moe_dir("mixtral"), "64MiB"))
+    assert done.returncode == 2
+    assert sorted(child["part"] for child in children) == EVERY_PART
+    assert all(child["kernels"] == {"policy": None, "predictor_step": True} and child["imported"] == []
+               for child in children)
 
 
 def _recording_load(monkeypatch, events: list) -> None:
@@ -150,3 +216,19 @@ def test_a_cap_that_cannot_hold_any_slots_is_refused_before_the_kernels_load(tin
     assert "kernels" not in events
     named = int(str(refused.value).rsplit("(", 1)[1].split("MiB")[0]) * MiB
     assert named >= FOOTPRINT + compiled.LOADED_BYTES  # the cap named counts the kernels it will load
+
+
+def test_a_command_that_may_start_again_refuses_before_the_kernels_load_a_cap_without_room_for_them(
+        tiny_moe_dir, monkeypatch):
+    """Where the command may start again to compile them (`compiled.prepare_command`), the loader
+    checks the plan before the kernels load, counting what they will add: a cap with room for the
+    process and one layer's slots but not for the kernels is refused with nothing loaded, as a run
+    that loads them first refuses it (runs/tb's first refusal then takes the 6 s of a later one)."""
+    path, directory, _ = _model(tiny_moe_dir)
+    cap = _slot_cap(path, directory, 2)
+    events = []
+    _recording_load(monkeypatch, events)
+    monkeypatch.setitem(compiled._restart, "allowed", True)
+    with pytest.raises(CapacityError, match="smallest memory that works"):
+        loader.load_offloaded(path, memory=cap)
+    assert "kernels" not in events
