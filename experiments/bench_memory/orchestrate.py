@@ -138,7 +138,7 @@ def per_prompt(runs: list[dict[str, Any]], caps: list[int], systems: tuple[str, 
     for cap in caps:
         table = []
         for index in range(prompts):
-            done = {system: {r.get("repeat", 0): r["tokens_per_s"] for r in runs
+            done = {system: {r["repeat"]: r["tokens_per_s"] for r in runs
                              if r["cap_bytes"] == cap and r["system"] == system and r.get("prompt_index") == index
                              and r["status"] == "ok" and r.get("tokens_per_s")} for system in systems}
             speeds = {system: statistics.median(by.values()) if by else None for system, by in done.items()}
