@@ -430,14 +430,16 @@ def compile_kernels_ahead(args: argparse.Namespace, restartable: bool) -> None:
     """Under a command's `--memory`, before it imports torch: the runtime's compiled kernels that
     numba's on-disk cache lacks compiled by child processes while this one holds neither torch nor
     the model, or, where this process runs the command alone (`restartable`) and loads the model
-    itself, left to the loader, which checks the plan first and starts the command again to compile
-    what the run calls (`offload_runtime.engine.compiled.prepare_command`; called before the command
-    runs)."""
+    itself before it serves anything, left to the loader, which checks the plan first and starts
+    the command again to compile what the run calls (`offload_runtime.engine.compiled.prepare_command`;
+    called before the command runs)."""
     if "memory" not in getattr(args, "runtime_flags", ()) or args.memory is None:
         return
     from offload_runtime.engine.compiled import prepare_command
 
-    prepare_command(restartable and getattr(args, "replicas", None) is None)  # replicas load in other processes
+    # replicas load in other processes; `serve` loads after its server binds the port, which a command started
+    # again would find still held by its first self ("address already in use")
+    prepare_command(restartable and getattr(args, "replicas", None) is None and args.command != "serve")
 
 
 def runtime_options(args: argparse.Namespace, **fields: object) -> RuntimeOptions:

@@ -232,3 +232,19 @@ def test_a_command_that_may_start_again_refuses_before_the_kernels_load_a_cap_wi
     with pytest.raises(CapacityError, match="smallest memory that works"):
         loader.load_offloaded(path, memory=cap)
     assert "kernels" not in events
+
+
+@pytest.mark.parametrize("command, restarts", [(["generate", "--prompt", "x"], True), (["serve"], False),
+                                               (["serve", "--replicas", "2"], False)])
+def test_only_a_command_that_loads_before_it_serves_may_start_again(command, restarts, monkeypatch):
+    """`serve` binds its port before it loads the model: started again to compile, its second self
+    found the port held by its first ("address already in use"), so it compiles every kernel ahead,
+    as do its replicas, which load in processes of their own."""
+    from cli.args import compile_kernels_ahead
+    from cli.main import build_parser
+
+    asked = []
+    monkeypatch.setattr(compiled, "prepare_command", asked.append)
+    parser, _ = build_parser(command[0])
+    compile_kernels_ahead(parser.parse_args([*command, "--model", "m", "--memory", "1GiB"]), restartable=True)
+    assert asked == [restarts]
