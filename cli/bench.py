@@ -78,7 +78,8 @@ def _add_memory_curve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", type=names, default=None, metavar="NAMES",
                    help="--memory: comma list of plain, mmap, no-predictor, prescient (the runtime with --predictor), "
                         "prefetch (prescient with in-token prefetch), next (prescient with cross-token prefetch), "
-                        "oracle, llama.cpp (with --llama-cpp and --gguf) (default: all; prescient, prefetch and next only with --predictor, llama.cpp only with --llama-cpp)")
+                        "oracle, llama.cpp (with --llama-cpp and --gguf) (default: all but next; prescient, prefetch "
+                        "and next only with --predictor, llama.cpp only with --llama-cpp)")
     p.add_argument("--llama-cpp", metavar="BIN_DIR",
                    help="--memory: a llama.cpp build's bin folder (llama-completion): llama.cpp runs beside the other "
                         "systems, in the same cgroups, on --gguf (docs/memory.md; default: not run)")

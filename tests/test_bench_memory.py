@@ -116,7 +116,7 @@ def test_prediction_is_judged_per_prompt_against_the_runtime_without_it(tmp_path
     orchestrate.bench_memory("model", [cap], [PROMPT, "import os\n"], json_path=out, new_tokens=4, repeats=2,
                              runner=runner, predictor="p")
     result = json.loads(out.read_text())
-    assert result["settings"]["systems"] == [s for s in orchestrate.SYSTEMS if s != "llama.cpp"]  # not given
+    assert result["settings"]["systems"] == [s for s in orchestrate.SYSTEMS if s not in ("llama.cpp", "next")]  # not given
     n = len(result["settings"]["systems"])
     assert [r["prompt_index"] for r in result["runs"][:2 * n]] == [0] * n + [1] * n  # interleaved per prompt
     assert len(result["references"]) == 2 and all(r["system"] == "plain" for r in result["references"])

@@ -257,8 +257,10 @@ def bench_memory(model_dir: str | Path, caps: list[int], prompts: list[str], *, 
 
 
 def default_systems(predictor: str | None, llama_cpp: str | Path | None) -> tuple[str, ...]:
-    """Every system, but `prescient` and `prefetch` only with a predictor and `llama.cpp` only with its binary."""
-    return tuple(s for s in SYSTEMS if (predictor or s not in WITH_PREDICTOR) and (llama_cpp or s != "llama.cpp"))
+    """Every system but `next` (cross-token prefetch needs a predictor with forecast heads: asked for by
+    name), `prescient` and `prefetch` only with a predictor and `llama.cpp` only with its binary."""
+    return tuple(s for s in SYSTEMS if s != "next" and (predictor or s not in WITH_PREDICTOR)
+                 and (llama_cpp or s != "llama.cpp"))
 
 
 def check_llama_cpp(llama_cpp: str | Path | None, gguf: str | Path | None, wanted: bool) -> dict[str, str | None]:
