@@ -61,6 +61,8 @@ SHADOW_WIDE_17 = "bench-prediction-tw-1.7-shadow.json"  # runs/tw at 1.7 GB at 3
 DIRECT, DIRECT_WIDE = "bench-prediction-tb-direct.json", "bench-prediction-tw-1.1-direct.json"  # 504f329: O_DIRECT
 REPEATED = ("bench-prediction-tb-0.66-3x.json", "bench-prediction-tb-0.85-3x.json")  # 6cc3e5a: 3 repeats per cap
 DIRECT_WIDE_17 = "bench-prediction-tw-1.7-direct.json"  # runs/tw at 1.7 GB at 6cc3e5a
+READ_REPEATS = "read-path-tw-repeats.json"  # experiments.read_path four times in a row (8edefd5)
+NEXT_EXPLORED = "bench-prediction-tb-0.85-next.json"  # 6cc3e5a: cross-token and in-token prefetch, one round
 HORIZONS = {f"{heads}, round {n}": f"bench-prediction-tb-0.85-horizon-{heads}-{n}.json" for n in (1, 2)
             for heads in ("h2", "h8")}  # 8edefd5: the demo's SiDA (2 forecast heads) against one with 8
 DIRECT_AB_TB = tuple((f"{commit}, round {n}", f"bench-direct-ab-tb-{commit}-{n}.json") for n in (1, 2)
@@ -165,6 +167,13 @@ def direct_ab_rows(labelled: tuple[tuple[str, str], ...]) -> Rows:
                          _of_runs(faults, _ran(entry), 2) if faults else "–"])
     return ["run", "cap (GB)", "system", "decode tokens/s", "slots", "hit rate", "MiB read from disk/token",
             "major faults/token"], rows
+
+
+def read_repeats_rows(name: str) -> Rows:
+    """Per invocation of the read path: each way's GB/s at one read in flight (median of its reads)."""
+    rows = [[str(index + 1), *(num(row["GB_per_s"]["median"], 2) for row in invocation["summary"] if row["depth"] == 1)]
+            for index, invocation in enumerate(load(name)["invocations"])]
+    return ["invocation", "through the page cache GB/s", "around it, in place GB/s", "around it, bounced GB/s"], rows
 
 
 def horizon_rows(labelled: dict[str, str]) -> Rows:
@@ -757,6 +766,18 @@ def _repeated_tables() -> tuple[Table, ...]:
                           "the same commit, reads around the page cache: 8 prompts, one run per prompt and system, "
                           "interleaved", "runs/tw's baselines at 1.7 GB in that run, llama.cpp (f32, memory-mapped) "
                           "among them")
+    tables.append(Table(
+        "The same cold 34 MB expert read of runs/tw four times in a row, each a fresh process (through "
+        "../shared/bin/quiet, load 1.34 before): the disk's rate moves between invocations, as the benches' wait "
+        "per load does between runs", (READ_REPEATS,), "for i in 1 2 3 4; do python -m experiments.read_path --file "
+        "runs/tw/model.safetensors --mib 34 --reads 4 --json ...; done (kept together in "
+        f"results/{READ_REPEATS})", partial(read_repeats_rows, READ_REPEATS)))
+    tables += _run_tables(NEXT_EXPLORED, "prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory "
+                          "0.85GB --prompts 8 --new-tokens 96 --repeats 1 --threads 2 --run-timeout 120 --systems "
+                          f"no-predictor,prescient,next,prefetch,oracle --json results/{NEXT_EXPLORED}",
+                          "Measured and not kept: the predictor with cross-token prefetch (`next`) and with in-token "
+                          "prefetch (`prefetch`) beside the default that prefetches nothing on the CPU, runs/tb at 0.85 "
+                          "GB at 6cc3e5a, one round (load 0.89 before)", "That run's systems")
     tables.append(Table(
         "Measured and not kept as the demo's: a SiDA predictor with 8 forecast heads (`prescient train --config "
         "configs/predictor/sida.yaml --data.trace_dir runs/demo/traces/train --model.horizon 8 --trainer.max_time "
