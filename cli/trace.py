@@ -27,6 +27,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "with or without --memory, so that the two traces are bit-equal; --memory cuts a larger one)")
     p.add_argument("--hidden-states", action="store_true",
                    help="keep each MoE layer's input hidden state per token too (bfloat16), to train a probe")
+    p.add_argument("--decode-tokens", type=positive_int, default=None, metavar="N",
+                   help="a decode trace: a prompt from each window (its first --prompt-tokens tokens) followed by "
+                        "the model's greedy continuation of N tokens, the routing the runtime serves; train a "
+                        "predictor on it (docs/training.md) (default: the windows themselves)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=16, metavar="N",
+                   help="with --decode-tokens: tokens per prompt (default: 16, as bench --memory's prompts)")
     p.add_argument("--out", type=output_dir, required=True, help="trace folder (a new one, or one to resume)")
     # without --memory or --budget the model is loaded whole; with either, through the runtime
     add_runtime_args(p, "memory", "budget", "store", "dtype")
@@ -44,7 +50,7 @@ def run(args: argparse.Namespace) -> None:
         out = trace_model(args.model, args.dataset, args.out, split=args.split, max_tokens=args.max_tokens,
                           top_t=args.top_t, text_field=args.text_field, seq_len=args.seq_len,
                           batch_size=batch_size, hidden_states=args.hidden_states, dtype=options.torch_dtype,
-                          model=model)
+                          model=model, decode_tokens=args.decode_tokens, prompt_tokens=args.prompt_tokens)
     print(f"trace written to {out}")
 
 

@@ -13,6 +13,12 @@ not a row), so a predictor fed a token stream learns one thing for both: what th
 reading a token pick. When serving, the encoder stream is the prompt and the decoder stream the
 start token and then each generated token. The manifest says so in `settings["decoder_reads_row_token"]`.
 
+With `decode_tokens`, a *decode trace*: each window's first `prompt_tokens` tokens are a prompt, and
+the trace holds the prompt followed by the model's own greedy continuation of `decode_tokens` tokens
+(cut after an end-of-sequence token), routed as the runtime routes them when it decodes that prompt.
+A predictor trained on it learns the routing it is asked about while serving: greedy decoding
+repeats itself where the corpus's text does not (docs/training.md has what that is worth).
+
 With `hidden_states`, each MoE layer's block input (what its router reads) is kept per row too,
 in bfloat16 (`prescient.traces`' `hidden` column), for the hidden-state probe (`predictor.probe`).
 """
@@ -53,6 +59,28 @@ def token_windows(tokenizer, texts: Iterable[str], seq_len: int, max_tokens: int
                 left -= len(window)
             if left <= 0:
                 return
+
+
+def prompt_windows(windows: Iterable[list[int]], prompt_tokens: int) -> Iterator[list[int]]:
+    """Each window's first `prompt_tokens` ids (a window shorter than that is skipped)."""
+    return (window[:prompt_tokens] for window in windows if len(window) >= prompt_tokens)
+
+
+@torch.no_grad()
+def greedy_continuations(model, prompts: Iterable[list[int]], new_tokens: int, batch_size: int,
+                         eos_id: int | None, pad_id: int) -> Iterator[list[int]]:
+    """Each prompt (all of one length) followed by `model`'s greedy continuation of `new_tokens`
+    ids, cut after its first `eos_id`: `batch_size` prompts per `generate`."""
+    prompts = iter(prompts)
+    while batch := list(islice(prompts, batch_size)):
+        ids = torch.tensor(batch, dtype=torch.long)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=pad_id, eos_token_id=eos_id)
+        for prompt, row in zip(batch, out.tolist()):
+            continuation = row[len(prompt):]
+            if eos_id is not None and eos_id in continuation:
+                continuation = continuation[: continuation.index(eos_id) + 1]
+            yield prompt + continuation
 
 
 def pad_batch(windows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,17 +235,24 @@ def _traced_model(model_dir: str | Path, dtype: torch.dtype,
 def trace_model(model_dir: str | Path, dataset: str, out: str | Path, split: str = "validation",
                 max_tokens: int = 50_000, top_t: int = 30, text_field: str = "text", seq_len: int = 128,
                 batch_size: int = 16, shard_sequences: int = 256, hidden_states: bool = False,
-                dtype: torch.dtype = torch.float32, model: nn.Module | None = None) -> Path:
+                dtype: torch.dtype = torch.float32, model: nn.Module | None = None,
+                decode_tokens: int | None = None, prompt_tokens: int = 16) -> Path:
     """Trace `model_dir` over `dataset`'s split into `out`; resumes an interrupted run.
     `hidden_states`: keep each MoE layer's block input per row too (bfloat16). The model computes
     in `dtype` (a trace in another dtype than float32 records it in its settings); `model`, when
     given, is `model_dir` already loaded in `dtype` through the offloading runtime
     (`offload_runtime.engine.loader.load_offloaded`), which routes exactly as the whole model does,
-    so the trace is the one the whole model writes, in less memory."""
+    so the trace is the one the whole model writes, in less memory. `decode_tokens`: a decode trace
+    (the module's doc) of prompts of `prompt_tokens` tokens, one from each window, `max_tokens`
+    traced tokens at most, the continuations made `batch_size` prompts at a time."""
     out = Path(out)
     _check_sizes(max_tokens=max_tokens, top_t=top_t, seq_len=seq_len, batch_size=batch_size,
-                 shard_sequences=shard_sequences)
+                 shard_sequences=shard_sequences, **({} if decode_tokens is None else
+                                                     {"decode_tokens": decode_tokens, "prompt_tokens": prompt_tokens}))
     model, layers, fingerprint = _traced_model(model_dir, dtype, model)
+    if decode_tokens is not None and is_encoder_decoder(model):
+        raise TraceError(f"{fingerprint.arch}: a decode trace needs a decoder-only model (an encoder-decoder's "
+                         "continuation is its decoder's, not the prompt's stream)")
     tokenizer = load_tokenizer(model_dir)
     texts = load_corpus(dataset, split, text_field)["text"]
     manifest = TraceManifest(
@@ -225,7 +260,8 @@ def trace_model(model_dir: str | Path, dataset: str, out: str | Path, split: str
         settings={"model": _model_name(model_dir), "max_tokens": max_tokens, "seq_len": seq_len,
                   "shard_sequences": shard_sequences, "text_field": text_field,
                   **({} if dtype == torch.float32 else {"dtype": str(dtype).removeprefix("torch.")}),
-                  **({"decoder_reads_row_token": True} if is_encoder_decoder(model) else {})},
+                  **({"decoder_reads_row_token": True} if is_encoder_decoder(model) else {}),
+                  **({} if decode_tokens is None else {"decode_tokens": decode_tokens, "prompt_tokens": prompt_tokens})},
         hidden_size=_hidden_size(model) if hidden_states else None,
     )
     previous = _resume_point(out, manifest)
@@ -235,7 +271,8 @@ def trace_model(model_dir: str | Path, dataset: str, out: str | Path, split: str
         log.info("trace in %s is already complete (%d tokens)", out, previous.n_tokens)
         return out
     done_seqs = sum(s["sequences"] for s in previous.shards) if previous else 0
-    windows = islice(token_windows(tokenizer, texts, seq_len, max_tokens), done_seqs, None)
+    windows = _traced_windows(model, tokenizer, texts, seq_len, max_tokens, done_seqs, batch_size,
+                              decode_tokens, prompt_tokens)
     first = next(windows, None)
     if first is None and done_seqs == 0:
         raise TraceError(f"dataset {dataset!r} split {split!r} gave no tokens to trace")
@@ -252,3 +289,17 @@ def trace_model(model_dir: str | Path, dataset: str, out: str | Path, split: str
     writer.finish()
     log.info("traced %d tokens of %s/%s into %s", writer.manifest.n_tokens, dataset, split, out)
     return out
+
+
+def _traced_windows(model, tokenizer, texts, seq_len: int, max_tokens: int, done_seqs: int, batch_size: int,
+                    decode_tokens: int | None, prompt_tokens: int) -> Iterator[list[int]]:
+    """The sequences still to trace after the first `done_seqs`: the corpus's windows, or for a
+    decode trace a prompt from each and its greedy continuation (each prompt's sequence counted at
+    its longest, so at most `max_tokens` are traced)."""
+    if decode_tokens is None:
+        return islice(token_windows(tokenizer, texts, seq_len, max_tokens), done_seqs, None)
+    prompts = prompt_windows(token_windows(tokenizer, texts, seq_len, 2**62), prompt_tokens)
+    prompts = islice(prompts, done_seqs, max(max_tokens // (prompt_tokens + decode_tokens), 1))
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    return greedy_continuations(model, prompts, decode_tokens, batch_size, eos, pad)
