@@ -2,9 +2,12 @@
 
     DIR/model                 the tiny reference MoE (Hugging Face directory + reference.json)
     DIR/traces/{train,validation}  router traces of stdlib-code
+    DIR/traces/decode         a decode trace: the model's greedy continuations of training prompts
     DIR/hardware.json         this machine measured (`prescient profile-hw`): the simulator's clock
     DIR/predictor/sida.*      the SiDA hash function (causal) with forecast heads for the next
                               HORIZON tokens, trained with `prescient train`
+    DIR/predictor/sida-decode-h8.*  the same hash function with DECODE_HORIZON forecast heads trained
+                              on the decode trace: what the runtime serves (docs/tracing.md)
     DIR/evaluate.{json,png}   predictor recall on the held-out trace, per forecast horizon too
     DIR/compare-caches.{json,png}  cache policies with and without SiDA prefetch, learned eviction
                               among them, time-true on this machine's profile
@@ -44,6 +47,8 @@ TRACE_TOKENS = {"train": 300_000, "validation": 30_000}
 TRAIN_LIMIT = "00:00:03:00"  # SiDA training wall-clock cap (dd:hh:mm:ss); the reference model takes ~9 of the 15 minutes
 PROMPT = "def read_config(path):\n    "
 HORIZON = 2  # forecast heads: the experts of the next two tokens, what learned eviction ranks by
+DECODE_TOKENS, DECODE_TRACE_TOKENS, DECODE_BATCH = 96, 230_000, 32  # the decode trace: 2 053 prompts of 16 tokens
+DECODE_HORIZON = 8  # the decode predictor's forecast heads (docs/tracing.md#decode-traces: its measured gain)
 POLICIES = ("lru", "lfu", "fifo", "mrs", "static", "belady", "learned-belady")
 # greedy decoding of the tiny model loops ('#' lines); seeded nucleus sampling reads as code, and
 # draws the same tokens through the runtime as from the plain model (offloading is exact)
@@ -55,6 +60,9 @@ def demo_steps(out: Path) -> list[tuple[str, Path | None, Callable[[], object]]]
     reuses its own output have no marker."""
     model, traces, sida = out / "model", out / "traces", out / "predictor" / "sida"
     train, val, hardware = traces / "train", traces / "validation", out / "hardware.json"
+    decode, sida_decode = traces / "decode", out / "predictor" / f"sida-decode-h{DECODE_HORIZON}"
+    logged = {"trainer.default_root_dir": out / "predictor", "trainer.logger.init_args.save_dir": out / "predictor",
+              "trainer.max_time": TRAIN_LIMIT}
     steps: list[tuple[str, Path | None, Callable[[], object]]] = [
         ("reference model", None, lambda: build_reference_model("tiny", model)),
     ]
@@ -67,9 +75,12 @@ def demo_steps(out: Path) -> list[tuple[str, Path | None, Callable[[], object]]]
     steps += [
         ("profile this machine", hardware, lambda: measure_profile(out).save(hardware)),
         ("train SiDA predictor", sida.with_suffix(".json"), lambda: train_predictor(
-            CONFIGS / "predictor" / "sida.yaml", train, sida, **{
-                "trainer.default_root_dir": out / "predictor", "trainer.logger.init_args.save_dir": out / "predictor",
-                "trainer.max_time": TRAIN_LIMIT, "model.horizon": HORIZON})),
+            CONFIGS / "predictor" / "sida.yaml", train, sida, **logged, **{"model.horizon": HORIZON})),
+        ("trace greedy continuations", None, lambda: trace_model(
+            model, DATASET, decode, split="train", max_tokens=DECODE_TRACE_TOKENS, top_t=16, batch_size=DECODE_BATCH,
+            decode_tokens=DECODE_TOKENS)),
+        ("train SiDA on the decode trace", sida_decode.with_suffix(".json"), lambda: train_predictor(
+            CONFIGS / "predictor" / "sida.yaml", decode, sida_decode, **logged, **{"model.horizon": DECODE_HORIZON})),
         ("evaluate predictors", out / "evaluate.json", lambda: write_results(
             evaluate_predictors(val, {"sida": sida, **dict.fromkeys(("corr", "token", "freq", "lookahead", "oracle"))},
                                 model_dir=model, train_trace=train),

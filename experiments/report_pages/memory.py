@@ -61,6 +61,8 @@ SHADOW_WIDE_17 = "bench-prediction-tw-1.7-shadow.json"  # runs/tw at 1.7 GB at 3
 DIRECT, DIRECT_WIDE = "bench-prediction-tb-direct.json", "bench-prediction-tw-1.1-direct.json"  # 504f329: O_DIRECT
 REPEATED = ("bench-prediction-tb-0.66-3x.json", "bench-prediction-tb-0.85-3x.json")  # 6cc3e5a: 3 repeats per cap
 DIRECT_WIDE_17 = "bench-prediction-tw-1.7-direct.json"  # runs/tw at 1.7 GB at 6cc3e5a
+DECODE_TRACE = "bench-prediction-tb-decode-h8-3x.json"  # c228bcd: a SiDA hash (8 heads) trained on a decode trace
+DECODE_PREDICTOR = "runs/demo/predictor/sida-decode-h8"
 READ_REPEATS = "read-path-tw-repeats.json"  # experiments.read_path four times in a row (8edefd5)
 NEXT_EXPLORED = "bench-prediction-tb-0.85-next.json"  # 6cc3e5a: cross-token and in-token prefetch, one round
 HORIZONS = {f"{heads}, round {n}": f"bench-prediction-tb-0.85-horizon-{heads}-{n}.json" for n in (1, 2)
@@ -706,9 +708,10 @@ HORIZON_NOTE = ("Eight heads cut the loads where LRU loads most (prompt 6: 1.59 
                 "4.4 s neither stall nor prediction) ran while the report was generated beside it, outside quiet.")
 
 
-def _tb_cmd(name: str, caps: str = "0.66GB,0.85GB", repeats: int = 2) -> str:
+def _tb_cmd(name: str, caps: str = "0.66GB,0.85GB", repeats: int = 2,
+            predictor: str = "runs/demo/predictor/sida") -> str:
     """The command of a prediction bench on runs/tb at its two caps."""
-    return (f"prescient bench --model runs/tb --predictor runs/demo/predictor/sida --memory {caps} --prompts 8 "
+    return (f"prescient bench --model runs/tb --predictor {predictor} --memory {caps} --prompts 8 "
             f"--new-tokens 96 --repeats {repeats} --threads 2 --systems plain,mmap,no-predictor,prescient,oracle "
             f"--run-timeout 120 --json results/{name}")
 
@@ -749,6 +752,23 @@ def _shadow_tables() -> tuple[Table, ...]:
                      "slots at 0.66 GB, the runtime without it 15: the plan's process 94 KB larger than in the run "
                      "before)", "That run's baselines"),
     )
+
+
+def _decode_trace_tables() -> tuple[Table, ...]:
+    """A predictor trained on what the runtime serves (c228bcd): SiDA with 8 forecast heads on a decode
+    trace of the demo model, runs/tb at both caps with three repeats, every baseline in the same run."""
+    return _run_tables(
+        DECODE_TRACE, _tb_cmd(DECODE_TRACE, repeats=3, predictor=DECODE_PREDICTOR),
+        "A predictor trained on decode traces (c228bcd, through ../shared/bin/quiet): SiDA with 8 forecast heads "
+        "trained on the demo model's greedy continuations of 2 053 training-split prompts (`prescient trace --model "
+        "runs/demo/model --dataset stdlib-code --split train --decode-tokens 96 --max-tokens 230000 --batch-size 32 "
+        "--top-t 16 --out runs/demo/traces/decode`, then `prescient train --config configs/predictor/sida.yaml "
+        "--data.trace_dir runs/demo/traces/decode --model.horizon 8 --trainer.max_time 00:00:05:00 --export "
+        f"{DECODE_PREDICTOR}`); runs/tb (733 MB of experts), 8 held-out prompts, 96 new tokens, 3 interleaved "
+        "repeats, `--memory`'s defaults; per prompt the medians of the runtime without a predictor, with it and "
+        "with the oracle",
+        "The same run's baselines over all prompts and repeats: plain transformers, the model memory-mapped, and "
+        "the runtime's systems")
 
 
 def _repeated_tables() -> tuple[Table, ...]:
@@ -1129,6 +1149,7 @@ def page() -> Page:
     tune_wide_cmd = ("prescient tune --model runs/tw --predictor runs/tb-predictor/sida --memory 1.1GB,1.7GB "
                      "--new-tokens 32 --json ...")
     return Page("memory", "Speed against memory", CONCLUSION, (
+        *_decode_trace_tables(),
         *_repeated_tables(),
         *_direct_tables(),
         *_shadow_tables(),
