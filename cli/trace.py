@@ -30,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--decode-tokens", type=positive_int, default=None, metavar="N",
                    help="a decode trace: a prompt from each window (its first --prompt-tokens tokens) followed by "
                         "the model's greedy continuation of N tokens, the routing the runtime serves; train a "
-                        "predictor on it (docs/training.md) (default: the windows themselves)")
+                        "predictor on it (docs/tracing.md#decode-traces) (default: the windows themselves)")
     p.add_argument("--prompt-tokens", type=positive_int, default=16, metavar="N",
                    help="with --decode-tokens: tokens per prompt (default: 16, as bench --memory's prompts)")
     p.add_argument("--out", type=output_dir, required=True, help="trace folder (a new one, or one to resume)")

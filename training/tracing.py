@@ -17,7 +17,7 @@ With `decode_tokens`, a *decode trace*: each window's first `prompt_tokens` toke
 the trace holds the prompt followed by the model's own greedy continuation of `decode_tokens` tokens
 (cut after an end-of-sequence token), routed as the runtime routes them when it decodes that prompt.
 A predictor trained on it learns the routing it is asked about while serving: greedy decoding
-repeats itself where the corpus's text does not (docs/training.md has what that is worth).
+repeats itself where the corpus's text does not (docs/tracing.md#decode-traces has what that is worth).
 
 With `hidden_states`, each MoE layer's block input (what its router reads) is kept per row too,
 in bfloat16 (`prescient.traces`' `hidden` column), for the hidden-state probe (`predictor.probe`).

@@ -327,6 +327,22 @@ def tune_rows(name: str) -> Rows:
 
 
 CONCLUSION = """
+**A predictor trained on what the runtime serves (c228bcd).** The first tables run the same bench
+with a SiDA hash of 8 forecast heads trained on a decode trace, the demo model's own greedy
+continuations of 2 053 training prompts (`prescient trace --decode-tokens 96`, [decode
+traces](../tracing.md#decode-traces)), three interleaved repeats, both caps in one invocation
+(through ../shared/bin/quiet, load average 1.41 before). At 0.66 GB: a median 1.26x the runtime
+without a predictor per prompt (0.87x to 1.95x), the oracle 1.29x; 72.3 tokens/s against 68.3, the
+oracle 75.5, memory-mapped 22.2, plain transformers killed in all 24 runs (103.8 uncapped). Where the
+oracle gains 1.5x (prompts 3, 6, 8) the predictor gained 1.89x, 1.93x and 1.95x, at or above the
+oracle. At 0.85 GB: 1.04x (0.91x to 1.22x), the oracle 1.12x; where the oracle gains 1.5x (prompts 3,
+6, 8) 1.05x, 1.14x and 1.22x, loading 1.04, 1.51 and 1.72 experts per token against LRU's 1.34, 2.05
+and 2.42 and the corpus-trained predictor's 1.06, 1.89 and 2.03 (below, 6cc3e5a). The oracle's lead
+there is its prefetches, read while the model computes (45-54 of its 83-135 loads waited for). One
+prompt was slower in every repeat: prompt 5 at 0.66 GB, 0.83x-0.93x, with fewer loads than LRU and
+the guard pausing the predictor for 56 of 96 tokens (a cost per token outside the stall and the
+predictor's time, not found yet). Every run exact.
+
 **What prediction is worth, three repeats per prompt (6cc3e5a, today's runtime).** The first tables
 run runs/tb's prediction bench again with three interleaved repeats, one invocation per cap
 (through ../shared/bin/quiet, load average 0.88 and 1.59 before), and keep each prompt's ratio
