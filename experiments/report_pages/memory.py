@@ -63,6 +63,8 @@ REPEATED = ("bench-prediction-tb-0.66-3x.json", "bench-prediction-tb-0.85-3x.jso
 DIRECT_WIDE_17 = "bench-prediction-tw-1.7-direct.json"  # runs/tw at 1.7 GB at 6cc3e5a
 DECODE_TRACE = "bench-prediction-tb-decode-h8-3x.json"  # c228bcd: a SiDA hash (8 heads) trained on a decode trace
 DECODE_PREDICTOR = "runs/demo/predictor/sida-decode-h8"
+DECODE_NEXT = "bench-prediction-tb-0.85-decode-h8-next.json"  # c85bb5b: its cross-token prefetch, one round (not kept)
+DECODE_WIDE = "bench-prediction-tw-1.1-decode-h8.json"  # c85bb5b: runs/tw at 1.1 GB with it, one round
 READ_REPEATS = "read-path-tw-repeats.json"  # experiments.read_path four times in a row (8edefd5)
 NEXT_EXPLORED = "bench-prediction-tb-0.85-next.json"  # 6cc3e5a: cross-token and in-token prefetch, one round
 HORIZONS = {f"{heads}, round {n}": f"bench-prediction-tb-0.85-horizon-{heads}-{n}.json" for n in (1, 2)
@@ -341,7 +343,16 @@ and 2.42 and the corpus-trained predictor's 1.06, 1.89 and 2.03 (below, 6cc3e5a)
 there is its prefetches, read while the model computes (45-54 of its 83-135 loads waited for). One
 prompt was slower in every repeat: prompt 5 at 0.66 GB, 0.83x-0.93x, with fewer loads than LRU and
 the guard pausing the predictor for 56 of 96 tokens (a cost per token outside the stall and the
-predictor's time, not found yet). Every run exact.
+predictor's time, not found yet). Every run exact. Its cross-token prefetch (`next`, one round at 0.85
+GB, c85bb5b) decoded 1.10x the runtime without a predictor over the prompts (0.79x to 1.32x) against
+the default's 1.06x (0.91x to 1.30x) in the same round, wasting 1-28 prefetched experts a prompt and
+loading more than the default on every prompt where the oracle gains 1.5x (205 against 145 on prompt
+6): within the spread, not kept. On runs/tw at 1.1 GB (one round, c85bb5b, load 1.01 before) the
+decode-trained predictor decoded 1.15x the runtime without it over the prompts (0.94x to 3.66x), the
+oracle 1.37x; 18.2 tokens/s against 12.5, the oracle 18.1, memory-mapped 7.1; fewer loads than LRU on
+all 8 prompts (1.67 against 5.54 per token on prompt 1); where the oracle gains 1.5x (prompts 1, 3, 5)
+3.66x, 2.84x and 0.94x, the last with 1.33 loads per token against LRU's 1.52 (one run each: the
+disk's spread).
 
 **What prediction is worth, three repeats per prompt (6cc3e5a, today's runtime).** The first tables
 run runs/tb's prediction bench again with three interleaved repeats, one invocation per cap
@@ -784,7 +795,17 @@ def _decode_trace_tables() -> tuple[Table, ...]:
         "repeats, `--memory`'s defaults; per prompt the medians of the runtime without a predictor, with it and "
         "with the oracle",
         "The same run's baselines over all prompts and repeats: plain transformers, the model memory-mapped, and "
-        "the runtime's systems")
+        "the runtime's systems") + _run_tables(
+        DECODE_WIDE, f"prescient bench --model runs/tw --predictor {DECODE_PREDICTOR} --memory 1.1GB --prompts 8 "
+        "--new-tokens 96 --repeats 1 --threads 2 --run-timeout 60 --systems mmap,no-predictor,prescient,oracle "
+        f"--json results/{DECODE_WIDE}", "The decode-trained predictor on runs/tw (2.2 GB of experts) at 1.1 GB "
+        "(c85bb5b, through ../shared/bin/quiet): 8 prompts, one run per prompt and system, interleaved",
+        "That run's baselines") + _run_tables(
+        DECODE_NEXT, f"prescient bench --model runs/tb --predictor {DECODE_PREDICTOR} --memory 0.85GB --prompts 8 "
+        "--new-tokens 96 --repeats 1 --threads 2 --run-timeout 120 --systems no-predictor,prescient,next,oracle "
+        f"--json results/{DECODE_NEXT}", "Measured and not kept: the decode-trained predictor with cross-token "
+        "prefetch (`next`: the forecast heads' next-token experts of chance at least 0.5) beside the default, runs/tb "
+        "at 0.85 GB (c85bb5b, one round, through ../shared/bin/quiet, load 0.90 before)", "That run's systems")
 
 
 def _repeated_tables() -> tuple[Table, ...]:
