@@ -68,11 +68,13 @@ def prompt_windows(windows: Iterable[list[int]], prompt_tokens: int) -> Iterator
 
 @torch.no_grad()
 def greedy_continuations(model, prompts: Iterable[list[int]], new_tokens: int, batch_size: int,
-                         eos_id: int | None, pad_id: int) -> Iterator[list[int]]:
+                         eos_id: int | None, pad_id: int, progress: tqdm | None = None) -> Iterator[list[int]]:
     """Each prompt (all of one length) followed by `model`'s greedy continuation of `new_tokens`
-    ids, cut after its first `eos_id`: `batch_size` prompts per `generate`."""
+    ids, cut after its first `eos_id`: `batch_size` prompts per `generate` (`progress` counts them)."""
     prompts = iter(prompts)
     while batch := list(islice(prompts, batch_size)):
+        if progress is not None:
+            progress.update(len(batch))
         ids = torch.tensor(batch, dtype=torch.long)
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              do_sample=False, pad_token_id=pad_id, eos_token_id=eos_id)
@@ -298,8 +300,12 @@ def _traced_windows(model, tokenizer, texts, seq_len: int, max_tokens: int, done
     its longest, so at most `max_tokens` are traced)."""
     if decode_tokens is None:
         return islice(token_windows(tokenizer, texts, seq_len, max_tokens), done_seqs, None)
-    prompts = prompt_windows(token_windows(tokenizer, texts, seq_len, 2**62), prompt_tokens)
-    prompts = islice(prompts, done_seqs, max(max_tokens // (prompt_tokens + decode_tokens), 1))
+    wanted = max(max_tokens // (prompt_tokens + decode_tokens), 1)
+    windows = token_windows(tokenizer, texts, seq_len, 2**62)
+    prompts = islice(prompt_windows(windows, prompt_tokens), done_seqs, wanted)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
-    return greedy_continuations(model, prompts, decode_tokens, batch_size, eos, pad)
+    # a shard's continuations all come before its forward: a bar of their own, or the trace's would stand still
+    progress = tqdm(total=wanted, initial=done_seqs, unit="prompt", desc="greedy continuations", position=1,
+                    leave=False)
+    return greedy_continuations(model, prompts, decode_tokens, batch_size, eos, pad, progress)
