@@ -83,6 +83,8 @@ def greedy_continuations(model, prompts: Iterable[list[int]], new_tokens: int, b
             if eos_id is not None and eos_id in continuation:
                 continuation = continuation[: continuation.index(eos_id) + 1]
             yield prompt + continuation
+    if progress is not None:
+        progress.close()
 
 
 def pad_batch(windows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
