@@ -89,7 +89,9 @@ def test_orchestrator_writes_killed_runs_and_summary(tmp_path):
     orchestrate.bench_memory("model", [big, small, tiny], [PROMPT], json_path=out, plot_path=tmp_path / "curve.png",
                              new_tokens=4, repeats=2, runner=runner, predictor="p", systems=("plain", "mmap", "prescient"))
     result = json.loads(out.read_text())
-    assert [r["system"] for r in result["runs"][:3]] == ["plain", "mmap", "prescient"]  # interleaved
+    rounds = [[r["system"] for r in result["runs"][i:i + 3]] for i in range(0, 12, 3)]  # big: 2 repeats, then small
+    assert rounds == [["plain", "mmap", "prescient"], ["mmap", "prescient", "plain"],  # interleaved, order rotated
+                      ["plain", "mmap", "prescient"], ["mmap", "prescient", "plain"]]
     killed = [(r["system"], r["cap_bytes"]) for r in result["runs"] if r["status"] == "killed"]
     assert sorted(set(killed)) == sorted({("plain", small), ("plain", tiny), ("mmap", tiny)}) and len(killed) == 6
     assert {r["status"] for r in result["runs"] if r["cap_bytes"] == tiny and r["system"] == "prescient"} == {"refused"}

@@ -6,7 +6,9 @@ run, and a PNG.
 
 Order: the import floor, one uncapped plain run per prompt (the reference ids every run must equal;
 it also traces its own sequence for the oracle), then per cap `repeats` rounds of every prompt's
-systems interleaved (A B C A B C), the page cache dropped before each.
+systems interleaved, their order rotated from one prompt and round to the next (A B C, B C A, C A B:
+no system always follows the same one, whose reads may leave the storage below the page cache warm),
+the page cache dropped before each.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ METHOD = {
             "capped at the cap; the page cache is dropped before it (sync; echo 1 > /proc/sys/vm/drop_caches) where "
             "allowed (page_cache_dropped), so every run reads its weights from disk under the cap",
     "order": "the import floor, one uncapped plain run per prompt (reference ids, and the oracle's trace), then per "
-             "cap `repeats` rounds of every prompt's systems in turn (A B C A B C)",
+             "cap `repeats` rounds of every prompt's systems in turn, the order rotated by one from one prompt and "
+             "round to the next (A B C, B C A, C A B: `rotated`), so no system always runs after the same one",
     "prompts": "the first texts of the corpus's held-out split with at least prompt_tokens tokens, cut to that many",
     "per_prompt": "per cap, prompt and system: median tokens/s over the repeats and their range; ratios of each "
                   "runtime system over no-predictor per prompt (of the medians, and per repeat: paired), and their "
@@ -242,7 +245,7 @@ def bench_memory(model_dir: str | Path, caps: list[int], prompts: list[str], *, 
         for cap in caps:
             for repeat in range(repeats):
                 for prompt_spec, reference in zip(prompt_specs, references):
-                    for system in systems:
+                    for system in rotated(systems, repeat + prompt_spec["prompt_index"]):
                         record = child_run({**prompt_spec, "system": system}, cap, runner, timeout_s)
                         record.update(repeat=repeat, prompt_index=prompt_spec["prompt_index"])
                         if record["status"] == "ok":
@@ -254,6 +257,12 @@ def bench_memory(model_dir: str | Path, caps: list[int], prompts: list[str], *, 
     if plot_path:
         plot_memory_curve(result, plot_path)
     return result
+
+
+def rotated(systems: tuple[str, ...], by: int) -> tuple[str, ...]:
+    """`systems` rotated left `by` places: the order of one prompt's round (see the module doc)."""
+    by %= len(systems)
+    return systems[by:] + systems[:by]
 
 
 def default_systems(predictor: str | None, llama_cpp: str | Path | None) -> tuple[str, ...]:
