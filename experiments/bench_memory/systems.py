@@ -13,7 +13,8 @@ prompt's put and each new token; prefill runs to the first new token, decode fro
   layer, `prefetch_per_layer`), the default only where the slots are on a GPU: the CPU's default
   measured beside it.
 - `next`: `prescient` with cross-token prefetch on (the forecast heads' next-token experts of chance
-  at least 0.5, `next_token_min_chance`: what the oracle does with certain forecasts).
+  at least 0.5, `next_token_min_chance`, the model's top-k per layer at most: what the oracle does
+  with certain forecasts); on the CPU under learned eviction nothing in-token beside it.
 - `oracle`: the runtime with a predictor that knows the run's true routing (`OraclePredictor` over
   the reference run's own trace: the prompt and the plain model's tokens): learned eviction on
   certain forecasts (Belady's rule over the next 8 tokens), prefetch of every layer's experts and of

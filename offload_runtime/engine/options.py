@@ -66,11 +66,11 @@ class RuntimeOptions:
     many reads in flight at once, the queue depth the device needs for its rate, with no buffer
     beyond the slot), `prefetch_per_layer` (experts prefetched per
     layer and predicted token; 0: none, the predictor's forecasts rank the cache's evictions alone;
-    None: the model's top-k, but none on the CPU under learned eviction without cross-token
-    prefetch, where a wrong prefetch read from disk displaces an expert in use, see `runtime`), `link_timing` (hide-only prefetch: only
+    None: the model's top-k, but none on the CPU under learned eviction, where a wrong prefetch read
+    from disk displaces an expert in use, see `runtime`; cross-token prefetch is apart from it), `link_timing` (hide-only prefetch: only
     copies that can end before their layer runs; None: as many as the slots allow),
     `next_token_min_chance` (cross-token prefetch of the next token's experts forecast at least
-    this likely; None: off), `dtype` (what the model computes in, and so what a slot holds:
+    this likely, the model's top-k per layer at most; None: off), `dtype` (what the model computes in, and so what a slot holds:
     "float32", or "bfloat16", half the bytes per slot; experts stored in another precision are
     converted or expanded into it as they arrive), `slot_format` ("expanded": a slot holds an
     expert in `dtype` whatever its stored precision; "packed": an int4-stored expert (in groups)

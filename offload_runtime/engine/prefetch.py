@@ -3,7 +3,8 @@
 Per forward of a stack, `Prefetcher.take` turns its hash table, once ready, into keys per layer:
 the predicted experts of each layer (`prefetch_per_layer` per token of the forward, those scored
 above zero), and with `next_token_min_chance` (cross-token prefetch) the experts the next
-forward is forecast to use at least that likely. While layer l runs, `keys_after(l)` gives what
+forward is forecast to use at least that likely (up to the model's top-k per layer, whether or not
+in-token prefetch is on). While layer l runs, `keys_after(l)` gives what
 to prefetch now: the stack's layers after l, nearest first, then the next forward's layers up to
 l; with a `link_timing` only those whose copy can end before their layer runs (`_hideable`, the
 rule `cache.timing.hideable`). The runtime requests them in one `prefetch` call, which never
@@ -36,8 +37,9 @@ class Prefetcher:
     """The prefetch plan of one runtime for the forward that runs (see the module doc)."""
 
     def __init__(self, cache: ExpertCache, engine: TransferEngine, n_layers: int, n_experts: int, per_layer: int,
-                 options: RuntimeOptions, forecast_weight: float = FORECAST_WEIGHT) -> None:
+                 options: RuntimeOptions, top_k: int, forecast_weight: float = FORECAST_WEIGHT) -> None:
         self.cache, self.engine, self.n_experts, self.per_layer = cache, engine, n_experts, per_layer
+        self.top_k = top_k  # the most experts per layer a cross-token prefetch asks for: one token's
         self.options = options  # link_timing: _hideable; next_token_min_chance: _next_keys
         self.late_tables = 0  # forwards whose table was not ready when their first MoE layer ran
         self.tables_on_time = 0
@@ -157,9 +159,9 @@ class Prefetcher:
 
     def _next_keys(self, chances: torch.Tensor) -> list[list[Key]]:
         """Per layer of the running stack, the experts the next forward is forecast to use with a
-        chance of at least `next_token_min_chance`, likeliest first, `per_layer` at most (the
-        chances are the largest over the rows)."""
-        top = torch.topk(chances, min(self.n_experts, self.per_layer), dim=-1)
+        chance of at least `next_token_min_chance`, likeliest first, the model's top-k at most (the
+        chances are the largest over the rows), whatever `per_layer` asks of in-token prefetch."""
+        top = torch.topk(chances, min(self.n_experts, self.top_k), dim=-1)
         least = self.options.next_token_min_chance
         return [[(layer, int(e)) for c, e in zip(values.tolist(), experts.tolist()) if c >= least]
                 if layer in self.layers else []

@@ -169,7 +169,7 @@ class OffloadRuntime:
             and not options.hybrid_schedule else None  # HybriMoE's scheduler decides on the forecasts itself
         self.prefetcher = Prefetcher(self.prediction_guard or self.cache, self.engine, len(layers), self.n_experts,
                                      _prefetch_per_layer(options, self.top_k, pool.device, policy.uses_forecasts), options,
-                                     forecast_weight=1.0 if predictor is not None and predictor.certain else FORECAST_WEIGHT)
+                                     self.top_k, forecast_weight=1.0 if predictor is not None and predictor.certain else FORECAST_WEIGHT)
         # under `--memory`, slots are given back if the process starts re-reading its own pages
         self.guard = MemoryGuard(self._give_back_slots, pool.num_slots, self.top_k) \
             if options.memory is not None and fine_store is None else None
@@ -514,16 +514,16 @@ def _expert_cache(pool: SlotPool | TieredSlotPool, policy: EvictionPolicy, optio
 
 
 def _prefetch_per_layer(options: RuntimeOptions, top_k: int, device: torch.device, learned: bool) -> int:
-    """Experts prefetched per layer and predicted token: as given; by default the top-k (SiDA's
-    prefetch), but none on the CPU where the forecasts rank evictions (`learned`) and no cross-token
-    prefetch is asked for. There a prefetch is a disk read that displaces a resident expert, and
-    the forecasts do better keeping the right experts than fetching new ones: over runs/tb's 8
-    held-out prompts at 17 and 33 slots, the runtime loaded more experts with in-token prefetch than
-    without it on 7 and 8 of them (results/bench-prediction-tb-history.json measures both)."""
+    """Experts prefetched per layer and predicted token (in-token prefetch): as given; by default the
+    top-k (SiDA's prefetch), but none on the CPU where the forecasts rank evictions (`learned`).
+    There a prefetch is a disk read that displaces a resident expert, and the forecasts do better
+    keeping the right experts than fetching new ones: over runs/tb's 8 held-out prompts at 17 and 33
+    slots, the runtime loaded more experts with in-token prefetch than without it on 7 and 8 of them
+    (results/bench-prediction-tb-history.json measures both). Cross-token prefetch, by its forecast
+    chances, is apart: `Prefetcher._next_keys`."""
     if options.prefetch_per_layer is not None:
         return options.prefetch_per_layer
-    cpu_learned = device.type != "cuda" and learned and options.next_token_min_chance is None
-    return 0 if cpu_learned else top_k
+    return 0 if device.type != "cuda" and learned else top_k
 
 
 def _probe(options: RuntimeOptions, fingerprint: ModelFingerprint):

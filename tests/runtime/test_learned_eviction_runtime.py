@@ -172,6 +172,19 @@ def test_cross_token_prefetch_keeps_only_likely_experts(tiny_moe_dir):
         assert runtime.prefetcher._next_keys(chances)[:2] == [[(0, 3)], [(1, 1)]]
 
 
+def test_cross_token_prefetch_on_the_cpu_under_learned_eviction_asks_nothing_in_token(tiny_moe_dir):
+    """Learned eviction on the CPU prefetches nothing for the running token (a wrong guess read from
+    disk displaces a kept expert), but cross-token prefetch still asks for the next token's likely
+    experts, the model's top-k per layer at most."""
+    path = tiny_moe_dir("mixtral")
+    model = load_offloaded(path, prediction_guard=False, predictor=forecasting_sida(path), policy="learned-belady",
+                           budget=0.5, next_token_min_chance=0.5)
+    with model.runtime as runtime:
+        assert runtime.prefetcher.per_layer == 0
+        chances = torch.full((len(runtime.layers), runtime.n_experts), 0.6)
+        assert [len(keys) for keys in runtime.prefetcher._next_keys(chances)] == [runtime.top_k] * len(runtime.layers)
+
+
 def test_cross_token_prefetch_bad_input(tiny_moe_dir, tmp_path):
     path = tiny_moe_dir("mixtral")
     with pytest.raises(PredictorError, match="cross-token prefetch needs a predictor's forecasts"):
