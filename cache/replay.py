@@ -321,8 +321,8 @@ def replay_timed(st, n_layers, keys, offsets, score_keys, score_values, score_of
     waits = np.empty(len(inserted), np.int64)
     arrivals = np.empty(len(inserted), np.float64)
     chan = np.zeros(len(copy_s), np.float64)  # when each of the link's channels is next idle
-    prefetching = len(predicted) > 0
     crossing = len(next_offsets) > 1
+    prefetching = len(predicted) > 0 or len(next_predicted) > 0  # cross-token alone too
     n_steps = (len(offsets) - 1) // n_layers
     late = 0
     for t in range(n_steps):

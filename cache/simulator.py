@@ -141,13 +141,15 @@ class Replay:
         later_chances: np.ndarray | None = None,
         next_chances: np.ndarray | None = None,
         next_token_min_chance: float = 0.0,
+        predicted_min_score: float | None = None,
     ) -> "Replay":
         """`topk_ids` [N, L, k] and `seq_id` [N] in trace order (a sequence's rows contiguous,
         in position order). `topt_ids`/`topt_logits` [N, L, T]: router scores for policies that
         use them (softmax over the top-T, summed over the batch); `score_top` keeps only each
         layer-step's highest few, which is exact for a policy whose `scores_used` <= score_top
         and makes the replay faster. `predicted_scores` [N, L, E]: each row's top `prefetch_k`
-        (default k) experts per layer are prefetched. `forecast_chances` [N, L, E] in [0, 1]: each
+        (default k) experts per layer are prefetched, those scored `predicted_min_score` or more
+        where it is given (above every score: cross-token prefetch alone). `forecast_chances` [N, L, E] in [0, 1]: each
         row's predicted chance that an expert is used soon (learned eviction); a step takes the
         largest over its batch; `later_chances` [N, L, E] likewise, counted from the row's next
         token on: a layer's keys take them once the step has run the layer. `next_chances`
@@ -184,7 +186,7 @@ class Replay:
         predicted = next_predicted = None
         if predicted_scores is not None:
             predicted = _predicted_keys(np.asarray(predicted_scores), top_k if prefetch_k is None else prefetch_k,
-                                        rows, n_experts)
+                                        rows, n_experts, predicted_min_score)
             next_predicted = None
             if next_chances is not None:
                 next_predicted = _predicted_keys(np.asarray(next_chances), top_k if prefetch_k is None else prefetch_k,

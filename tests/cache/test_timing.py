@@ -244,6 +244,21 @@ def test_cross_token_prefetch_hides_the_next_tokens_first_layer_behind_this_ones
     assert r.misses == 2 and r.late_prefetches == 0
 
 
+def test_cross_token_prefetch_alone_without_in_token_predictions():
+    """No layer-step predicts its own experts, each forecasts the next token's: the replay still
+    prefetches across tokens, as the runtime does under learned eviction on the CPU."""
+    n = 10
+    replay = next_token_replay(n)
+    replay.predicted = np.zeros(0, np.int64), np.zeros_like(replay.predicted[1])
+    t = simulate(replay, 2, make_policy("lru"), per_layer=True, layers_ahead=None, timing=timing(1.0, 1.5),
+                 hide_only=True, expert_pipeline=False).timed
+    assert (t.demand_loads, t.prefetch_loads, t.wasted_loads) == (2, n - 1, 0)
+    topk = np.array([[[0], [1]], [[2], [3]]])
+    scores = np.full((2, 2, 4), 0.5)
+    built = Replay.build(topk, np.zeros(2, np.int64), predicted_scores=scores, predicted_min_score=0.6, n_experts=4)
+    assert built.predicted[0].tolist() == [] and built.predicted[1].tolist() == [0, 0, 0, 0, 0]
+
+
 def test_cross_token_prefetch_keeps_the_likely_experts_and_needs_timing():
     topk = np.array([[[0], [1]], [[2], [3]]])  # 2 tokens, 2 layers, top-1
     chances = np.zeros((2, 2, 4))
