@@ -65,6 +65,10 @@ DECODE_TRACE = "bench-prediction-tb-decode-h8-3x.json"  # c228bcd: a SiDA hash (
 DECODE_PREDICTOR = "runs/demo/predictor/sida-decode-h8"
 DECODE_NEXT = "bench-prediction-tb-0.85-decode-h8-next.json"  # c85bb5b: its cross-token prefetch, one round (not kept)
 DECODE_WIDE = "bench-prediction-tw-1.1-decode-h8.json"  # c85bb5b: runs/tw at 1.1 GB with it, one round
+ROTATED = "bench-prediction-tb-0.85-rotated.json"  # b507512: the systems' order rotated from round to round
+NEXT_APART = "bench-prediction-tb-0.85-next-apart.json"  # b325c84: cross-token prefetch without in-token prefetch
+PREFETCH_SWEEP = "prefetch-sweep-tb.json"  # 2d61176: the timed simulator, prefetch thresholds
+WIDE_REPEATED = "bench-prediction-tw-1.1-decode-h8-2x.json"  # 6c03f4f: runs/tw at 1.1 GB, two repeats
 READ_REPEATS = "read-path-tw-repeats.json"  # experiments.read_path four times in a row (8edefd5)
 NEXT_EXPLORED = "bench-prediction-tb-0.85-next.json"  # 6cc3e5a: cross-token and in-token prefetch, one round
 HORIZONS = {f"{heads}, round {n}": f"bench-prediction-tb-0.85-horizon-{heads}-{n}.json" for n in (1, 2)
@@ -263,6 +267,21 @@ def _caps_run(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [cap for cap in result["per_prompt"] if any(any(row["tokens_per_s"].values()) for row in cap["prompts"])]
 
 
+def prefetch_sweep_rows(name: str) -> Rows:
+    """Per slot count and configuration of the timed simulator: tokens/s per prompt, their ratio over
+    LRU's (median over the prompts) and over learned eviction alone's, prefetches and wasted ones."""
+    rows = []
+    for entry in load(name)["results"]:
+        for config in entry["configs"]:
+            prompts = config["prompts"]
+            rows.append([str(entry["slots"]), config["config"], " / ".join(num(p["tokens_per_s"], 0) for p in prompts),
+                         num(config["over_lru"]["median"]), num(config["over_learned"]["median"]),
+                         " / ".join(num(r) for r in config["over_lru"]["per_prompt"]),
+                         str(sum(p["prefetch_loads"] for p in prompts)), str(sum(p["wasted_loads"] for p in prompts))])
+    return ["slots", "configuration", "tokens/s per prompt (1-8)", "over LRU (median)", "over learned eviction alone "
+            "(median)", "over LRU per prompt", "prefetches", "wasted"], rows
+
+
 def history_sweep_rows(name: str) -> Rows:
     """Per slot count and configuration: loads per token (median over the prompts) and the median and
     largest per-prompt ratio over LRU's."""
@@ -329,7 +348,43 @@ def tune_rows(name: str) -> Rows:
 
 
 CONCLUSION = """
-**A predictor trained on what the runtime serves (c228bcd).** The first tables run the same bench
+**The order rotated, prefetch on a full link, and runs/tw with repeats.** The first tables run the
+decode-trained predictor again with each prompt's systems in an order rotated from one prompt and
+round to the next (b507512: the benches before ran the runtime without a predictor right after the
+memory-mapped model, whose reads may leave the storage below the page cache warm). runs/tb at 0.85
+GB, three repeats (load 0.79 before): a median 1.04x the runtime without a predictor per prompt
+(0.93x to 1.22x), the oracle 1.19x (0.94x to 1.90x); 125.5 tokens/s against 132.2, the oracle
+146.3, memory-mapped 60.6, plain transformers killed in all 24 runs (99.8 uncapped). Where the
+oracle gains 1.5x (prompts 3 and 6: 1.66x, 1.90x) the predictor gained 1.20x and 1.22x (repeats
+1.18x-1.29x, 1.10x-1.43x), short of 1.3x; prompt 8's oracle gained 1.31x in this run (2.64x in
+c228bcd's). It was slower in every repeat on prompts 5 and 7 (0.88x-0.93x, 0.89x-0.94x), where LRU
+decodes 130-145 tokens/s at 0.65-0.76 loads per token and the predictor saves 0.05-0.08: there its
+own time per token (0.3-0.4 ms of predictor steps in a scratch profile, and 0.15-0.2 ms more of
+forecasts reaching the cache and the guard's shadows, which the guard does not count) is worth more
+than the loads it saves. Cross-token prefetch was taken apart from in-token prefetch (b325c84: asking
+for it had also turned on SiDA's top-k prefetch of the running token, which learned eviction on the
+CPU otherwise leaves off) and measured beside the default in one run (load 1.21 before; its first
+round shared the machine for about a minute with three short test runs, prompts 1 and 2's ratios
+there are off by 4x to 12x): `next` 1.06x over the prompts (0.86x to 1.33x), the default 0.99x (0.85x
+to 1.35x), the oracle 1.06x; `next` loaded more experts than the default where the oracle gains
+most (1.10, 1.66, 1.96 per token on prompts 3, 6, 8 against 1.04, 1.51, 1.72) and wasted 2-16
+prefetches: within the spread, not made the default. The timed simulator says why (the sweep's
+table: 2.5 ms a layer, 10.2 ms an expert read, the rotated run's own wait per demand load): at 37
+slots learned eviction alone gains a median 1.05x over LRU, with cross-token prefetch at chances of
+0.5, 0.7 or 0.9 at most 0.6% more, with in-token prefetch beside it 1.7% less (177 of 534
+prefetches wasted), the oracle 1.19x; at 21 slots 1.20x alone, 0.97x-1.00x of that with cross-token
+prefetch, the oracle 1.60x. Where the oracle gains most the loads fill the link (1.0-2.4 reads of
+10 ms a token, LRU's and the predictor's on prompts 3, 6 and 8, against 10 ms of compute): a prefetch moves a read earlier but the link is no faster,
+and what the oracle has beyond us is forecasts that are right (1 of 474 prefetches wasted), so
+fewer reads. On runs/tw at 1.1 GB, two repeats (6c03f4f, load 1.06 before): **1.45x** the runtime
+without a predictor (0.92x to 3.78x), the oracle 1.72x; 19.4 tokens/s against 10.0, the oracle
+21.3, memory-mapped 9.8, plain transformers killed in 3 runs and past the 60 s limit in 13 (36.9
+uncapped); where the oracle gains 1.5x (prompts 1, 3, 5, 6, 7: 3.97x, 2.68x, 1.68x, 1.88x, 1.77x)
+3.78x, 2.78x, 1.43x, 1.53x and 1.47x; fewer loads than LRU on all 8 prompts (1.94 against 3.91 per
+token in the median); slower in every repeat on none (prompt 4: 0.80x, 1.06x; prompt 8: 1.17x,
+0.81x); every table on time; every run exact.
+
+**A predictor trained on what the runtime serves (c228bcd).** The next tables run the same bench
 with a SiDA hash of 8 forecast heads trained on a decode trace, the demo model's own greedy
 continuations of 2 053 training prompts (`prescient trace --decode-tokens 96`, [decode
 traces](../tracing.md#decode-traces)), three interleaved repeats, both caps in one invocation
@@ -781,6 +836,37 @@ def _shadow_tables() -> tuple[Table, ...]:
     )
 
 
+def _order_and_prefetch_tables() -> tuple[Table, ...]:
+    """The systems' order rotated (b507512), cross-token prefetch apart from in-token prefetch (b325c84)
+    beside the default, the timed simulator's prefetch sweep, and runs/tw at 1.1 GB with two repeats."""
+    rotated_cmd = _tb_cmd(ROTATED, caps="0.85GB", repeats=3, predictor=DECODE_PREDICTOR)
+    next_cmd = _tb_cmd(NEXT_APART, caps="0.85GB", repeats=3, predictor=DECODE_PREDICTOR).replace(
+        "prescient,oracle", "prescient,next,oracle")
+    wide_cmd = (f"prescient bench --model runs/tw --predictor {DECODE_PREDICTOR} --memory 1.1GB --prompts 8 "
+                "--new-tokens 96 --repeats 2 --threads 2 --run-timeout 60 --systems plain,mmap,no-predictor,"
+                f"prescient,oracle --json results/{WIDE_REPEATED}")
+    setup = ("runs/tb (733 MB of experts) at 0.85 GB, the decode-trained predictor (8 heads), 8 held-out prompts, 96 "
+             "new tokens, 3 interleaved repeats, each prompt's systems in an order rotated by one from the last, "
+             "through ../shared/bin/quiet")
+    return (
+        *_run_tables(ROTATED, rotated_cmd, f"The systems' order rotated ({setup}, load 0.79 before): per prompt the "
+                     "runtime without a predictor, with it and with the oracle", "That run's baselines"),
+        *_run_tables(NEXT_APART, next_cmd, f"Cross-token prefetch on its own ({setup}, load 1.21 before; the first "
+                     "round shared the machine for about a minute with three short test runs): `next` prefetches the "
+                     "next token's experts forecast at least 0.5 likely and, under learned eviction on the CPU, "
+                     "nothing for the running token", "That run's baselines"),
+        Table("What prefetch can add to learned eviction, in the timed simulator over the same 8 prompts' sequences "
+              "(each replayed alone from an empty cache; a layer-step computes 2.5 ms once its experts are in, each "
+              "expert as it lands; one link copies an expert in 10.2 ms, the median wait per demand load of the "
+              "runtime without a predictor in the rotated run, demand loads first; 21 and 37 slots: runs/tb's "
+              "plans at 0.66 and 0.85 GB)", (PREFETCH_SWEEP,), load(PREFETCH_SWEEP)["command"],
+              partial(prefetch_sweep_rows, PREFETCH_SWEEP)),
+        *_run_tables(WIDE_REPEATED, wide_cmd, "runs/tw (2.2 GB of experts) at its tightest cap, 1.1 GB, with the "
+                     "decode-trained predictor (6c03f4f, through ../shared/bin/quiet, load 1.06 before): 8 prompts, "
+                     "2 interleaved repeats, the order rotated", "That run's baselines"),
+    )
+
+
 def _decode_trace_tables() -> tuple[Table, ...]:
     """A predictor trained on what the runtime serves (c228bcd): SiDA with 8 forecast heads on a decode
     trace of the demo model, runs/tb at both caps with three repeats, every baseline in the same run."""
@@ -1186,6 +1272,7 @@ def page() -> Page:
     tune_wide_cmd = ("prescient tune --model runs/tw --predictor runs/tb-predictor/sida --memory 1.1GB,1.7GB "
                      "--new-tokens 32 --json ...")
     return Page("memory", "Speed against memory", CONCLUSION, (
+        *_order_and_prefetch_tables(),
         *_decode_trace_tables(),
         *_repeated_tables(),
         *_direct_tables(),
