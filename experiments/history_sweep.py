@@ -20,6 +20,8 @@ import json
 import statistics
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -93,19 +95,30 @@ def sweep(trace: Trace, predictor: str, slot_counts: list[int]) -> list[dict[str
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def bench_sweep_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments of a sweep over a `bench --memory` run's sequences (this one's, `prefetch_sweep`'s)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--bench", required=True, help="a bench --memory JSON: its prompts and reference tokens")
     parser.add_argument("--model", required=True, help="the model it ran")
     parser.add_argument("--predictor", required=True, help="a predictor artifact with forecast heads")
     parser.add_argument("--slots", required=True, help="comma list of slot counts")
     parser.add_argument("--json", required=True, help="results file")
-    args = parser.parse_args(argv)
+    return parser
+
+
+@contextmanager
+def bench_trace(bench: dict[str, Any], model_dir: str) -> Iterator[Trace]:
+    """The bench's sequences traced through `model_dir` into a temporary folder, for as long as the block runs."""
+    with tempfile.TemporaryDirectory(prefix="bench-sequences-") as folder:
+        trace_bench_sequences(bench, model_dir, folder)
+        yield load_trace(folder)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = bench_sweep_parser(__doc__.split("\n\n")[0]).parse_args(argv)
     bench = json.loads(Path(args.bench).read_text())
-    with tempfile.TemporaryDirectory(prefix="history-sweep-") as folder:
-        trace_bench_sequences(bench, args.model, folder)
-        trace = load_trace(folder)
+    with bench_trace(bench, args.model) as trace:
         results = sweep(trace, args.predictor, [int(n) for n in args.slots.split(",")])
     record = {"what": "experts loaded per token by learned eviction blending forecasts with the history of use, "
                       "per held-out prompt, against LRU and Belady (simulator, count-only)",

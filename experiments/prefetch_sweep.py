@@ -19,11 +19,9 @@ loads before prefetches, one copy at a time (the runtime's one transfer worker r
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +30,11 @@ import numpy as np
 from cache import Replay, simulate
 from cache.timing import LinkTiming
 from experiments.compare_caches import build_predictor, forecast_inputs, policy_for
-from experiments.history_sweep import trace_bench_sequences
+from experiments.history_sweep import bench_sweep_parser, bench_trace
 from experiments.predictor_scores import forecast_scores
 from predictor.base import ExpertPredictor
 from prescient.atomic import write_json_atomic
-from prescient.traces import Trace, load_trace
+from prescient.traces import Trace
 
 THRESHOLDS = (0.5, 0.7, 0.9)
 NONE = 2.0  # a least score above every chance: no in-token prefetch
@@ -105,22 +103,15 @@ def sweep(trace: Trace, predictor: str | ExpertPredictor, slot_counts: list[int]
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bench", required=True, help="a bench --memory JSON: its prompts and reference tokens")
-    parser.add_argument("--model", required=True, help="the model it ran")
-    parser.add_argument("--predictor", required=True, help="a predictor artifact with forecast heads")
-    parser.add_argument("--slots", required=True, help="comma list of slot counts")
+    parser = bench_sweep_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--layer-ms", type=float, required=True, help="one MoE layer-step's compute, ms")
     parser.add_argument("--read-ms", type=float, required=True, help="one expert's copy over the link, ms")
-    parser.add_argument("--json", required=True, help="results file")
     args = parser.parse_args(argv)
     bench = json.loads(Path(args.bench).read_text())
     expert_bytes = float(next(r["runtime"]["slot_bytes"] / r["runtime"]["slots"] for r in bench["runs"]
                               if r.get("runtime") and r["runtime"].get("slots")))
     timing = LinkTiming(args.layer_ms / 1e3, expert_bytes, expert_bytes / (args.read_ms / 1e3))
-    with tempfile.TemporaryDirectory(prefix="prefetch-sweep-") as folder:
-        trace_bench_sequences(bench, args.model, folder)
-        trace = load_trace(folder)
+    with bench_trace(bench, args.model) as trace:
         results = sweep(trace, args.predictor, [int(n) for n in args.slots.split(",")], timing)
     record = {"what": "decode tokens/s per held-out prompt in the timed simulator: learned eviction with and without "
                       "cross-token prefetch at several thresholds, against LRU and the oracle",
