@@ -66,6 +66,7 @@ DECODE_PREDICTOR = "runs/demo/predictor/sida-decode-h8"
 DECODE_NEXT = "bench-prediction-tb-0.85-decode-h8-next.json"  # c85bb5b: its cross-token prefetch, one round (not kept)
 DECODE_WIDE = "bench-prediction-tw-1.1-decode-h8.json"  # c85bb5b: runs/tw at 1.1 GB with it, one round
 ROTATED = "bench-prediction-tb-0.85-rotated.json"  # b507512: the systems' order rotated from round to round
+ROTATED_TIGHT = "bench-prediction-tb-0.66-rotated.json"  # 1a2eb38: the same at 0.66 GB
 NEXT_APART = "bench-prediction-tb-0.85-next-apart.json"  # b325c84: cross-token prefetch without in-token prefetch
 PREFETCH_SWEEP = "prefetch-sweep-tb.json"  # 2d61176: the timed simulator, prefetch thresholds
 WIDE_REPEATED = "bench-prediction-tw-1.1-decode-h8-2x.json"  # 6c03f4f: runs/tw at 1.1 GB, two repeats
@@ -382,7 +383,12 @@ without a predictor (0.92x to 3.78x), the oracle 1.72x; 19.4 tokens/s against 10
 uncapped); where the oracle gains 1.5x (prompts 1, 3, 5, 6, 7: 3.97x, 2.68x, 1.68x, 1.88x, 1.77x)
 3.78x, 2.78x, 1.43x, 1.53x and 1.47x; fewer loads than LRU on all 8 prompts (1.94 against 3.91 per
 token in the median); slower in every repeat on none (prompt 4: 0.80x, 1.06x; prompt 8: 1.17x,
-0.81x); every table on time; every run exact.
+0.81x); every table on time; every run exact. runs/tb at 0.66 GB, rotated, three repeats (1a2eb38,
+load 0.79 before): 1.33x (0.91x to 1.95x), the oracle 1.42x; 65.3 tokens/s against 61.2, the oracle
+77.8, memory-mapped 21.2, plain transformers killed in all 24 runs; where the oracle gains 1.5x
+(prompts 3, 6, 7, 8: 1.64x, 1.80x, 1.62x, 1.98x) 1.95x, 1.89x, 1.44x and 1.87x; slower in every repeat
+on prompt 5 (0.90x-0.96x, 1.16 loads per token against LRU's 1.22, the oracle's 0.90), as in
+c228bcd's run with the old order: the loss there is the predictor's, not the order's.
 
 **A predictor trained on what the runtime serves (c228bcd).** The next tables run the same bench
 with a SiDA hash of 8 forecast heads trained on a decode trace, the demo model's own greedy
@@ -848,9 +854,12 @@ def _order_and_prefetch_tables() -> tuple[Table, ...]:
     setup = ("runs/tb (733 MB of experts) at 0.85 GB, the decode-trained predictor (8 heads), 8 held-out prompts, 96 "
              "new tokens, 3 interleaved repeats, each prompt's systems in an order rotated by one from the last, "
              "through ../shared/bin/quiet")
+    tight_cmd = _tb_cmd(ROTATED_TIGHT, caps="0.66GB", repeats=3, predictor=DECODE_PREDICTOR)
     return (
         *_run_tables(ROTATED, rotated_cmd, f"The systems' order rotated ({setup}, load 0.79 before): per prompt the "
                      "runtime without a predictor, with it and with the oracle", "That run's baselines"),
+        *_run_tables(ROTATED_TIGHT, tight_cmd, f"The same at 0.66 GB (1a2eb38, {setup.split(', ', 2)[2]}, load 0.79 "
+                     "before)", "That run's baselines"),
         *_run_tables(NEXT_APART, next_cmd, f"Cross-token prefetch on its own ({setup}, load 1.21 before; the first "
                      "round shared the machine for about a minute with three short test runs): `next` prefetches the "
                      "next token's experts forecast at least 0.5 likely and, under learned eviction on the CPU, "
