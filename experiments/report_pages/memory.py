@@ -360,9 +360,8 @@ oracle gains 1.5x (prompts 3 and 6: 1.66x, 1.90x) the predictor gained 1.20x and
 1.18x-1.29x, 1.10x-1.43x), short of 1.3x; prompt 8's oracle gained 1.31x in this run (2.64x in
 c228bcd's). It was slower in every repeat on prompts 5 and 7 (0.88x-0.93x, 0.89x-0.94x), where LRU
 decodes 130-145 tokens/s at 0.65-0.76 loads per token and the predictor saves 0.05-0.08: there its
-own time per token (0.3-0.4 ms of predictor steps in a scratch profile, and 0.15-0.2 ms more of
-forecasts reaching the cache and the guard's shadows, which the guard does not count) is worth more
-than the loads it saves. Cross-token prefetch was taken apart from in-token prefetch (b325c84: asking
+own time per token (its predictor steps alone 0.36-0.66 ms a token, these runs' `predictor_seconds`)
+is worth more than the loads it saves. Cross-token prefetch was taken apart from in-token prefetch (b325c84: asking
 for it had also turned on SiDA's top-k prefetch of the running token, which learned eviction on the
 CPU otherwise leaves off) and measured beside the default in one run (load 1.21 before; its first
 round shared the machine for about a minute with three short test runs, prompts 1 and 2's ratios
@@ -873,6 +872,9 @@ def _order_and_prefetch_tables() -> tuple[Table, ...]:
         *_run_tables(WIDE_REPEATED, wide_cmd, "runs/tw (2.2 GB of experts) at its tightest cap, 1.1 GB, with the "
                      "decode-trained predictor (6c03f4f, through ../shared/bin/quiet, load 1.06 before): 8 prompts, "
                      "2 interleaved repeats, the order rotated", "That run's baselines"),
+        Table("What the processes held in those three runs (runs/tb at 0.66 and 0.85 GB rotated, runs/tw at 1.1 GB): "
+              "per cap and system the medians over the runs that finished", (ROTATED_TIGHT, ROTATED, WIDE_REPEATED),
+              f"{tight_cmd}; {rotated_cmd}; {wide_cmd}", partial(holds_rows, ROTATED_TIGHT, ROTATED, WIDE_REPEATED)),
     )
 
 

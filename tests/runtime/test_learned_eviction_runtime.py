@@ -185,6 +185,23 @@ def test_cross_token_prefetch_on_the_cpu_under_learned_eviction_asks_nothing_in_
         assert [len(keys) for keys in runtime.prefetcher._next_keys(chances)] == [runtime.top_k] * len(runtime.layers)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_token_prefetch_under_learned_eviction_stays_exact(tiny_moe_dir, dtype):
+    """Every forecast prefetched (least chance 0) beside learned eviction, at 2 slots (below one
+    layer's routed experts: the layer's pins leave no room to prefetch), half of them (prefetches
+    land) and all: the plain model's greedy tokens in both dtypes."""
+    path = tiny_moe_dir("mixtral")
+    inputs = encode(path, encoder_decoder=False)
+    plain, _ = load_model(path, dtype=dtype)
+    want = generate(plain, inputs, new_tokens=6)
+    for budget in ("2slots", 0.5, 1.0):
+        model = load_offloaded(path, prediction_guard=False, predictor=forecasting_sida(path), policy="learned-belady",
+                               budget=budget, dtype=str(dtype).removeprefix("torch."), next_token_min_chance=0.0)
+        with model.runtime as runtime:
+            assert torch.equal(generate(model, inputs, new_tokens=6), want), budget
+            assert runtime.prefetcher.per_layer == 0 and (budget != 0.5 or runtime.stats().prefetch_inserts > 0)
+
+
 def test_cross_token_prefetch_bad_input(tiny_moe_dir, tmp_path):
     path = tiny_moe_dir("mixtral")
     with pytest.raises(PredictorError, match="cross-token prefetch needs a predictor's forecasts"):
