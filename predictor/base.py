@@ -25,7 +25,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from predictor.forecast import chance_selected
+from predictor.forecast import chance_selected, chances_of_use, chances_of_use_compiled
 from prescient.errors import PrescientError
 from prescient.fingerprint import ModelFingerprint
 from prescient.traces import TraceManifest
@@ -133,6 +133,17 @@ class ExpertPredictor(ABC):
         """[..., E] each expert's chance of being among the router's top-k, from this predictor's
         scores (see `predictor.forecast`)."""
         return chance_selected(scores, top_k)
+
+    def chances_of_use(self, state: Any, last_scores: torch.Tensor,
+                       top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """After the last `step` (its scores `last_scores` [B, L, E]), per row: the [B, L, E]
+        chances of use soon counted from that token, counted from the next one on, and of use by
+        the next token (`predictor.forecast.chances_of_use`; the runtime asks once a token)."""
+        ahead = self.forecast(state).float()
+        if getattr(self.chance_selected, "__func__", None) is ExpertPredictor.chance_selected:
+            return chances_of_use_compiled(last_scores, ahead, top_k)  # the same formula, compiled
+        soon, later = chances_of_use(last_scores, ahead, top_k, to_chances=self.chance_selected)
+        return soon, later, self.chance_selected(ahead[:, 0], top_k)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors an artifact stores for this predictor."""

@@ -43,7 +43,6 @@ from typing import Any
 
 import torch
 
-from predictor.forecast import chances_of_use
 from prescient.errors import PrescientError
 from prescient.memory_cap import anonymous_bytes, release_free_memory
 
@@ -227,13 +226,10 @@ class HashBuilder:
         the next token (if `next_token`)."""
         if not (self.forecasts or self.next_token):
             return None, None, None
-        ahead = self.predictor.forecast(state).float()  # [B, H, L, E]
-        top_k = self.predictor.meta.fingerprint.top_k
-        soon = later = None
-        if self.forecasts:
-            soon, later = (chances.amax(0) for chances in chances_of_use(
-                last_scores, ahead, top_k, to_chances=self.predictor.chance_selected))
-        return soon, later, self.predictor.chance_selected(ahead[:, 0], top_k).amax(0) if self.next_token else None
+        soon, later, next_token = (chances.amax(0) for chances in self.predictor.chances_of_use(
+            state, last_scores, self.predictor.meta.fingerprint.top_k))
+        return (soon if self.forecasts else None, later if self.forecasts else None,
+                next_token if self.next_token else None)
 
     def _run(self) -> None:
         while True:

@@ -152,6 +152,8 @@ class Prefetcher:
         first: `per_layer` per token of the forward (a prompt uses many experts per layer), those
         scored above zero."""
         count = min(self.n_experts, self.per_layer * max(table.tokens, 1))
+        if count == 0:  # no in-token prefetch (learned eviction on the CPU): nothing to rank
+            return [[] for _ in range(len(table.scores))]
         top = torch.topk(table.scores, count, dim=-1)
         return [[(layer, int(e)) for s, e in zip(values.tolist(), experts.tolist()) if s > 0]
                 if layer in self.layers else []

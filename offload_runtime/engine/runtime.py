@@ -206,11 +206,14 @@ class OffloadRuntime:
         """Each forward of a stack: a new step over its layers; hand its new input ids to the hash
         builder as token stream `stream`."""
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-            self.prefetcher.send_forecasts()  # the last forward's, before the guards may evict or clear ranks
+            if self.prefetcher.unsent:
+                with self._predicting():  # a predictor's bookkeeping is its cost too
+                    self.prefetcher.send_forecasts()  # the last forward's, before the guards may evict or clear ranks
             if self.guard is not None:
                 self.guard.check()
             if self.prediction_guard is not None:
-                self.prediction_guard.on_forward()
+                with self._predicting():
+                    self.prediction_guard.on_forward()
             self._step += 1
             self.prefetcher.start(self._step, layers)
             if self.builder is None:
@@ -231,7 +234,8 @@ class OffloadRuntime:
 
     @contextmanager
     def _predicting(self) -> Iterator[None]:
-        """Time the inference thread spends on predictions (the prediction guard weighs it)."""
+        """Time the inference thread spends on predictions, their bookkeeping included (the
+        prediction guard weighs it)."""
         start = time.perf_counter()
         try:
             yield
@@ -331,14 +335,18 @@ class OffloadRuntime:
         keys = [(layer, e) for e in experts]
         if self.prefetcher.unsent and (layer in self.prefetcher.unsent
                                        or any(self.pool.map.rows[layer][e] < 0 for e in experts)):
-            self.prefetcher.send_forecasts()  # the ranks this access reads, or its misses evict by
+            with self._predicting():
+                self.prefetcher.send_forecasts()  # the ranks this access reads, or its misses evict by
         # the decision: the cache counts each hit and miss, inserts the misses (evicting what its
         # policy chooses: `_on_evict` cancels the victim's queued copy and frees its slot) and
         # pins every key, so nothing this layer needs is evicted while it runs
         self.cache.access_many(keys, pin=True)
-        self.prefetcher.used(layer, experts)
-        if self.prediction_guard is not None:
-            self.prediction_guard.access(keys)
+        if self.builder is not None or self.prediction_guard is not None:
+            with self._predicting():  # what predicting costs beside the predictor's own work:
+                if self.builder is not None:  # the history learned eviction blends in (nothing reads it without tables)
+                    self.prefetcher.used(layer, experts)
+                if self.prediction_guard is not None:  # and the guard's LRU shadow
+                    self.prediction_guard.access(keys)
         try:
             # the copy: each miss (a key without a slot) gets one and a demand load, which the
             # transfer engine serves ahead of every prefetch

@@ -17,6 +17,7 @@ from predictor import (
     load_predictor,
     save_predictor,
 )
+from predictor.forecast import chance_selected, chances_of_use, discount_weights
 from prescient.traces import load_trace
 
 SIZES = SiDASizes(compress_dim=8, hidden_dim=12, attn_window=4)
@@ -106,3 +107,22 @@ def test_other_predictors_have_no_forecasts(synthetic_trace):
 def test_forecast_heads_need_the_causal_variant():
     with pytest.raises(PredictorError, match="causal variant"):
         SiDAHash.from_embedding(torch.randn(10, 4), 2, 4, dataclasses.replace(SIZES, bidirectional=True), horizon=2)
+
+
+@pytest.mark.parametrize("horizon", [1, 3])
+def test_the_compiled_chances_of_use_equal_the_torch_formula(tiny_fingerprint, horizon):
+    """What the runtime asks once a token (`chances_of_use`, compiled) is the torch formula's
+    chances of use soon and later and the next token's chances of selection, row by row; a
+    predictor that turns scores into chances its own way keeps its way."""
+    pred = sida(tiny_fingerprint, horizon=horizon)
+    state = pred.start(2)
+    for token in ([1, 5], [7, 2], [3, 3]):
+        scores = pred.step(state, torch.tensor(token))
+        ahead = pred.forecast(state)
+        want = (*chances_of_use(scores, ahead, 2), chance_selected(ahead[:, 0], 2))
+        got = pred.chances_of_use(state, scores, 2)
+        assert all(g.shape == (2, *scores.shape[1:]) and torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want))
+    pred.chance_selected = lambda s, top_k: torch.ones_like(s)  # certain of every expert
+    soon, later, next_token = pred.chances_of_use(state, scores, 2)
+    assert torch.allclose(soon, torch.ones_like(soon)) and torch.allclose(next_token, torch.ones_like(next_token))
+    assert torch.allclose(later, 1 - discount_weights(horizon + 1)[0].expand_as(later))
