@@ -8,14 +8,16 @@ loads against LRU's 96 for one prompt). And where LRU already hits well, right f
 few loads that cost less than running the predictor does (a profile of runs/tb at 0.85 GB: 4 loads
 saved in 96 tokens, slower than LRU all the same). The guard keeps a shadow of the live cache, the
 same `ExpertCache` over the same accesses and capacity with LRU's policy (bookkeeping only:
-nothing is copied).
+nothing is copied), while the runtime acts on predictions or probes them; while the predictor sleeps
+the live cache runs as LRU itself, and the shadow is not fed.
 
 **Probes, in the shadow.** After a pause (below) the predictor sleeps (`HashBuilder.sleep`: it
-keeps the ids it is handed and catches up when woken, costing nothing meanwhile) for `PROBE_AFTER`
-windows; then a *probe* runs the predictions in the shadow while the live cache goes on as LRU (a
-learned policy without forecasts is LRU by its tiebreak): for `SHADOW_WINDOW` forwards a twin of
-the LRU shadow (its experts in its order, under the live policy) takes the forecasts and what the
-prefetcher would prefetch (in time, nothing copied). The runtime acts again only if the twin missed
+keeps the last tokens it is handed and catches up over them when woken, costing nothing meanwhile)
+for `PROBE_AFTER` windows; then a *probe* runs the predictions in the shadow while the live cache
+goes on as LRU (a learned policy without forecasts is LRU by its tiebreak): the LRU shadow restarts
+as a copy of the live cache, and for `SHADOW_WINDOW` forwards a twin of it (its experts in its
+order, under the live policy) takes the forecasts and what the prefetcher would prefetch (in time,
+nothing copied). The runtime acts again only if the twin missed
 at least `SHADOW_GAIN` experts fewer than the LRU shadow on the same accesses, and those misses, at
 this run's wait per miss, outweigh the time the probe spent predicting; else the predictor sleeps
 again, each lost probe doubling the sleep. A probe costs a few forwards of predicting, never a
@@ -146,7 +148,10 @@ class PredictionGuard:
             self.twin.prefetch_many(keys)
 
     def access(self, keys: list[Key]) -> None:
-        """The live cache is accessed with `keys`: so are the shadows."""
+        """The live cache is accessed with `keys`: so are the shadows, unless the predictor sleeps (the
+        live cache then runs as LRU, and the next probe copies it into the shadow)."""
+        if not self.acting and self.twin is None:
+            return
         self.lru.access_many(keys)
         if self.twin is not None:
             self.twin.access_many(keys)
@@ -203,15 +208,23 @@ class PredictionGuard:
             self.probe_forwards += 1
 
     def _start_probe(self) -> None:
-        """The predictor wakes; its predictions go to a twin of the LRU shadow (its experts, in its
-        order, under the live policy) for `SHADOW_WINDOW` forwards."""
-        self.twin = ExpertCache(self.lru.capacity, self.twin_policy(), n_layers=self.n_layers, top_k=self.top_k,
-                                n_experts=self.n_experts)
-        for key in self.lru.eviction_order():  # least recent first
-            self.twin.access(key)
+        """The predictor wakes; the LRU shadow restarts as a copy of the live cache (which ran as LRU
+        while the predictor slept: its learned ranks cleared), and the predictions go to a twin of it
+        (its experts, in its order, under the live policy) for `SHADOW_WINDOW` forwards."""
+        self.lru = self._copy(self.cache, make_policy("lru"))
+        self.twin = self._copy(self.lru, self.twin_policy())
+        self._last = self._counts(self.spent())  # the new shadow's misses count from here
         self._probe_start = (self.twin.stats.misses, self.lru.stats.misses, self.spent().predictor_seconds)
         self._probe_left = SHADOW_WINDOW
         self.sleep(False)
+
+    def _copy(self, cache: ExpertCache, policy: EvictionPolicy) -> ExpertCache:
+        """A cache of `cache`'s capacity under `policy`, holding its experts accessed in its eviction
+        order (least recent first under LRU): bookkeeping only."""
+        copy = ExpertCache(cache.capacity, policy, n_layers=self.n_layers, top_k=self.top_k, n_experts=self.n_experts)
+        for key in cache.eviction_order():
+            copy.access(key)
+        return copy
 
     def _judge_probe(self) -> bool:
         """A probe's window is run: act from this forward on (True) if the twin missed

@@ -237,6 +237,21 @@ def test_asleep_it_predicts_nothing_and_woken_it_catches_up(threaded):
         builder.close()
 
 
+def test_asleep_a_stream_keeps_only_its_last_catch_up_tokens():
+    """A long sleep costs nothing when it ends: the woken predictor restarts the stream's state from
+    its last `catch_up` tokens instead of stepping over every token it slept through."""
+    predictor = CountingPredictor()
+    builder = HashBuilder(predictor, threaded=False, catch_up=2)
+    builder.submit(0, torch.tensor([[0, 0, 0]]), new_sequence=True)
+    builder.sleep(True)
+    for step in range(1, 6):
+        builder.submit(step, torch.tensor([[0]]), new_sequence=False)
+    builder.sleep(False)
+    builder.submit(6, torch.tensor([[7]]), new_sequence=False)
+    # restarted two tokens back: the new token is the third its state has seen (expert 2); 3 + 2 + 1 steps
+    assert builder.poll(6).scores[0].tolist() == [7.0, 0.0, 1.0, 0.0] and predictor.steps == 6
+
+
 def test_inline_a_failure_is_raised_by_the_submit_that_met_it():
     builder = HashBuilder(CountingPredictor(fail_at=2), threaded=False)
     builder.submit(0, torch.tensor([[0, 0]]), new_sequence=True)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cache import make_policy
+from cache import ExpertCache, make_policy
 from offload_runtime.engine import prediction_guard
 from offload_runtime.engine.loader import load_offloaded
 from prescient.loading import load_model
@@ -114,9 +114,16 @@ class _Live:
 
     def __init__(self, capacity: int) -> None:
         self.capacity, self.stats, self.forecasts = capacity, SimpleNamespace(misses=0, prefetch_inserts=0), 0
+        self.recent: list = []  # the keys the test accessed that LRU holds, least recent first
 
     def on_forecast(self, chances, layer=None) -> None:
         self.forecasts += 1
+
+    def touch(self, key) -> None:
+        self.recent = [k for k in self.recent if k != key][-(self.capacity - 1):] + [key]
+
+    def eviction_order(self) -> list:
+        return list(self.recent)
 
 
 def _judge(forwards: int, saved_per_forward: int, seconds_per_miss: float, predictor_seconds: float,
@@ -142,6 +149,7 @@ def _judge(forwards: int, saved_per_forward: int, seconds_per_miss: float, predi
         if guard.shadowing and saved_per_forward:
             guard.prefetch([key])
         guard.access([key])
+        live.touch(key)
         prefetched = saved_live if guard.acting else 0
         if guard.acting and burst:
             live.stats.prefetch_inserts += burst
@@ -211,3 +219,22 @@ def test_right_forecasts_that_cost_more_than_they_save_sleep(case):
     assert runs[True].prediction_lost_windows >= 1
     assert runs[True].prediction_paused_forwards >= prediction_guard.PROBE_AFTER * prediction_guard.WINDOW
     assert runs[True].predictor_seconds < 0.6 * runs[False].predictor_seconds
+
+
+def test_asleep_the_shadow_waits_and_a_probe_starts_from_the_live_cache():
+    """While the predictor sleeps the live cache runs as LRU and the shadow is not fed (it would cost
+    a cache's bookkeeping a layer for nothing); a probe copies the live cache, experts and order, into
+    the shadow and its twin."""
+    live = ExpertCache(3, make_policy("learned"), n_layers=1, top_k=1, n_experts=8)
+    spent = prediction_guard.Spent(0.0, 0, 0.0, 0.0, 0)
+    guard = prediction_guard.PredictionGuard(live, 1, 8, 1, lambda: spent, lambda asleep: None,
+                                             lambda: make_policy("learned"))
+    guard._pause()
+    for expert in (0, 1, 2, 3, 1):
+        live.access((0, expert))
+        guard.access([(0, expert)])
+    assert guard.lru.stats.accesses == 0  # asleep: nothing fed
+    guard._start_probe()
+    assert guard.lru.eviction_order() == guard.twin.eviction_order() == live.eviction_order() == [(0, 2), (0, 3), (0, 1)]
+    guard.access([(0, 4)])
+    assert guard.lru.eviction_order() == [(0, 3), (0, 1), (0, 4)]  # probing: fed again
