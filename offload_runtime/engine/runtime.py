@@ -102,7 +102,7 @@ class RuntimeStats:
     prediction_paused_forwards: int = 0  # forwards run with the predictor asleep (`prediction_guard`)
     prediction_probe_forwards: int = 0  # forwards run with the predictions in the guard's shadow only (probes)
     prediction_lost_windows: int = 0  # times predictions were paused: their loads or time passed a shadow LRU's
-    predictor_seconds: float = 0.0  # the inference thread's time on predictions (inline on the CPU: all of it)
+    predictor_seconds: float = 0.0  # the inference thread's time on predictions, bookkeeping included
 
     def to_dict(self) -> dict:
         return asdict(self)
