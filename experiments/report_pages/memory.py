@@ -929,9 +929,9 @@ def _fresh_machine_tables() -> tuple[Table, ...]:
               "(2.5 ms a layer-step, 10.2 ms an expert read, 21 and 37 slots): the demo's 3-minute limit against "
               "15 minutes (early-stopped after 9)", (TRAINING_LENGTH,), "; ".join(load(TRAINING_LENGTH)["commands"]),
               partial(training_length_rows, TRAINING_LENGTH)),
-        Table("What the processes held in those two runs: per cap and system the medians over the runs that "
-              "finished", (COST_COUNTED, WIDE_LOOSE), f"{tb_cmd}; {tw_cmd}",
-              partial(holds_rows, COST_COUNTED, WIDE_LOOSE)),
+        Table("What the processes held in those three runs: per cap and system the medians over the runs that "
+              "finished", (ASLEEP_FREE, COST_COUNTED, WIDE_LOOSE), f"{asleep_cmd}; {tb_cmd}; {tw_cmd}",
+              partial(holds_rows, ASLEEP_FREE, COST_COUNTED, WIDE_LOOSE)),
     )
 
 
