@@ -126,3 +126,16 @@ def test_the_compiled_chances_of_use_equal_the_torch_formula(tiny_fingerprint, h
     soon, later, next_token = pred.chances_of_use(state, scores, 2)
     assert torch.allclose(soon, torch.ones_like(soon)) and torch.allclose(next_token, torch.ones_like(next_token))
     assert torch.allclose(later, 1 - discount_weights(horizon + 1)[0].expand_as(later))
+
+
+def test_a_predictor_ranking_by_the_default_chances_takes_the_compiled_call(tiny_fingerprint, monkeypatch):
+    """The runtime's once-a-token call goes through the compiled kernel, not the torch formula."""
+    import predictor.base as base
+
+    pred = sida(tiny_fingerprint, horizon=2)
+    state = pred.start(1)
+    scores = pred.step(state, torch.tensor([1]))
+    calls = []
+    monkeypatch.setattr(base, "chances_of_use_compiled", lambda *a: calls.append(a) or (scores,) * 3)
+    pred.chances_of_use(state, scores, 2)
+    assert len(calls) == 1
