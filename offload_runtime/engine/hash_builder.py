@@ -116,9 +116,9 @@ class HashBuilder:
         mask = None if attention_mask is None else attention_mask.detach().to("cpu")
         rows = None if rows is None else list(rows)
         request = (step, input_ids.detach().to("cpu"), new_sequence, mask, stream, rows, True)
+        if new_sequence and rows is None and self._held:  # the stream starts afresh: what it held before is moot
+            self._held = [r for r in self._held if isinstance(r, _Forget) or r[4] != stream or r[5] is not None]
         if self._asleep:
-            if new_sequence and rows is None:  # the stream starts afresh: what it held before is moot
-                self._held = [r for r in self._held if isinstance(r, _Forget) or r[4] != stream or r[5] is not None]
             self._held.append(request)
             if rows is None:
                 self._trim_held(stream)

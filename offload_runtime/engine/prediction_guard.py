@@ -17,14 +17,16 @@ for `PROBE_AFTER` windows; then a *probe* runs the predictions in the shadow whi
 goes on as LRU (a learned policy without forecasts is LRU by its tiebreak): the LRU shadow restarts
 as a copy of the live cache, and for `SHADOW_WINDOW` forwards a twin of it (its experts in its
 order, under the live policy) takes the forecasts and what the prefetcher would prefetch (in time,
-nothing copied). The runtime acts again only if the twin missed
+nothing copied), judged from the forward after the one that wakes the predictor (its catch-up over
+the kept tokens is spent whatever the probe finds): the runtime acts again only if the twin missed
 at least `SHADOW_GAIN` experts fewer than the LRU shadow on the same accesses, and those misses, at
 this run's wait per miss, outweigh the time the probe spent predicting; else the predictor sleeps
 again, each lost probe doubling the sleep. A probe costs a few forwards of predicting, never a
 miss: probes that acted on the live cache lost their window's misses each time (on runs/tb at 0.66
 GB a prompt LRU decodes at 135 tok/s ran 0.75x without the predictor,
-results/bench-prediction-tb-fused.json). The runtime acts from the first forward: probing from the
-start measured slower in the median (see `PredictionGuard.__init__`).
+results/bench-prediction-tb-fused.json). The runtime acts from the first forward of each sequence (a
+batch-1 run judges each prompt afresh, `start_sequence`): probing from the start measured slower in
+the median (see `PredictionGuard.__init__`).
 
 **Acting, judged live.** While it acts, the guard adds up, as moving sums over about `WINDOW`
 forwards:
@@ -191,11 +193,27 @@ class PredictionGuard:
         if self._acted > WARMUP and (losing or costly):
             self._pause()
 
+    def start_sequence(self) -> None:
+        """A new sequence starts (a batch-1 prompt): judge the predictor afresh, acting from its first
+        forward, whatever it did for the last sequence (how much prediction pays is a prompt's: on
+        runs/tb at 0.66 GB from 0.96x to 1.8x, results/bench-prediction-tb-0.66-asleep-free.json; a
+        server's sleep carried over from the last request kept a prompt whose forecasts pay from them)."""
+        self.lru = self._copy(self.cache, make_policy("lru"))
+        self.twin, self.acting, self._acted = None, True, 0
+        self._next_sleep = PROBE_AFTER * WINDOW
+        self._forget()
+        self._last, self._last_time = self._counts(self.spent()), self.clock()
+        self.sleep(False)
+
     def _paused_forward(self) -> None:
         """A forward while not acting: asleep, or probing in the shadow; a probe starts when a sleep
         ends and, once its window is run, acts or sleeps longer."""
         if self.twin is not None:
             self._probe_left -= 1
+            if self._probe_left == SHADOW_WINDOW:
+                # the probe's first forward woke the predictor, which stepped its state over the tokens kept
+                # while asleep: spent whatever the probe finds, so the probe is judged from its second forward
+                self._probe_start = (self.twin.stats.misses, self.lru.stats.misses, self.spent().predictor_seconds)
             if self._probe_left == 0 and self._judge_probe():
                 return
         else:
@@ -215,7 +233,7 @@ class PredictionGuard:
         self.twin = self._copy(self.lru, self.twin_policy())
         self._last = self._counts(self.spent())  # the new shadow's misses count from here
         self._probe_start = (self.twin.stats.misses, self.lru.stats.misses, self.spent().predictor_seconds)
-        self._probe_left = SHADOW_WINDOW
+        self._probe_left = SHADOW_WINDOW + 1  # the first forward wakes the predictor (see `_paused_forward`)
         self.sleep(False)
 
     def _copy(self, cache: ExpertCache, policy: EvictionPolicy) -> ExpertCache:

@@ -211,9 +211,15 @@ class OffloadRuntime:
                     self.prefetcher.send_forecasts()  # the last forward's, before the guards may evict or clear ranks
             if self.guard is not None:
                 self.guard.check()
+            # transformers 5.24 renamed the forward's `past_key_values` to `cache`
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            new_sequence = cache is None or cache.get_seq_length() == 0
             if self.prediction_guard is not None:
                 with self._predicting():
-                    self.prediction_guard.on_forward()
+                    if new_sequence and self.sequence_ids is None:
+                        self.prediction_guard.start_sequence()
+                    else:
+                        self.prediction_guard.on_forward()
             self._step += 1
             self.prefetcher.start(self._step, layers)
             if self.builder is None:
@@ -221,9 +227,6 @@ class OffloadRuntime:
             input_ids = kwargs["input_ids"] if "input_ids" in kwargs else (args[0] if args else None)
             if input_ids is None:  # inputs_embeds: nothing to hash, this forward's table never comes
                 return
-            # transformers 5.24 renamed the forward's `past_key_values` to `cache`
-            cache = kwargs.get("cache", kwargs.get("past_key_values"))
-            new_sequence = cache is None or cache.get_seq_length() == 0
             try:
                 with self._predicting():
                     self.builder.submit(self._step, input_ids, new_sequence, kwargs.get("attention_mask"), stream,

@@ -252,6 +252,20 @@ def test_asleep_a_stream_keeps_only_its_last_catch_up_tokens():
     assert builder.poll(6).scores[0].tolist() == [7.0, 0.0, 1.0, 0.0] and predictor.steps == 6
 
 
+def test_a_new_sequence_after_waking_drops_what_the_last_one_kept():
+    """Woken by a new sequence's first forward (the guard judges each prompt afresh), the predictor does
+    not step over the tokens the last sequence kept while asleep: the new stream starts from nothing."""
+    predictor = CountingPredictor()
+    builder = HashBuilder(predictor, threaded=False)
+    builder.submit(0, torch.tensor([[0, 0]]), new_sequence=True)
+    builder.sleep(True)
+    for step in (1, 2, 3):
+        builder.submit(step, torch.tensor([[0]]), new_sequence=False)
+    builder.sleep(False)
+    builder.submit(4, torch.tensor([[7, 0]]), new_sequence=True)
+    assert builder.poll(4).scores[0].tolist() == [8.0, 1.0, 0.0, 0.0] and predictor.steps == 2 + 2
+
+
 def test_inline_a_failure_is_raised_by_the_submit_that_met_it():
     builder = HashBuilder(CountingPredictor(fail_at=2), threaded=False)
     builder.submit(0, torch.tensor([[0, 0]]), new_sequence=True)

@@ -127,13 +127,15 @@ class _Live:
 
 
 def _judge(forwards: int, saved_per_forward: int, seconds_per_miss: float, predictor_seconds: float,
-           prompt_prefetches: int = 0, compute_seconds: float = 0.0, saved_live: int | None = None):
+           prompt_prefetches: int = 0, compute_seconds: float = 0.0, saved_live: int | None = None,
+           wake_seconds: float = 0.0):
     """A guard over `forwards` forwards of one access each, cycling over one expert more than the 4
     slots hold (LRU misses every one); its predictions prefetch `saved_per_forward` (0 or 1) of those
     in time: into the probe's twin while it probes, and (`saved_live`, by default the same) into the
     live cache while it acts, which misses the rest; a copy takes `seconds_per_miss`, all of it
     waited for on a miss, and predicting takes `predictor_seconds` a forward while awake; the first
-    forward that acts also prefetches `prompt_prefetches` experts (a table's burst). Returns the guard
+    forward that acts also prefetches `prompt_prefetches` experts (a table's burst), and the first after
+    each wake-up predicts `wake_seconds` more (the catch-up over the tokens kept asleep). Returns the guard
     and its sleep/wake calls in order. A forward's time is its waits, its prediction and
     `compute_seconds`."""
     live, calls = _Live(4), []
@@ -142,7 +144,9 @@ def _judge(forwards: int, saved_per_forward: int, seconds_per_miss: float, predi
     saved_live = saved_per_forward if saved_live is None else saved_live
     guard = prediction_guard.PredictionGuard(live, 1, 8, 1, lambda: prediction_guard.Spent(*spent.values()),
                                              lambda asleep: calls.append((forward, asleep)),
-                                             lambda: make_policy("learned"), clock=lambda: clock[0])
+                                             # a twin that evicts for what it is handed (a learned policy
+                                             # would want forecasts): the prefetches save its misses
+                                             lambda: make_policy("lru"), clock=lambda: clock[0])
     for forward in range(forwards):
         guard.on_forward()
         key = (0, forward % 5)
@@ -162,6 +166,8 @@ def _judge(forwards: int, saved_per_forward: int, seconds_per_miss: float, predi
         spent["loads"] += 1
         spent["copying"] += seconds_per_miss
         predicting = predictor_seconds if guard.acting or guard.shadowing else 0.0
+        if calls and calls[-1] == (forward, False):
+            predicting += wake_seconds
         spent["predicting"] += predicting
         clock[0] += compute_seconds + (1 - prefetched) * seconds_per_miss + predicting
     return guard, calls
@@ -187,7 +193,7 @@ def test_a_predictor_that_costs_more_than_it_saves_sleeps_and_is_probed_in_the_s
     guard, calls = _judge(forwards, 1, 0.0001, 0.001)
     assert [asleep for _, asleep in calls][:5] == [True, False, True, False, True]  # paused, probed, asleep...
     (paused, _), (probed, _), (again, _), (probed_again, _), _ = calls[:5]
-    assert paused <= prediction_guard.WARMUP + 4 and again - probed == prediction_guard.SHADOW_WINDOW
+    assert paused <= prediction_guard.WARMUP + 4 and again - probed == prediction_guard.SHADOW_WINDOW + 1
     assert probed - paused == prediction_guard.PROBE_AFTER * prediction_guard.WINDOW  # slept, then probed
     assert probed_again - again == 2 * (probed - paused)  # a probe that lost: twice as long a sleep
     assert guard.lost_windows == 1 and guard.lost_probes >= 2  # acted on the live cache once only
@@ -204,6 +210,48 @@ def test_a_small_steady_cost_that_saves_nothing_sleeps():
     # where the same cost is a small share of slow forwards, it is noise: predictions keep acting
     guard, calls = _judge(96, 0, 0.003, 0.0003, compute_seconds=0.05)
     assert guard.acting and calls == []
+
+
+def test_a_probe_is_not_charged_for_waking_the_predictor():
+    """A probe's first forward steps the predictor over the tokens kept asleep (here 30 ms): spent
+    whatever the probe finds, so a twin that saves a 3 ms miss a forward for 1 ms of predicting wins
+    its probe (and the runtime acts again, here to lose again: the live cache saves nothing)."""
+    guard, calls = _judge(96, 1, 0.003, 0.001, saved_live=0, wake_seconds=0.03)
+    assert [asleep for _, asleep in calls][:3] == [True, False, True]  # paused, probed, paused again
+    assert guard.lost_probes == 0 and guard.lost_windows == 2
+
+
+def test_a_new_sequence_is_judged_afresh():
+    """Whatever the last sequence made of the predictor, a new one acts on it from its first forward:
+    woken, its sleeps back to the first length, the LRU shadow a copy of the live cache."""
+    live = ExpertCache(3, make_policy("learned"), n_layers=1, top_k=1, n_experts=8)
+    calls = []
+    guard = prediction_guard.PredictionGuard(live, 1, 8, 1, lambda: prediction_guard.Spent(0.0, 0, 0.0, 0.0, 0),
+                                             calls.append, lambda: make_policy("learned"))
+    guard._pause()
+    guard._start_probe()
+    guard._judge_probe()  # a lost probe: asleep, the next sleep four windows
+    for expert in (0, 1, 2):
+        live.access((0, expert))
+    guard.start_sequence()
+    assert guard.acting and not guard.shadowing and calls == [True, False, True, False]
+    assert guard.lru.eviction_order() == live.eviction_order() == [(0, 0), (0, 1), (0, 2)]
+    guard._pause()
+    assert guard._sleep_length == prediction_guard.PROBE_AFTER * prediction_guard.WINDOW
+
+
+def test_each_generation_acts_on_the_predictor_afresh(case):
+    """Through `generate`: wrong forecasts are paused in each of two generations of the same loaded
+    model (the second acts again from its prompt), and both compute the plain model's tokens."""
+    path, inputs, want, _, accessed, dtype = case
+    n_layers, n_experts = len({key[0] for key in accessed}), 1 + max(key[1] for key in accessed)
+    predictor = _steering(forecasting_sida(path), _least_used(accessed, n_layers, n_experts, 2))
+    model = load_offloaded(path, predictor, budget=0.25, policy="learned-belady", dtype=dtype)
+    with model.runtime as runtime, torch.inference_mode():
+        for generation in (1, 2):
+            out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+            assert torch.equal(out, want)
+            assert runtime.stats().prediction_lost_windows == generation
 
 
 def test_right_forecasts_that_cost_more_than_they_save_sleep(case):
