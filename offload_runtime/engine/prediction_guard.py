@@ -13,7 +13,10 @@ the live cache runs as LRU itself, and the shadow is not fed.
 
 **Probes, in the shadow.** After a pause (below) the predictor sleeps (`HashBuilder.sleep`: it
 keeps the last tokens it is handed and catches up over them when woken, costing nothing meanwhile)
-for `PROBE_AFTER` windows; then a *probe* runs the predictions in the shadow while the live cache
+until the live cache (LRU meanwhile) has missed `PROBE_AFTER` experts: what prediction could save
+(a sleep counted in forwards woke for nothing where LRU missed nothing, and woke late where the misses
+came back: on runs/tb at 0.66 GB a prompt paused over a loop LRU held whole lost a third of the loads
+its predictor saves once the loop ended); then a *probe* runs the predictions in the shadow while the live cache
 goes on as LRU (a learned policy without forecasts is LRU by its tiebreak): the LRU shadow restarts
 as a copy of the live cache, and for `SHADOW_WINDOW` forwards a twin of it (its experts in its
 order, under the live policy) takes the forecasts and what the prefetcher would prefetch (in time,
@@ -64,7 +67,7 @@ log = logging.getLogger(__name__)
 WINDOW = 16  # forwards the comparison remembers (an exponential moving sum with this time constant)
 SLACK = 4.0  # experts (or their wait) more than LRU's within the window before predictions count as losing
 SLACK_SHARE = 0.1  # and this share of LRU's misses in the window
-PROBE_AFTER = 2  # windows asleep after a pause before the probe; each lost probe doubles the sleep
+PROBE_AFTER = 32  # experts the live cache misses asleep after a pause before the probe; each lost probe doubles it
 WARMUP = 4  # forwards acting before a judgement (after each probe that held)
 COST_WINDOW = 32  # forwards the cost comparison remembers
 COST_SHARE = 0.02  # of the forwards' time: the net cost of acting on predictions that pauses them
@@ -119,9 +122,10 @@ class PredictionGuard:
         self.cost_seconds = 0.0  # predicting plus the excess experts at the wait per miss (moving sum over COST_WINDOW)
         self.forward_seconds = 0.0  # the forwards' own time (moving sum over COST_WINDOW)
         self._last_time = clock()
-        self._acted = self._asleep_for = 0  # forwards since acting resumed; since it paused
-        self._sleep_length = 0  # forwards the present sleep lasts
-        self._next_sleep = PROBE_AFTER * WINDOW  # the next sleep's: doubled by each loss, reset by a long win
+        self._acted = 0  # forwards since acting resumed
+        self._missed_asleep = 0  # experts the live cache missed since the predictor fell asleep
+        self._sleep_length = 0  # misses the present sleep lasts
+        self._next_sleep = PROBE_AFTER  # the next sleep's: doubled by each loss, reset by a long win
         self._probe_start = (0, 0, 0.0)  # the twin's and LRU's misses, and seconds predicting, when the probe began
         self._probe_left = 0  # forwards left in the probe
         self.lost_probes = 0  # probes after which the predictor slept again
@@ -180,13 +184,13 @@ class PredictionGuard:
         self.forward_seconds = keep_long * self.forward_seconds + now - self._last_time
         self._last_time = now
         if not self.acting:
-            self._paused_forward()
+            self._paused_forward(live)
             return
         self._acted += 1
         if self._acted == WARMUP:  # counted from here: the prefill's (or the catch-up's) loads and time are not
             self._forget()  # the decode's (a prompt's table prefetches dozens of experts)
         if self._acted == 2 * WINDOW:  # a probe that held: the next loss sleeps the first length again
-            self._next_sleep = PROBE_AFTER * WINDOW
+            self._next_sleep = PROBE_AFTER
         slack = SLACK + SLACK_SHARE * self.lru_misses
         losing = self.excess > slack or self.excess_seconds > slack * per_miss
         costly = self._acted > WARMUP + WINDOW and self.cost_seconds > COST_SHARE * self.forward_seconds
@@ -200,14 +204,15 @@ class PredictionGuard:
         server's sleep carried over from the last request kept a prompt whose forecasts pay from them)."""
         self.lru = self._copy(self.cache, make_policy("lru"))
         self.twin, self.acting, self._acted = None, True, 0
-        self._next_sleep = PROBE_AFTER * WINDOW
+        self._next_sleep = PROBE_AFTER
         self._forget()
         self._last, self._last_time = self._counts(self.spent()), self.clock()
         self.sleep(False)
 
-    def _paused_forward(self) -> None:
-        """A forward while not acting: asleep, or probing in the shadow; a probe starts when a sleep
-        ends and, once its window is run, acts or sleeps longer."""
+    def _paused_forward(self, missed: int) -> None:
+        """A forward while not acting, after the live cache `missed` experts in the last: asleep, or
+        probing in the shadow; a probe starts when a sleep ends and, once its window is run, acts or
+        sleeps longer."""
         if self.twin is not None:
             self._probe_left -= 1
             if self._probe_left == SHADOW_WINDOW:
@@ -217,8 +222,8 @@ class PredictionGuard:
             if self._probe_left == 0 and self._judge_probe():
                 return
         else:
-            self._asleep_for += 1
-            if self._asleep_for >= self._sleep_length:
+            self._missed_asleep += missed
+            if self._missed_asleep >= self._sleep_length:
                 self._start_probe()
         if self.twin is None:
             self.paused_forwards += 1
@@ -262,7 +267,7 @@ class PredictionGuard:
 
     def _fall_asleep(self) -> None:
         """The predictor sleeps until the next probe, each sleep twice the last."""
-        self._asleep_for, self._sleep_length = 0, self._next_sleep
+        self._missed_asleep, self._sleep_length = 0, self._next_sleep
         self._next_sleep *= 2
         self.sleep(True)
 
@@ -275,7 +280,7 @@ class PredictionGuard:
         if self.lost_windows == 1:
             log.info("prediction guard: over the last %d tokens acting on the predictor loaded %+.0f experts and "
                      "spent %+.0f ms against LRU (net, %+.1f%% of the time); predictions paused, probed again "
-                     "after %d tokens", WINDOW, self.excess, self.excess_seconds * 1e3,
+                     "once the cache has missed %d experts", WINDOW, self.excess, self.excess_seconds * 1e3,
                      100 * self.cost_seconds / max(self.forward_seconds, 1e-9), self._next_sleep)
         self.acting = False
         self.paused_forwards += 1  # this forward runs paused
