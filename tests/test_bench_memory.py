@@ -122,6 +122,8 @@ def test_prediction_is_judged_per_prompt_against_the_runtime_without_it(tmp_path
     n = len(result["settings"]["systems"])
     assert [r["prompt_index"] for r in result["runs"][:2 * n]] == [0] * n + [1] * n  # interleaved per prompt
     assert len(result["references"]) == 2 and all(r["system"] == "plain" for r in result["references"])
+    # each runtime system ran once untimed before the timed runs (its compiled kernels cached)
+    assert result["warmups"] == {"no-predictor": "ok", "prescient": "ok", "prefetch": "ok", "oracle": "ok"}
     (cap_entry,) = result["per_prompt"]
     assert [row["over_no_predictor"]["prescient"] for row in cap_entry["prompts"]] == [1.5, 0.5]
     assert cap_entry["median_over_no_predictor"]["prescient"] == {"median": 1.0, "min": 0.5, "max": 1.5}

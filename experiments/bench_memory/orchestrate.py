@@ -5,7 +5,8 @@ prompts, each run a child process under the cap (`cgroup.run_capped`); JSON rewr
 run, and a PNG.
 
 Order: the import floor, one uncapped plain run per prompt (the reference ids every run must equal;
-it also traces its own sequence for the oracle), then per cap `repeats` rounds of every prompt's
+it also traces its own sequence for the oracle), one uncapped untimed run of each of the runtime's
+systems (its compiled kernels built before the first timed run, not in it), then per cap `repeats` rounds of every prompt's
 systems interleaved, their order rotated from one prompt and round to the next (A B C, B C A, C A B:
 no system always follows the same one, whose reads may leave the storage below the page cache warm),
 the page cache dropped before each.
@@ -23,7 +24,7 @@ from typing import Any
 
 from prescient.capped_run import HOW_COUNTED, CappedRun, cgroup_kind, drop_page_cache, run_capped
 from experiments.bench_memory.plot import floor_bytes, plot_memory_curve
-from experiments.bench_memory.systems import SYSTEMS, WITH_PREDICTOR
+from experiments.bench_memory.systems import RUNTIME_SYSTEMS, SYSTEMS, WITH_PREDICTOR
 from prescient.errors import PrescientError
 
 Runner = Callable[[list[str], "int | None", float], CappedRun]
@@ -32,7 +33,9 @@ METHOD = {
     "runs": "each run is a fresh `python -m experiments.bench_memory.child` process in a memory cgroup of its own "
             "capped at the cap; the page cache is dropped before it (sync; echo 1 > /proc/sys/vm/drop_caches) where "
             "allowed (page_cache_dropped), so every run reads its weights from disk under the cap",
-    "order": "the import floor, one uncapped plain run per prompt (reference ids, and the oracle's trace), then per "
+    "order": "the import floor, one uncapped plain run per prompt (reference ids, and the oracle's trace), one "
+             "uncapped untimed run of each runtime system on the first prompt (warmups: numba caches its compiled "
+             "kernels per source path, so a new checkout's first run would compile them under the cap), then per "
              "cap `repeats` rounds of every prompt's systems in turn, the order rotated by one from one prompt and "
              "round to the next (A B C, B C A, C A B: `rotated`), so no system always runs after the same one",
     "prompts": "the first texts of the corpus's held-out split with at least prompt_tokens tokens, cut to that many",
@@ -241,6 +244,7 @@ def bench_memory(model_dir: str | Path, caps: list[int], prompts: list[str], *, 
         references = [_reference(prompt_spec, runner, timeout_s) for prompt_spec in prompt_specs]
         result["reference"] = references[0]
         result["references"] = references
+        result["warmups"] = _warm_up(prompt_specs[0], systems, runner, timeout_s)
         _write(result, caps, json_path)
         for cap in caps:
             for repeat in range(repeats):
@@ -309,6 +313,14 @@ def _reference(spec: dict[str, Any], runner: Runner, timeout_s: float) -> dict[s
         raise MemoryBenchError(f"the uncapped plain run of prompt {spec['prompt_index']} ended {reference['status']}: "
                                f"{reference['cgroup']['stderr_tail'][-400:]}")
     return {**reference, "exact": True, "prompt_index": spec["prompt_index"]}
+
+
+def _warm_up(spec: dict[str, Any], systems: tuple[str, ...], runner: Runner, timeout_s: float) -> dict[str, str]:
+    """One uncapped, untimed run of each of the runtime's `systems` (its status by system): the kernels it
+    compiles are cached before the first timed run (a new worktree's first predictor run measured 13 MB
+    more and held 19 slots of 21 at 0.66 GB on runs/tb, results/bench-prediction-tb-cost-counted.json)."""
+    return {system: child_run({**spec, "system": system}, None, runner, timeout_s)["status"]
+            for system in systems if system in RUNTIME_SYSTEMS}
 
 
 def unknown(systems: tuple[str, ...]) -> list[str]:

@@ -33,6 +33,7 @@ from offload_runtime.engine.generate import generate_offloaded, timed_generate
 
 SYSTEMS = ("plain", "mmap", "no-predictor", "prescient", "prefetch", "next", "oracle", "llama.cpp")  # llama.cpp: `llama_cpp`, run by `child`
 WITH_PREDICTOR = ("prescient", "prefetch", "next")  # the systems that run the user's predictor
+RUNTIME_SYSTEMS = ("no-predictor", *WITH_PREDICTOR, "oracle")  # the offloading runtime's (its compiled kernels)
 NEXT_TOKEN_MIN_CHANCE = 0.5  # the `next` system's and the oracle's cross-token prefetch threshold (generate's default)
 ORACLE_OPTIONS = {"policy": "learned-belady", "next_token_min_chance": NEXT_TOKEN_MIN_CHANCE, "table_wait": 0.05,
                   "prediction_guard": False}  # the oracle is the bound: nothing guards it
