@@ -74,6 +74,8 @@ COST_COUNTED = "bench-prediction-tb-cost-counted.json"  # 7aeae16 on a fresh mac
 WIDE_LOOSE = "bench-prediction-tw-1.7-decode-h8-3x.json"  # 7aeae16: runs/tw at 1.7 GB, three repeats
 TRAINING_LENGTH = "predictor-training-length-tb.json"  # the decode predictor trained 3 and 9 minutes, in the simulator
 ASLEEP_FREE = "bench-prediction-tb-0.66-asleep-free.json"  # 86fbf80: a sleeping predictor's catch-up and shadow cut
+MISS_SLEEP = "bench-prediction-tb-miss-sleep.json"  # 2457914: the guard's sleeps in misses, each prompt judged afresh
+WIDE_MISS_SLEEP = "bench-prediction-tw-miss-sleep.json"  # the same on runs/tw at 1.1 and 1.7 GB
 READ_REPEATS = "read-path-tw-repeats.json"  # experiments.read_path four times in a row (8edefd5)
 NEXT_EXPLORED = "bench-prediction-tb-0.85-next.json"  # 6cc3e5a: cross-token and in-token prefetch, one round
 HORIZONS = {f"{heads}, round {n}": f"bench-prediction-tb-0.85-horizon-{heads}-{n}.json" for n in (1, 2)
@@ -334,6 +336,24 @@ def holds_rows(*names: str) -> Rows:
             "MiB the slots moved/token", "RssAnon MiB", "RssFile MiB"], rows
 
 
+def guard_rows(name: str) -> Rows:
+    """Per cap and prompt, the runtime with its predictor over its repeats: the slots it held, the
+    forwards it ran with the predictor asleep or probing, the times it paused it, and its ms per token
+    predicting (the guard's actions; each run a fresh process, so each prompt judged afresh)."""
+    result = load(name)
+    runs = [r for r in result["runs"] if r["system"] == "prescient" and r["status"] == "ok"]
+    rows = []
+    for cap in sorted({r["cap_bytes"] for r in runs}):
+        for prompt in sorted({r["prompt_index"] for r in runs if r["cap_bytes"] == cap}):
+            mine = [r["runtime"] for r in runs if r["cap_bytes"] == cap and r["prompt_index"] == prompt]
+            stats = [m["stats"] for m in mine]
+            rows.append([num(cap / GB, 2), str(prompt + 1), " / ".join(str(m["slots"]) for m in mine),
+                         *(" / ".join(str(s[field]) for s in stats) for field in
+                           ("prediction_paused_forwards", "prediction_probe_forwards", "prediction_lost_windows")),
+                         " / ".join(num(1e3 * s["predictor_seconds"] / s["forwards"], 2) for s in stats)])
+    return ["cap (GB)", "prompt", "slots", "forwards asleep", "forwards probing", "pauses", "ms predicting/forward"], rows
+
+
 def refusal_rows(name: str) -> Rows:
     """Per cap: numba's cache of the kernels (cleared before it: a fresh checkout's first run), refused
     or run, the seconds it took, and what the run planned and decoded."""
@@ -369,6 +389,44 @@ def tune_rows(name: str) -> Rows:
 
 
 CONCLUSION = """
+**The guard sleeps until the cache misses again, and judges each prompt afresh (2457914).** Prompt 4
+of runs/tb decodes a loop that 21 slots hold whole before it turns to code: acting on the predictor
+there saved nothing, the guard paused it after about 20 tokens for its cost (rightly), and slept 32
+forwards, waking for a probe well into the code, where the predictor loads a quarter fewer experts
+than LRU; and the probe was charged for waking the predictor (its catch-up over 64 kept tokens,
+about 10 ms), so it often lost. Now a sleep lasts until the live cache (LRU meanwhile) has missed 32
+experts, doubling with each lost probe (none where LRU misses nothing; soon after the misses come
+back); a probe is judged from the forward after the one that wakes the predictor; and each new
+sequence of a batch-1 run is judged afresh (a warm server's sleep from the last request kept the
+next prompt's predictor asleep; the bench runs each prompt in a process of its own, so it never saw
+it). runs/tb, both caps in one invocation, three repeats, the order rotated
+(load 0.83 before): at 0.66 GB a median **1.41x** the runtime without a predictor per prompt (0.91x to
+1.75x), the oracle 1.75x; 48.8 tokens/s against 27.9, the oracle 51.6, memory-mapped 24.4, plain
+transformers killed in all 24 runs (116.7 uncapped); where the oracle gains 1.5x (prompts 1, 3, 4, 6,
+7) **1.49x, 1.75x, 1.38x, 1.43x and 1.46x** (prompt 4 was 1.19x-1.20x in the two runs before); slower
+in every repeat on none (prompt 5, where the oracle gains 1.13x: 1.00x, 0.91x, 0.97x). At 0.85 GB
+1.00x (0.93x to 1.41x), the oracle 1.20x; 96.0 tokens/s against 89.4, the oracle 107.2,
+memory-mapped 87.2; where the oracle gains 1.5x (prompts 6, 7) 1.30x and 1.41x; slower in every
+repeat on prompt 2 (0.90x, 0.98x, 0.93x), where LRU decodes at 132 tokens/s and the oracle itself
+is slower in every repeat (0.96x, 0.88x, 0.86x): nothing there for prediction to win, and its first
+20 tokens of predicting before the guard's pause cost more than the 4 loads it saves. Prompt 4 at
+0.85 GB (the oracle 1.46x): 0.90x, 0.84x, 1.03x, loading 131 experts against LRU's 138 in one slot
+fewer (37 against 38). Every run exact; every table on time.
+runs/tw at 1.1 and 1.7 GB in one invocation, two repeats, the order rotated, each runtime system run
+once untimed first (b59d878: the bench compiles the kernels before its timed runs; load 0.78 before):
+at 1.1 GB a median **1.18x** (0.98x to 3.24x), the oracle 1.43x; 17.4 tokens/s against 9.3, the
+oracle 18.1, memory-mapped 8.1, plain transformers killed in all 16 runs (73.4 uncapped); the disk's
+wait per load varied from run to run by up to 1.8x here (the runtime without a predictor on prompt 3:
+9.4 and 16.0 s of stall for the same 513 loads), so single prompts swing (prompt 6: 1.80x then
+0.79x); where the oracle gains 1.5x (prompts 1, 3, 5) 3.24x, 1.97x and 1.43x; slower in every repeat
+on none; 2.26 loads per token against LRU's 4.42. At 1.7 GB **1.11x** (0.95x to 1.94x), the oracle
+1.24x; 44.2 tokens/s against 43.0, the oracle 52.1, memory-mapped 36.5, plain killed in 15 runs and
+past 45 s in one; where the oracle gains 1.5x (prompts 4, 6, 7) 1.23x (1.33x, 1.12x), 1.94x and
+1.22x (1.40x, 1.10x); slower in every repeat on prompt 8 (0.96x, 0.94x; the oracle 1.04x, 0.94x:
+LRU decodes it at 57 tokens/s, within 1.02x of the oracle). Prompt 4 loads 145 experts against
+LRU's 162 and the oracle's 104: there, and on prompt 7 (194 against 286, the
+oracle at 1.98x), the forecasts fall short of the oracle, not the guard.
+
 **A fresh machine: the predictor's whole cost counted, runs/tw at 1.7 GB (7aeae16).** These runs'
 machine built everything again (the demo, runs/tb, runs/tw); its demo model routes otherwise than the
 one the runs below used (LRU's loads on the same sequences differ, the timed simulator's table below
@@ -906,6 +964,28 @@ def _shadow_tables() -> tuple[Table, ...]:
     )
 
 
+def _miss_sleep_tables() -> tuple[Table, ...]:
+    """2457914: the guard sleeps until the live cache misses again (not a number of forwards), judges a
+    probe from after its wake-up, and each prompt afresh; runs/tb at both caps and runs/tw at both, three
+    and two repeats, every baseline in the same run, and what the guard did per prompt."""
+    tb_cmd = _tb_cmd(MISS_SLEEP, repeats=3, predictor=DECODE_PREDICTOR)
+    tw_cmd = (f"prescient bench --model runs/tw --predictor {DECODE_PREDICTOR} --memory 1.1GB,1.7GB --prompts 8 "
+              "--new-tokens 96 --repeats 2 --threads 2 --run-timeout 45 --systems plain,mmap,no-predictor,"
+              f"prescient,oracle --json results/{WIDE_MISS_SLEEP}")
+    setup = ("8 held-out prompts, 96 new tokens, interleaved repeats, the order rotated, the decode-trained "
+             "predictor (8 heads), through ../shared/bin/quiet")
+    guard = "What the guard did in that run: per prompt, the predictor's runs in repeat order"
+    return (
+        *_run_tables(MISS_SLEEP, tb_cmd, f"runs/tb (733 MB of experts) at 0.66 and 0.85 GB at 2457914 (the guard's "
+                     f"sleeps counted in the live cache's misses; {setup}, 3 repeats)", "That run's baselines"),
+        Table(guard, (MISS_SLEEP,), tb_cmd, partial(guard_rows, MISS_SLEEP)),
+        *_run_tables(WIDE_MISS_SLEEP, tw_cmd, f"runs/tw (2.2 GB of experts) at 1.1 and 1.7 GB at b59d878 ({setup}, 2 repeats, "
+                     "each runtime system run once untimed first so that no timed run compiles kernels; plain "
+                     "transformers stopped at 45 s)", "That run's baselines"),
+        Table(guard, (WIDE_MISS_SLEEP,), tw_cmd, partial(guard_rows, WIDE_MISS_SLEEP)),
+    )
+
+
 def _fresh_machine_tables() -> tuple[Table, ...]:
     """7aeae16 on a fresh machine (the demo, runs/tb and runs/tw built again): runs/tb at both caps with
     the predictor's bookkeeping counted and cheaper, runs/tw at 1.7 GB with three repeats, and what a
@@ -1377,6 +1457,7 @@ def page() -> Page:
     tune_wide_cmd = ("prescient tune --model runs/tw --predictor runs/tb-predictor/sida --memory 1.1GB,1.7GB "
                      "--new-tokens 32 --json ...")
     return Page("memory", "Speed against memory", CONCLUSION, (
+        *_miss_sleep_tables(),
         *_fresh_machine_tables(),
         *_order_and_prefetch_tables(),
         *_decode_trace_tables(),
