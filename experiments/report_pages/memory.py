@@ -934,6 +934,13 @@ def _tw_cmd(name: str, cap: str = "1.1GB", systems: str = "plain,mmap") -> str:
             f"--json results/{name}")
 
 
+def _tw_decode_cmd(name: str, caps: str, repeats: int, timeout: int) -> str:
+    """The command of a prediction bench on runs/tw with the decode-trained predictor, without llama.cpp."""
+    return (f"prescient bench --model runs/tw --predictor {DECODE_PREDICTOR} --memory {caps} --prompts 8 "
+            f"--new-tokens 96 --repeats {repeats} --threads 2 --run-timeout {timeout} --systems plain,mmap,"
+            f"no-predictor,prescient,oracle --json results/{name}")
+
+
 def _run_tables(name: str, cmd: str, title: str, baselines: str) -> tuple[Table, Table]:
     """A prediction bench's two tables: per prompt the runtime's systems, then every system's baselines."""
     return (Table(title, (name,), cmd, partial(prediction_rows, name), note=_history_note(name)),
@@ -969,9 +976,7 @@ def _miss_sleep_tables() -> tuple[Table, ...]:
     probe from after its wake-up, and each prompt afresh; runs/tb at both caps and runs/tw at both, three
     and two repeats, every baseline in the same run, and what the guard did per prompt."""
     tb_cmd = _tb_cmd(MISS_SLEEP, repeats=3, predictor=DECODE_PREDICTOR)
-    tw_cmd = (f"prescient bench --model runs/tw --predictor {DECODE_PREDICTOR} --memory 1.1GB,1.7GB --prompts 8 "
-              "--new-tokens 96 --repeats 2 --threads 2 --run-timeout 45 --systems plain,mmap,no-predictor,"
-              f"prescient,oracle --json results/{WIDE_MISS_SLEEP}")
+    tw_cmd = _tw_decode_cmd(WIDE_MISS_SLEEP, "1.1GB,1.7GB", repeats=2, timeout=45)
     setup = ("8 held-out prompts, 96 new tokens, interleaved repeats, the order rotated, the decode-trained "
              "predictor (8 heads), through ../shared/bin/quiet")
     guard = "What the guard did in that run: per prompt, the predictor's runs in repeat order"
@@ -991,9 +996,7 @@ def _fresh_machine_tables() -> tuple[Table, ...]:
     the predictor's bookkeeping counted and cheaper, runs/tw at 1.7 GB with three repeats, and what a
     longer training changes in the timed simulator; runs/tb at 0.66 GB again at 86fbf80 (sleeping cheaper)."""
     tb_cmd = _tb_cmd(COST_COUNTED, repeats=3, predictor=DECODE_PREDICTOR)
-    tw_cmd = (f"prescient bench --model runs/tw --predictor {DECODE_PREDICTOR} --memory 1.7GB --prompts 8 "
-              "--new-tokens 96 --repeats 3 --threads 2 --run-timeout 40 --systems plain,mmap,no-predictor,"
-              f"prescient,oracle --json results/{WIDE_LOOSE}")
+    tw_cmd = _tw_decode_cmd(WIDE_LOOSE, "1.7GB", repeats=3, timeout=40)
     setup = ("8 held-out prompts, 96 new tokens, 3 interleaved repeats, the order rotated, the decode-trained "
              "predictor (8 heads, the demo's 3-minute limit), through ../shared/bin/quiet")
     asleep_cmd = _tb_cmd(ASLEEP_FREE, caps="0.66GB", repeats=3, predictor=DECODE_PREDICTOR)
