@@ -408,22 +408,22 @@ in every repeat on none (prompt 5, where the oracle gains 1.13x: 1.00x, 0.91x, 0
 1.00x (0.93x to 1.41x), the oracle 1.20x; 96.0 tokens/s against 89.4, the oracle 107.2,
 memory-mapped 87.2; where the oracle gains 1.5x (prompts 6, 7) 1.30x and 1.41x; slower in every
 repeat on prompt 2 (0.90x, 0.98x, 0.93x), where LRU decodes at 132 tokens/s and the oracle itself
-is slower in every repeat (0.96x, 0.88x, 0.86x): nothing there for prediction to win, and its first
-20 tokens of predicting before the guard's pause cost more than the 4 loads it saves. Prompt 4 at
+is slower in every repeat (0.96x, 0.88x, 0.86x): nothing there for prediction to win; the predictor
+acted for about 20 tokens before the guard paused it and saved 4 loads (54 against 58). Prompt 4 at
 0.85 GB (the oracle 1.46x): 0.90x, 0.84x, 1.03x, loading 131 experts against LRU's 138 in one slot
 fewer (37 against 38). Every run exact; every table on time.
 runs/tw at 1.1 and 1.7 GB in one invocation, two repeats, the order rotated, each runtime system run
 once untimed first (b59d878: the bench compiles the kernels before its timed runs; load 0.78 before):
 at 1.1 GB a median **1.18x** (0.98x to 3.24x), the oracle 1.43x; 17.4 tokens/s against 9.3, the
 oracle 18.1, memory-mapped 8.1, plain transformers killed in all 16 runs (73.4 uncapped); the disk's
-wait per load varied from run to run by up to 1.8x here (the runtime without a predictor on prompt 3:
+wait per load varied from run to run by up to 1.7x here (the runtime without a predictor on prompt 3:
 9.4 and 16.0 s of stall for the same 513 loads), so single prompts swing (prompt 6: 1.80x then
 0.79x); where the oracle gains 1.5x (prompts 1, 3, 5) 3.24x, 1.97x and 1.43x; slower in every repeat
 on none; 2.26 loads per token against LRU's 4.42. At 1.7 GB **1.11x** (0.95x to 1.94x), the oracle
 1.24x; 44.2 tokens/s against 43.0, the oracle 52.1, memory-mapped 36.5, plain killed in 15 runs and
 past 45 s in one; where the oracle gains 1.5x (prompts 4, 6, 7) 1.23x (1.33x, 1.12x), 1.94x and
 1.22x (1.40x, 1.10x); slower in every repeat on prompt 8 (0.96x, 0.94x; the oracle 1.04x, 0.94x:
-LRU decodes it at 57 tokens/s, within 1.02x of the oracle). Prompt 4 loads 145 experts against
+LRU decodes it at 57 tokens/s, the oracle at 56). Prompt 4 loads 145 experts against
 LRU's 162 and the oracle's 104: there, and on prompt 7 (194 against 286, the
 oracle at 1.98x), the forecasts fall short of the oracle, not the guard.
 

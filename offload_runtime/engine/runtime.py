@@ -211,9 +211,9 @@ class OffloadRuntime:
                     self.prefetcher.send_forecasts()  # the last forward's, before the guards may evict or clear ranks
             if self.guard is not None:
                 self.guard.check()
-            # transformers 5.24 renamed the forward's `past_key_values` to `cache`
+            # transformers 5.24 renamed the forward's `past_key_values` to `cache`; without a predictor nothing asks
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
-            new_sequence = cache is None or cache.get_seq_length() == 0
+            new_sequence = self.builder is not None and (cache is None or cache.get_seq_length() == 0)
             if self.prediction_guard is not None:
                 with self._predicting():
                     if new_sequence and self.sequence_ids is None:
