@@ -391,10 +391,10 @@ def tune_rows(name: str) -> Rows:
 CONCLUSION = """
 **The guard sleeps until the cache misses again, and judges each prompt afresh (2457914).** Prompt 4
 of runs/tb decodes a loop that 21 slots hold whole before it turns to code: acting on the predictor
-there saved nothing, the guard paused it after about 20 tokens for its cost (rightly), and slept 32
-forwards, waking for a probe well into the code, where the predictor loads a quarter fewer experts
-than LRU; and the probe was charged for waking the predictor (its catch-up over 64 kept tokens,
-about 10 ms), so it often lost. Now a sleep lasts until the live cache (LRU meanwhile) has missed 32
+there saved nothing, the guard paused it in the loop for its cost (rightly), and slept 32 forwards,
+waking for a probe well into the code, where the predictor loads fewer experts than LRU (324-355
+against 360 in the runs before, 290 in this one); and the probe was charged for waking the
+predictor (its catch-up over 64 kept tokens at 0.15-0.2 ms each), so it often lost. Now a sleep lasts until the live cache (LRU meanwhile) has missed 32
 experts, doubling with each lost probe (none where LRU misses nothing; soon after the misses come
 back); a probe is judged from the forward after the one that wakes the predictor; and each new
 sequence of a batch-1 run is judged afresh (a warm server's sleep from the last request kept the
