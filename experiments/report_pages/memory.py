@@ -988,6 +988,9 @@ def _miss_sleep_tables() -> tuple[Table, ...]:
                      "each runtime system run once untimed first so that no timed run compiles kernels; plain "
                      "transformers stopped at 45 s)", "That run's baselines"),
         Table(guard, (WIDE_MISS_SLEEP,), tw_cmd, partial(guard_rows, WIDE_MISS_SLEEP)),
+        Table("What the processes held in those two runs: per cap and system the medians over the runs that "
+              "finished", (MISS_SLEEP, WIDE_MISS_SLEEP), f"{tb_cmd}; {tw_cmd}",
+              partial(holds_rows, MISS_SLEEP, WIDE_MISS_SLEEP)),
     )
 
 

@@ -32,7 +32,7 @@ predicting; after `sleep(False)` the next `submit` first steps the states over w
 (without forecasts: those tables are moot). A stream keeps its last `catch_up` tokens at most (its
 state restarts from them): a sleep costs nothing even once it is long, where stepping over every
 token slept through would cost the predictor's whole work, only later (0.15-0.2 ms a token on
-runs/tb); on runs/tb the guard's sleeps are 32 to 128 forwards and more on long generations.
+runs/tb); the guard's sleeps last 32 to 128 misses of the cache and more, often dozens of forwards.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ class HashBuilder:
     def sleep(self, asleep: bool = True) -> None:
         """Stop predicting (`asleep`) or go on (False). Asleep, `submit` and `forget` only keep
         what they are handed: no table lands and the predictor costs nothing; the first `submit`
-        after waking runs what was kept, in order, so every state steps over every token."""
+        after waking runs what was kept, in order (a stream's last `catch_up` tokens at most)."""
         self._asleep = asleep
 
     def poll(self, step: int) -> HashTable | None:

@@ -127,7 +127,7 @@ class PredictionGuard:
         self._missed_asleep = 0  # experts the live cache missed since the predictor fell asleep
         self._sleep_length = 0  # misses the present sleep lasts
         self._next_sleep = PROBE_AFTER  # the next sleep's: doubled by each loss, reset by a long win
-        self._probe_start = (0, 0, 0.0)  # the twin's and LRU's misses, and seconds predicting, when the probe began
+        self._probe_start = (0, 0, 0.0)  # the twin's and LRU's misses, and seconds predicting, from the probe's second forward
         self._probe_left = 0  # forwards left in the probe
         self.lost_probes = 0  # probes after which the predictor slept again
         self._last = self._counts(spent())
@@ -203,11 +203,11 @@ class PredictionGuard:
         forward, whatever it did for the last sequence (how much prediction pays is a prompt's: on
         runs/tb at 0.66 GB from 0.96x to 1.8x, results/bench-prediction-tb-0.66-asleep-free.json; a
         server's sleep carried over from the last request kept a prompt whose forecasts pay from them)."""
-        self.lru = self._copy(self.cache, make_policy("lru"))
+        self._shadow_live_cache()
         self.twin, self.acting, self._acted = None, True, 0
         self._next_sleep = PROBE_AFTER
         self._forget()
-        self._last, self._last_time = self._counts(self.spent()), self.clock()
+        self._last_time = self.clock()
         self.sleep(False)
 
     def _paused_forward(self, missed: int) -> None:
@@ -235,12 +235,15 @@ class PredictionGuard:
         """The predictor wakes; the LRU shadow restarts as a copy of the live cache (which ran as LRU
         while the predictor slept: its learned ranks cleared), and the predictions go to a twin of it
         (its experts, in its order, under the live policy) for `SHADOW_WINDOW` forwards."""
-        self.lru = self._copy(self.cache, make_policy("lru"))
+        self._shadow_live_cache()
         self.twin = self._copy(self.lru, self.twin_policy())
-        self._last = self._counts(self.spent())  # the new shadow's misses count from here
-        self._probe_start = (self.twin.stats.misses, self.lru.stats.misses, self.spent().predictor_seconds)
-        self._probe_left = SHADOW_WINDOW + 1  # the first forward wakes the predictor (see `_paused_forward`)
+        self._probe_left = SHADOW_WINDOW + 1  # the first forward wakes the predictor; judged from the next
         self.sleep(False)
+
+    def _shadow_live_cache(self) -> None:
+        """The LRU shadow restarts as a copy of the live cache; its misses count from here."""
+        self.lru = self._copy(self.cache, make_policy("lru"))
+        self._last = self._counts(self.spent())
 
     def _copy(self, cache: ExpertCache, policy: EvictionPolicy) -> ExpertCache:
         """A cache of `cache`'s capacity under `policy`, holding its experts accessed in its eviction

@@ -266,13 +266,14 @@ def test_a_new_sequence_is_judged_afresh():
     assert guard._sleep_length == prediction_guard.PROBE_AFTER
 
 
-def test_each_generation_acts_on_the_predictor_afresh(case):
+@pytest.mark.parametrize("budget", ["2slots", "3slots", 0.25])  # at and above a layer's top-k (fewer are refused)
+def test_each_generation_acts_on_the_predictor_afresh(case, budget):
     """Through `generate`: wrong forecasts are paused in each of two generations of the same loaded
     model (the second acts again from its prompt), and both compute the plain model's tokens."""
     path, inputs, want, _, accessed, dtype = case
     n_layers, n_experts = len({key[0] for key in accessed}), 1 + max(key[1] for key in accessed)
     predictor = _steering(forecasting_sida(path), _least_used(accessed, n_layers, n_experts, 2))
-    model = load_offloaded(path, predictor, budget=0.25, policy="learned-belady", dtype=dtype)
+    model = load_offloaded(path, predictor, budget=budget, policy="learned-belady", dtype=dtype)
     with model.runtime as runtime, torch.inference_mode():
         for generation in (1, 2):
             out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
