@@ -22,10 +22,16 @@ goes on as LRU (a learned policy without forecasts is LRU by its tiebreak): the 
 as a copy of the live cache, and for `SHADOW_WINDOW` forwards a twin of it (its experts in its
 order, under the live policy) takes the forecasts and what the prefetcher would prefetch (in time,
 nothing copied), judged from the forward after the one that wakes the predictor (its catch-up over
-the kept tokens is spent whatever the probe finds): the runtime acts again only if the twin missed
-at least `SHADOW_GAIN` experts fewer than the LRU shadow on the same accesses, and those misses, at
-this run's wait per miss, outweigh the time the probe spent predicting; else the predictor sleeps
-again, each lost probe doubling the sleep. A probe costs a few forwards of predicting, never a
+the kept tokens is spent whatever the probe finds): the runtime acts again as soon as the twin has
+missed at least `SHADOW_GAIN` experts fewer than the LRU shadow on the same accesses, and those
+misses, at this run's wait per miss, outweigh the time the probe spent predicting (each forward
+the probe runs on after it has won is one more of LRU where prediction pays); if the window ends
+without that, the predictor sleeps again, each lost probe doubling the sleep. The first sleep is
+short (16 misses): a pause for its cost alone falls where LRU misses nothing (a loop the cache holds
+whole), and the misses that end it are where the predictions pay (runs/tb's prompt 4, a loop then
+code: 290 loads at 21 slots after 32 misses asleep, results/bench-prediction-tb-miss-sleep.json;
+runs/tw at 1.7 GB, 145 loads with 27 forwards asleep and 9 probing, results/bench-prediction-tw-miss-sleep.json;
+after 16 misses and the early win, results/bench-prediction-tw-early-probe.json). A probe costs a few forwards of predicting, never a
 miss: probes that acted on the live cache lost their window's misses each time (on runs/tb at 0.66
 GB a prompt LRU decodes at 135 tok/s ran 0.75x without the predictor,
 results/bench-prediction-tb-fused.json). The runtime acts from the first forward of each sequence (a
@@ -68,7 +74,7 @@ log = logging.getLogger(__name__)
 WINDOW = 16  # forwards the comparison remembers (an exponential moving sum with this time constant)
 SLACK = 4.0  # experts (or their wait) more than LRU's within the window before predictions count as losing
 SLACK_SHARE = 0.1  # and this share of LRU's misses in the window
-PROBE_AFTER = 32  # experts the live cache misses asleep after a pause before the probe; each lost probe doubles it
+PROBE_AFTER = 16  # experts the live cache misses asleep after a pause before the probe; each lost probe doubles it
 WARMUP = 4  # forwards acting before a judgement (after each probe that held)
 COST_WINDOW = 32  # forwards the cost comparison remembers
 COST_SHARE = 0.02  # of the forwards' time: the net cost of acting on predictions that pauses them
@@ -220,8 +226,11 @@ class PredictionGuard:
                 # the probe's first forward woke the predictor, which stepped its state over the tokens kept
                 # while asleep: spent whatever the probe finds, so the probe is judged from its second forward
                 self._probe_start = (self.twin.stats.misses, self.lru.stats.misses, self.spent().predictor_seconds)
-            if self._probe_left == 0 and self._judge_probe():
+            elif self._probe_left < SHADOW_WINDOW and self._probe_pays():
+                self._act()  # a probe that has won already acts at once: each forward more runs LRU where it pays
                 return
+            if self._probe_left == 0:
+                self._lose_probe()
         else:
             self._missed_asleep += missed
             if self._missed_asleep >= self._sleep_length:
@@ -253,21 +262,25 @@ class PredictionGuard:
             copy.access(key)
         return copy
 
-    def _judge_probe(self) -> bool:
-        """A probe's window is run: act from this forward on (True) if the twin missed
-        `SHADOW_GAIN` fewer experts than the LRU shadow, else sleep twice as long as before."""
+    def _probe_pays(self) -> bool:
+        """Whether the probe's twin has missed `SHADOW_GAIN` fewer experts than the LRU shadow so far
+        (from its second forward), and those misses, at this run's wait per miss, outweigh the time
+        the probe spent predicting."""
         twin_misses, lru_misses, predicting = self._probe_start
         spent = self.spent()
         saved = (self.lru.stats.misses - lru_misses) - (self.twin.stats.misses - twin_misses)
+        return saved >= SHADOW_GAIN and saved * spent.per_miss() > spent.predictor_seconds - predicting
+
+    def _act(self) -> None:
+        """Act on the predictions from this forward on (a probe won)."""
+        self.twin, self.acting, self._acted = None, True, 0
+        self._forget()
+
+    def _lose_probe(self) -> None:
+        """A probe's window ran without paying: sleep twice as long as before."""
         self.twin = None
-        # the misses saved must outweigh the time predicting took (at this run's wait per miss)
-        if saved >= SHADOW_GAIN and saved * spent.per_miss() > spent.predictor_seconds - predicting:
-            self.acting, self._acted = True, 0
-            self._forget()
-            return True
         self.lost_probes += 1
         self._fall_asleep()
-        return False
 
     def _fall_asleep(self) -> None:
         """The predictor sleeps until the next probe, each sleep twice the last."""

@@ -229,6 +229,17 @@ def test_a_probe_is_not_charged_for_waking_the_predictor():
     assert guard.lost_probes == 0 and guard.lost_windows == 2
 
 
+def test_a_probe_that_has_won_acts_at_once():
+    """A probe's twin that has saved `SHADOW_GAIN` misses worth more than its predicting acts from the
+    next forward, not at its window's end: each forward more of the probe runs LRU where prediction
+    pays. (The live cache saves nothing here, so acting is paused again, and probed again.)"""
+    guard, calls = _judge(160, 1, 0.003, 0.001, saved_live=0)
+    probes = sum(not asleep for _, asleep in calls)
+    assert probes >= 2 and guard.lost_probes == 0 and guard.lost_windows == probes + (not guard.acting)
+    # each probe: the forward that wakes the predictor, then one judged forward a miss saved
+    assert guard.probe_forwards == probes * (1 + prediction_guard.SHADOW_GAIN) < probes * prediction_guard.SHADOW_WINDOW
+
+
 def test_asleep_the_predictor_wakes_once_the_cache_misses_again():
     """A sleep lasts `PROBE_AFTER` misses of the live cache, not a number of forwards: where LRU misses
     nothing (a loop the slots hold whole) there is nothing to probe for; once the misses come back,
@@ -256,7 +267,7 @@ def test_a_new_sequence_is_judged_afresh():
                                              calls.append, lambda: make_policy("learned"))
     guard._pause()
     guard._start_probe()
-    guard._judge_probe()  # a lost probe: asleep, the next sleep four windows
+    guard._lose_probe()  # a lost probe: asleep, the next sleep twice as long
     for expert in (0, 1, 2):
         live.access((0, expert))
     guard.start_sequence()
@@ -293,7 +304,9 @@ def test_right_forecasts_that_cost_more_than_they_save_sleep(case):
     # paused once judged, for a whole sleep at least
     assert runs[True].prediction_lost_windows >= 1
     assert runs[True].prediction_paused_forwards >= _shortest_sleep(path, len({key[0] for key in accessed}))
-    assert runs[True].predictor_seconds < 0.6 * runs[False].predictor_seconds
+    # a fraction of its time: this model's misses (three a forward) end a first sleep of 16 within a few
+    # forwards, so its probes (9 forwards each, before sleeps of 32 and 64 misses) are most of what is left
+    assert runs[True].predictor_seconds < 0.75 * runs[False].predictor_seconds
 
 
 def test_asleep_the_shadow_waits_and_a_probe_starts_from_the_live_cache():
