@@ -145,6 +145,20 @@ def test_each_prompt_keeps_its_spread_and_the_ratios_repeat_by_repeat(tmp_path):
     assert row["over_no_predictor"]["prescient"] == pytest.approx(15.0 / 12.0)  # of the medians
 
 
+def test_a_slow_spell_shared_by_a_repeat_cancels_in_the_paired_statistic(tmp_path):
+    """The disk slows every system of one repeat (its runs follow each other): the ratio of medians pairs
+    the predictor's slow run with no predictor's fast one, each repeat's ratio does not."""
+    cap = 2**30
+    runner = _fake_runner({("no-predictor", cap): [8.0, 7.0, 4.0], ("prescient", cap): [7.5, 11.0, 6.5]})
+    out = tmp_path / "curve.json"
+    orchestrate.bench_memory("model", [cap], [PROMPT], json_path=out, new_tokens=4, repeats=3, runner=runner,
+                             predictor="p", systems=("no-predictor", "prescient"))
+    (cap_entry,) = json.loads(out.read_text())["per_prompt"]
+    assert cap_entry["median_over_no_predictor"]["prescient"]["median"] == pytest.approx(7.5 / 7.0)
+    paired = cap_entry["median_paired_over_no_predictor"]["prescient"]
+    assert paired["median"] == pytest.approx(11.0 / 7.0) == paired["min"] == paired["max"]  # of 0.94, 1.57, 1.63
+
+
 def test_the_prescient_system_needs_a_predictor(tmp_path):
     with pytest.raises(orchestrate.MemoryBenchError, match="--predictor"):
         orchestrate.bench_memory("model", [2**30], [PROMPT], json_path=tmp_path / "x.json", systems=("prescient",),

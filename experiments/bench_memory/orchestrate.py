@@ -156,8 +156,19 @@ def per_prompt(runs: list[dict[str, Any]], caps: list[int], systems: tuple[str, 
         ratios = {system: _spread([row["over_no_predictor"][system] for row in table
                                    if row["over_no_predictor"].get(system) is not None])
                   for system in systems if system != "no-predictor"}
-        out.append({"cap_bytes": cap, "prompts": table, "median_over_no_predictor": ratios})
+        out.append({"cap_bytes": cap, "prompts": table, "median_over_no_predictor": ratios,
+                    "median_paired_over_no_predictor": {system: paired_spread(table, system)
+                                                        for system in systems if system != "no-predictor"}})
     return out
+
+
+def paired_spread(prompts: list[dict[str, Any]], system: str) -> dict[str, float] | None:
+    """Over `prompts` (a cap's `per_prompt` rows): the median and range of each prompt's median ratio
+    repeat by repeat (`paired_over_no_predictor`). Its runs of one prompt and repeat follow each other,
+    so a slow spell of the disk slows both sides of a ratio; a ratio of medians pairs one repeat's run
+    with another's."""
+    return _spread([statistics.median(ratios) for row in prompts
+                    if (ratios := row.get("paired_over_no_predictor", {}).get(system))])
 
 
 def _paired(done: dict[str, dict[int, float]], base: str) -> dict[str, list[float]]:

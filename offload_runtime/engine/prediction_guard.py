@@ -210,9 +210,8 @@ class PredictionGuard:
         runs/tb at 0.66 GB from 0.96x to 1.8x, results/bench-prediction-tb-0.66-asleep-free.json; a
         server's sleep carried over from the last request kept a prompt whose forecasts pay from them)."""
         self._shadow_live_cache()
-        self.twin, self.acting, self._acted = None, True, 0
+        self._act()
         self._next_sleep = PROBE_AFTER
-        self._forget()
         self._last_time = self.clock()
         self.sleep(False)
 
@@ -272,7 +271,7 @@ class PredictionGuard:
         return saved >= SHADOW_GAIN and saved * spent.per_miss() > spent.predictor_seconds - predicting
 
     def _act(self) -> None:
-        """Act on the predictions from this forward on (a probe won)."""
+        """Act on the predictions from this forward on (a probe won, a sequence starts), judged afresh."""
         self.twin, self.acting, self._acted = None, True, 0
         self._forget()
 
