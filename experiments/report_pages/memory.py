@@ -391,6 +391,30 @@ def tune_rows(name: str) -> Rows:
 
 
 CONCLUSION = """
+**A probe that has won acts at once; the first sleep is 16 misses; and the ratios repeat by repeat
+(9f60f82, 876288c).** On the prompt that loops before it turns to code (prompt 4) the guard paused the
+predictor in the loop for its cost, rightly, then slept 32 misses and probed 8 forwards before acting
+again, all of it LRU in the code, where the predictions pay. Now the first sleep lasts 16 misses and a
+probe acts from the forward after its twin has saved 2 misses worth more than its predicting.
+runs/tw, both caps in one invocation, three repeats, the order rotated (load 1.03 before: the test
+suite had just ended; this machine's disk and CPU slowed during the run, the wait per load ranging
+16-54 ms and the predictor's time per run up to 2.5x its usual): prompt 4 loaded 310-315 experts at
+1.1 GB (327 in the run before) and 137 at 1.7 GB (145; the oracle 104). At 1.1 GB the median of the
+per-prompt ratios of medians fell to **1.07x** (0.79x to 3.03x), the oracle 1.57x; 13.3 tokens/s
+against 7.5, the oracle 16.9, memory-mapped 6.6, plain transformers killed in all 24 runs (58.5
+uncapped); 2.26 loads per token against 4.42. A ratio of medians pairs one repeat's run with
+another's, and a slow spell of the disk slows both systems of a repeat (their runs follow each
+other): the median over the prompts of each prompt's median ratio repeat by repeat is **1.24x** here
+and 1.25x in the run before (where the ratio of medians was 1.18x); the oracle's 1.60x and 1.51x.
+Where the oracle gains 1.5x (prompts 1, 3, 4, 5, 6, 7): 3.03x, 2.16x, 1.06x (0.92x, 1.55x, 1.60x),
+1.07x, 1.49x and 0.79x (0.72x, 0.79x, 1.07x; 411-423 loads against LRU's 487 and the oracle's 329,
+and in its first two repeats the disk's slowest reads: 31-33 ms a load against 19-21 without the
+predictor). Slower in every repeat: none. At 1.7 GB **1.08x** (0.93x to 1.36x; repeat by repeat
+1.08x), the oracle 1.16x; 25.4 tokens/s against 24.0, the oracle 28.2, memory-mapped 21.9, plain
+killed in 18 runs and past 45 s in 6; where the oracle gains 1.5x (prompts 4, 6, 7) **1.29x, 1.32x and
+1.36x** (1.23x, 1.94x and 1.22x in the run before); slower in every repeat: none. Every run exact;
+every table on time.
+
 **The guard sleeps until the cache misses again, and judges each prompt afresh (2457914).** Prompt 4
 of runs/tb decodes a loop that 21 slots hold whole before it turns to code: acting on the predictor
 there saved nothing, the guard paused it in the loop for its cost (rightly), and slept 32 forwards,

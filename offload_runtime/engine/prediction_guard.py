@@ -28,13 +28,12 @@ misses, at this run's wait per miss, outweigh the time the probe spent predictin
 the probe runs on after it has won is one more of LRU where prediction pays); if the window ends
 without that, the predictor sleeps again, each lost probe doubling the sleep. The first sleep is
 short (16 misses): a pause for its cost alone falls where LRU misses nothing (a loop the cache holds
-whole), and the misses that end it are where the predictions pay (runs/tb's prompt 4, a loop then
-code: 290 loads at 21 slots after 32 misses asleep, results/bench-prediction-tb-miss-sleep.json;
-runs/tw at 1.7 GB, 145 loads with 27 forwards asleep and 9 probing, results/bench-prediction-tw-miss-sleep.json;
-after 16 misses and the early win, results/bench-prediction-tw-early-probe.json). A probe costs a few forwards of predicting, never a
-miss: probes that acted on the live cache lost their window's misses each time (on runs/tb at 0.66
-GB a prompt LRU decodes at 135 tok/s ran 0.75x without the predictor,
-results/bench-prediction-tb-fused.json). The runtime acts from the first forward of each sequence (a
+whole), and the misses that end it are where the predictions pay (runs/tw's prompt 4, a loop then
+code: 145 loads at 1.7 GB and 327 at 1.1 GB sleeping 32 misses and probing 9 forwards,
+results/bench-prediction-tw-miss-sleep.json; 137 and 310-315 now, -tw-early-probe.json; the
+oracle 104 and 275). A probe costs a few forwards of predicting, never a miss: probes that acted
+on the live cache lost their window's misses each time (on runs/tb at 0.66 GB a prompt LRU decodes
+at 135 tok/s ran 0.75x without the predictor, results/bench-prediction-tb-fused.json). The runtime acts from the first forward of each sequence (a
 batch-1 run judges each prompt afresh, `start_sequence`): probing from the start measured slower in
 the median (see `PredictionGuard.__init__`).
 
