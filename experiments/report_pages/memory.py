@@ -78,6 +78,7 @@ ASLEEP_FREE = "bench-prediction-tb-0.66-asleep-free.json"  # 86fbf80: a sleeping
 MISS_SLEEP = "bench-prediction-tb-miss-sleep.json"  # 2457914: the guard's sleeps in misses, each prompt judged afresh
 WIDE_MISS_SLEEP = "bench-prediction-tw-miss-sleep.json"  # the same on runs/tw at 1.1 and 1.7 GB
 WIDE_EARLY_PROBE = "bench-prediction-tw-early-probe.json"  # 9f60f82: a won probe acts at once, a first sleep of 16 misses
+EARLY_PROBE = "bench-prediction-tb-0.85-early-probe.json"  # 876288c: the same on runs/tb at 0.85 GB
 READ_REPEATS = "read-path-tw-repeats.json"  # experiments.read_path four times in a row (8edefd5)
 NEXT_EXPLORED = "bench-prediction-tb-0.85-next.json"  # 6cc3e5a: cross-token and in-token prefetch, one round
 HORIZONS = {f"{heads}, round {n}": f"bench-prediction-tb-0.85-horizon-{heads}-{n}.json" for n in (1, 2)
@@ -412,8 +413,14 @@ and in its first two repeats the disk's slowest reads: 31-33 ms a load against 1
 predictor). Slower in every repeat: none. At 1.7 GB **1.08x** (0.93x to 1.36x; repeat by repeat
 1.08x), the oracle 1.16x; 25.4 tokens/s against 24.0, the oracle 28.2, memory-mapped 21.9, plain
 killed in 18 runs and past 45 s in 6; where the oracle gains 1.5x (prompts 4, 6, 7) **1.29x, 1.32x and
-1.36x** (1.23x, 1.94x and 1.22x in the run before); slower in every repeat: none. Every run exact;
-every table on time.
+1.36x** (1.23x, 1.94x and 1.22x in the run before); slower in every repeat: none. runs/tb at 0.85 GB
+at 876288c, three repeats (load 1.33 before; the machine at about half its speed, the plain model
+uncapped at 34-79 tokens/s against 117 in the run below): a median **1.11x** (0.85x to 1.39x;
+repeat by repeat 1.11x), the oracle 1.16x; 46.8 tokens/s against 48.4, the oracle 53.1, memory-mapped
+52.8, plain killed in all 24 runs; prompt 4 loaded 125-128 experts (131 in the run below); where the
+oracle gains 1.5x (prompts 6, 7) 1.39x and 1.15x (1.15x, 1.22x, 1.30x); slower in every repeat on
+prompt 2 (0.97x, 0.96x, 0.90x; its runs' range within no predictor's, where the oracle gains 1.15x).
+Every run exact; every table on time.
 
 **The guard sleeps until the cache misses again, and judges each prompt afresh (2457914).** Prompt 4
 of runs/tb decodes a loop that 21 slots hold whole before it turns to code: acting on the predictor
@@ -1011,6 +1018,7 @@ def _early_probe_tables() -> tuple[Table, ...]:
     """9f60f82: a probe acts as soon as it has won and the first sleep lasts 16 misses; runs/tw at both
     caps, three repeats, every baseline in the same run, and what the guard did per prompt."""
     cmd = _tw_decode_cmd(WIDE_EARLY_PROBE, "1.1GB,1.7GB", repeats=3, timeout=45)
+    tb_cmd = _tb_cmd(EARLY_PROBE, caps="0.85GB", repeats=3, predictor=DECODE_PREDICTOR)
     return (
         *_run_tables(WIDE_EARLY_PROBE, cmd, "runs/tw (2.2 GB of experts) at 1.1 and 1.7 GB at 9f60f82 (a probe that has "
                      "won acts at once; the first sleep 16 misses; 8 held-out prompts, 96 new tokens, 3 interleaved "
@@ -1021,6 +1029,11 @@ def _early_probe_tables() -> tuple[Table, ...]:
               cmd, partial(guard_rows, WIDE_EARLY_PROBE)),
         Table("What the processes held in that run: per cap and system the medians over the runs that finished",
               (WIDE_EARLY_PROBE,), cmd, partial(holds_rows, WIDE_EARLY_PROBE)),
+        *_run_tables(EARLY_PROBE, tb_cmd, "runs/tb (733 MB of experts) at 0.85 GB at 876288c (the same guard; the "
+                     "same settings, plain transformers stopped at 120 s; this machine ran at about half its speed "
+                     "meanwhile: the plain model uncapped at 34-79 tokens/s, 117 in the run below)",
+                     "That run's baselines"),
+        Table("What the guard did in that run", (EARLY_PROBE,), tb_cmd, partial(guard_rows, EARLY_PROBE)),
     )
 
 
