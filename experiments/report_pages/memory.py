@@ -394,7 +394,7 @@ def tune_rows(name: str) -> Rows:
 CONCLUSION = """
 **A probe that has won acts at once; the first sleep is 16 misses; and the ratios repeat by repeat
 (9f60f82, 876288c).** On the prompt that loops before it turns to code (prompt 4) the guard paused the
-predictor in the loop for its cost, rightly, then slept 32 misses and probed 8 forwards before acting
+predictor in the loop for its cost, rightly, then slept 32 misses and probed 9 forwards before acting
 again, all of it LRU in the code, where the predictions pay. Now the first sleep lasts 16 misses and a
 probe acts from the forward after its twin has saved 2 misses worth more than its predicting.
 runs/tw, both caps in one invocation, three repeats, the order rotated (load 1.03 before: the test
@@ -1027,13 +1027,14 @@ def _early_probe_tables() -> tuple[Table, ...]:
                      "That run's baselines"),
         Table("What the guard did in that run: per prompt, the predictor's runs in repeat order", (WIDE_EARLY_PROBE,),
               cmd, partial(guard_rows, WIDE_EARLY_PROBE)),
-        Table("What the processes held in that run: per cap and system the medians over the runs that finished",
-              (WIDE_EARLY_PROBE,), cmd, partial(holds_rows, WIDE_EARLY_PROBE)),
         *_run_tables(EARLY_PROBE, tb_cmd, "runs/tb (733 MB of experts) at 0.85 GB at 876288c (the same guard; the "
                      "same settings, plain transformers stopped at 120 s; this machine ran at about half its speed "
                      "meanwhile: the plain model uncapped at 34-79 tokens/s, 117 in the run below)",
                      "That run's baselines"),
         Table("What the guard did in that run", (EARLY_PROBE,), tb_cmd, partial(guard_rows, EARLY_PROBE)),
+        Table("What the processes held in those two runs: per cap and system the medians over the runs that "
+              "finished", (WIDE_EARLY_PROBE, EARLY_PROBE), f"{cmd}; {tb_cmd}",
+              partial(holds_rows, WIDE_EARLY_PROBE, EARLY_PROBE)),
     )
 
 
