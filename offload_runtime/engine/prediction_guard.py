@@ -216,8 +216,8 @@ class PredictionGuard:
 
     def _paused_forward(self, missed: int) -> None:
         """A forward while not acting, after the live cache `missed` experts in the last: asleep, or
-        probing in the shadow; a probe starts when a sleep ends and, once its window is run, acts or
-        sleeps longer."""
+        probing in the shadow; a probe starts when a sleep ends, acts as soon as it has won, and sleeps
+        longer if its window runs out first."""
         if self.twin is not None:
             self._probe_left -= 1
             if self._probe_left == SHADOW_WINDOW:
@@ -241,7 +241,7 @@ class PredictionGuard:
     def _start_probe(self) -> None:
         """The predictor wakes; the LRU shadow restarts as a copy of the live cache (which ran as LRU
         while the predictor slept: its learned ranks cleared), and the predictions go to a twin of it
-        (its experts, in its order, under the live policy) for `SHADOW_WINDOW` forwards."""
+        (its experts, in its order, under the live policy) for at most `SHADOW_WINDOW` forwards."""
         self._shadow_live_cache()
         self.twin = self._copy(self.lru, self.twin_policy())
         self._probe_left = SHADOW_WINDOW + 1  # the first forward wakes the predictor; judged from the next
