@@ -40,16 +40,17 @@ the median (see `PredictionGuard.__init__`).
 **Acting, judged live.** While it acts, the guard adds up, as moving sums over about `WINDOW`
 forwards:
 - experts: how many more the live cache loaded (demand loads and prefetches) than LRU missed;
-- time: what the live run spent waiting for loads and predicting, less what LRU's misses would have
-  cost it at the run's own measured wait per demand load.
+- time: the live run's predicting plus its demand loads beyond LRU's misses, each at the run's own
+  wait per demand load (counts, not the waits measured in the window: a disk's slow spell doubles a
+  load's wait for a few forwards, which read as a loss and paused predictions that were saving loads,
+  runs/tw at 1.1 GB, prompt 7, results/bench-prediction-tw-early-probe.json; a prefetch in time is
+  no demand load, and a wrong one counts in the experts' sum).
 Either sum above `SLACK` experts (or their time), plus `SLACK_SHARE` of LRU's own misses in the
 window, pauses predictions (a fixed slack alone paused right predictions on the noise of a
 prompt's first tokens). A third, steadier sum over `COST_WINDOW` forwards catches a small cost that
 persists (those two saturate at `WINDOW` times a forward's cost, under their slack: on runs/tb at
 0.66 GB a prompt LRU decodes at 146 tok/s ran a millisecond a token of predictions to save 0.01
-loads, 0.89x): the prediction time plus the demand loads beyond LRU's misses at the run's wait per
-miss (counts, not the measured waits, whose noise is a whole load's; a prefetch in time is no
-demand load), against `COST_SHARE` of the forwards' own time (sleeping 128 forwards after a pause
+loads, 0.89x): the same time, against `COST_SHARE` of the forwards' own time (sleeping 128 forwards after a pause
 for the cost alone was measured and not kept: a prompt whose predictions pay was paused at its
 20th forward and lost its 1.5x, results/bench-prediction-tb-costsleep.json). A pause clears the
 live cache's learned ranks, stops prefetching and puts the predictor to sleep until the next probe.
@@ -123,9 +124,9 @@ class PredictionGuard:
         self.probe_forwards = 0  # forwards run with the predictions in the shadow only (probes), in all
         self.lost_windows = 0  # times predictions were paused
         self.excess = 0.0  # experts the live cache loaded beyond LRU's misses (moving sum)
-        self.excess_seconds = 0.0  # seconds the live run spent beyond LRU's estimated wait (moving sum)
+        self.excess_seconds = 0.0  # predicting plus the excess demand loads at the wait per miss (moving sum)
         self.lru_misses = 0.0  # LRU's misses (moving sum)
-        self.cost_seconds = 0.0  # predicting plus the excess experts at the wait per miss (moving sum over COST_WINDOW)
+        self.cost_seconds = 0.0  # the same, over COST_WINDOW (moving sum)
         self.forward_seconds = 0.0  # the forwards' own time (moving sum over COST_WINDOW)
         self._last_time = clock()
         self._acted = 0  # forwards since acting resumed
@@ -178,15 +179,16 @@ class PredictionGuard:
         """A forward starts: weigh the last one's loads and time, and pause or resume predictions."""
         spent = self.spent()
         counts = self._counts(spent)
-        live, lru, stall, predicting, demand = (now - then for now, then in zip(counts, self._last))
+        live, lru, predicting, demand = (now - then for now, then in zip(counts, self._last))
         self._last = counts
         per_miss = spent.per_miss()  # an LRU miss would have cost as much as this run's
+        net_seconds = predicting + (demand - lru) * per_miss
         now = self.clock()
         keep, keep_long = 1 - 1 / WINDOW, 1 - 1 / COST_WINDOW
         self.excess = keep * self.excess + live - lru
         self.lru_misses = keep * self.lru_misses + lru
-        self.excess_seconds = keep * self.excess_seconds + stall + predicting - lru * per_miss
-        self.cost_seconds = keep_long * self.cost_seconds + predicting + (demand - lru) * per_miss
+        self.excess_seconds = keep * self.excess_seconds + net_seconds
+        self.cost_seconds = keep_long * self.cost_seconds + net_seconds
         self.forward_seconds = keep_long * self.forward_seconds + now - self._last_time
         self._last_time = now
         if not self.acting:
@@ -302,9 +304,8 @@ class PredictionGuard:
         self.cache.on_forecast(np.zeros((self.n_layers, self.n_experts)))  # learned ranks cleared: LRU
         self._fall_asleep()
 
-    def _counts(self, spent: Spent) -> tuple[int, int, float, float, int]:
-        """(experts the live cache inserted, LRU's misses, seconds waited, seconds predicting, demand
-        loads) so far."""
+    def _counts(self, spent: Spent) -> tuple[int, int, float, int]:
+        """(experts the live cache inserted, LRU's misses, seconds predicting, demand loads) so far."""
         live = self.cache.stats
-        return (live.misses + live.prefetch_inserts, self.lru.stats.misses, spent.stall_seconds,
-                spent.predictor_seconds, spent.demand_loads)
+        return (live.misses + live.prefetch_inserts, self.lru.stats.misses, spent.predictor_seconds,
+                spent.demand_loads)

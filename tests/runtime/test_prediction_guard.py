@@ -135,17 +135,17 @@ class _Live:
 
 
 def _judge(forwards: int, saved_per_forward: int, seconds_per_miss: float, predictor_seconds: float,
-           prompt_prefetches: int = 0, compute_seconds: float = 0.0, saved_live: int | None = None,
-           wake_seconds: float = 0.0):
+           prompt_prefetches: int = 0, compute_seconds: float = 0.0, saved_live: float | None = None,
+           wake_seconds: float = 0.0, slow_spell: tuple[range, float] = (range(0), 1.0)):
     """A guard over `forwards` forwards of one access each, cycling over one expert more than the 4
     slots hold (LRU misses every one); its predictions prefetch `saved_per_forward` (0 or 1) of those
-    in time: into the probe's twin while it probes, and (`saved_live`, by default the same) into the
-    live cache while it acts, which misses the rest; a copy takes `seconds_per_miss`, all of it
-    waited for on a miss, and predicting takes `predictor_seconds` a forward while awake; the first
-    forward that acts also prefetches `prompt_prefetches` experts (a table's burst), and the first after
-    each wake-up predicts `wake_seconds` more (the catch-up over the tokens kept asleep). Returns the guard
-    and its sleep/wake calls in order. A forward's time is its waits, its prediction and
-    `compute_seconds`."""
+    in time: into the probe's twin while it probes, and (`saved_live`, by default the same; a share:
+    0.5 every other forward) into the live cache while it acts, which misses the rest; a copy takes
+    `seconds_per_miss` (times the factor in the forwards of `slow_spell`), all of it waited for on a
+    miss, and predicting takes `predictor_seconds` a forward while awake; the first forward that acts
+    also prefetches `prompt_prefetches` experts (a table's burst), and the first after each wake-up
+    predicts `wake_seconds` more (the catch-up over the tokens kept asleep). Returns the guard and its
+    sleep/wake calls in order. A forward's time is its waits, its prediction and `compute_seconds`."""
     live, calls = _Live(4), []
     spent = {"stall": 0.0, "demand": 0, "predicting": 0.0, "copying": 0.0, "loads": 0}
     forward, clock, burst = 0, [0.0], prompt_prefetches
@@ -162,7 +162,8 @@ def _judge(forwards: int, saved_per_forward: int, seconds_per_miss: float, predi
             guard.prefetch([key])
         guard.access([key])
         live.touch(key)
-        prefetched = saved_live if guard.acting else 0
+        prefetched = int((forward + 1) * saved_live) - int(forward * saved_live) if guard.acting else 0
+        wait = seconds_per_miss * (slow_spell[1] if forward in slow_spell[0] else 1.0)
         if guard.acting and burst:
             live.stats.prefetch_inserts += burst
             spent["loads"] += burst
@@ -170,14 +171,14 @@ def _judge(forwards: int, saved_per_forward: int, seconds_per_miss: float, predi
         live.stats.misses += 1 - prefetched
         live.stats.prefetch_inserts += prefetched
         spent["demand"] += 1 - prefetched
-        spent["stall"] += (1 - prefetched) * seconds_per_miss
+        spent["stall"] += (1 - prefetched) * wait
         spent["loads"] += 1
-        spent["copying"] += seconds_per_miss
+        spent["copying"] += wait
         predicting = predictor_seconds if guard.acting or guard.shadowing else 0.0
         if calls and calls[-1] == (forward, False):
             predicting += wake_seconds
         spent["predicting"] += predicting
-        clock[0] += compute_seconds + (1 - prefetched) * seconds_per_miss + predicting
+        clock[0] += compute_seconds + (1 - prefetched) * wait + predicting
     return guard, calls
 
 
@@ -185,6 +186,19 @@ def test_a_predictor_that_saves_more_time_than_it_costs_keeps_acting():
     # every miss hidden by a prefetch, at 3 ms a copy, for 1 ms of prediction a forward
     guard, calls = _judge(96, 1, 0.003, 0.001)
     assert guard.acting and guard.lost_windows == 0 and calls == [] and guard.probe_forwards == 0
+
+
+def test_a_slow_spell_of_reads_does_not_pause_predictions_that_save_loads():
+    """Predictions that save every other miss keep acting through 16 forwards, late in a run, whose loads
+    wait five times as long (a disk's slow spell): the time sums count demand loads at the run's wait
+    per miss. (Weighing the window's measured waits against LRU's misses at the run's wait paused
+    them at the spell's 10th forward.)"""
+    spell = (range(200, 216), 5.0)
+    guard, calls = _judge(240, 1, 0.003, 0.0002, saved_live=0.5, slow_spell=spell)
+    assert guard.acting and guard.lost_windows == 0 and calls == []
+    # predictions that save nothing, at a cost, are still paused, long before the spell
+    guard, calls = _judge(240, 1, 0.003, 0.003, saved_live=0.0, slow_spell=spell)
+    assert guard.lost_windows >= 1 and calls[0][1] is True and calls[0][0] < 2 * prediction_guard.WINDOW
 
 
 def test_the_prompts_prefetches_are_not_held_against_the_decode():
