@@ -1088,13 +1088,19 @@ def _count_wait_tables() -> tuple[Table, ...]:
         Table(guard, (COUNT_WAIT_17,), cmd_17, partial(guard_rows, COUNT_WAIT_17)),
         Table("What the processes held in those two runs: per cap and system the medians over the runs that finished",
               (COUNT_WAIT, COUNT_WAIT_17), f"{cmd}; {cmd_17}", partial(holds_rows, COUNT_WAIT, COUNT_WAIT_17)),
-        Table("What this predictor's forecasts can win on runs/tw, in the timed simulator over the sequences of the "
-              "early-probe run's 8 prompts (each replayed alone from an empty cache; a layer-step computes 4 ms once "
-              "its experts are in, each expert as it lands; one link copies an expert in 25 ms, about the wait per "
-              "demand load of the runtime without a predictor at 1.1 GB, demand loads first; 18 and 36 slots: "
-              "runs/tw's plans at 1.1 and 1.7 GB)", (PREFETCH_SWEEP_WIDE,), load(PREFETCH_SWEEP_WIDE)["command"],
-              partial(prefetch_sweep_rows, PREFETCH_SWEEP_WIDE)),
+        _prefetch_sweep_table(PREFETCH_SWEEP_WIDE, "What this predictor's forecasts can win on runs/tw, in the timed "
+                              "simulator over the sequences of the early-probe run's 8 prompts", 4, 25,
+                              "about the wait per demand load of the runtime without a predictor at 1.1 GB",
+                              "18 and 36 slots: runs/tw's plans at 1.1 and 1.7 GB"),
     )
+
+
+def _prefetch_sweep_table(name: str, title: str, layer_ms: float, read_ms: float, read_is: str, slots: str) -> Table:
+    """A timed-simulator prefetch sweep (`experiments.prefetch_sweep`): `title`, then its clock, a
+    layer-step of `layer_ms` and a read of `read_ms` (which is `read_is`), and the `slots` it replayed."""
+    return Table(f"{title} (each replayed alone from an empty cache; a layer-step computes {layer_ms} ms once its "
+                 f"experts are in, each expert as it lands; one link copies an expert in {read_ms} ms, {read_is}, "
+                 f"demand loads first; {slots})", (name,), load(name)["command"], partial(prefetch_sweep_rows, name))
 
 
 def _miss_sleep_tables() -> tuple[Table, ...]:
@@ -1169,12 +1175,10 @@ def _order_and_prefetch_tables() -> tuple[Table, ...]:
                      "round shared the machine for about a minute with three short test runs): `next` prefetches the "
                      "next token's experts forecast at least 0.5 likely and, under learned eviction on the CPU, "
                      "nothing for the running token", "That run's baselines"),
-        Table("What prefetch can add to learned eviction, in the timed simulator over the same 8 prompts' sequences "
-              "(each replayed alone from an empty cache; a layer-step computes 2.5 ms once its experts are in, each "
-              "expert as it lands; one link copies an expert in 10.2 ms, the median wait per demand load of the "
-              "runtime without a predictor in the rotated run, demand loads first; 21 and 37 slots: runs/tb's "
-              "plans at 0.66 and 0.85 GB)", (PREFETCH_SWEEP,), load(PREFETCH_SWEEP)["command"],
-              partial(prefetch_sweep_rows, PREFETCH_SWEEP)),
+        _prefetch_sweep_table(PREFETCH_SWEEP, "What prefetch can add to learned eviction, in the timed simulator over "
+                              "the same 8 prompts' sequences", 2.5, 10.2, "the median wait per demand load of the "
+                              "runtime without a predictor in the rotated run",
+                              "21 and 37 slots: runs/tb's plans at 0.66 and 0.85 GB"),
         *_run_tables(WIDE_REPEATED, wide_cmd, "runs/tw (2.2 GB of experts) at its tightest cap, 1.1 GB, with the "
                      "decode-trained predictor (6c03f4f, through ../shared/bin/quiet, load 1.06 before): 8 prompts, "
                      "2 interleaved repeats, the order rotated", "That run's baselines"),
