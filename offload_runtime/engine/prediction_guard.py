@@ -50,9 +50,9 @@ window, pauses predictions (a fixed slack alone paused right predictions on the 
 prompt's first tokens). A third, steadier sum over `COST_WINDOW` forwards catches a small cost that
 persists (those two saturate at `WINDOW` times a forward's cost, under their slack: on runs/tb at
 0.66 GB a prompt LRU decodes at 146 tok/s ran a millisecond a token of predictions to save 0.01
-loads, 0.89x): the same time, against `COST_SHARE` of the forwards' own time (sleeping 128 forwards after a pause
-for the cost alone was measured and not kept: a prompt whose predictions pay was paused at its
-20th forward and lost its 1.5x, results/bench-prediction-tb-costsleep.json). A pause clears the
+loads, 0.89x): the same time, against `COST_SHARE` of the forwards' own time (sleeping 128
+forwards after a pause for the cost alone was measured and not kept: a prompt whose predictions pay
+was paused at its 20th forward and lost its 1.5x, results/bench-prediction-tb-costsleep.json). A pause clears the
 live cache's learned ranks, stops prefetching and puts the predictor to sleep until the next probe.
 So a wrong (or too costly) predictor costs its first window, then a few forwards of predicting in
 ever longer sleeps: never far below its classic twin, as the robust learned-caching literature asks of a learned policy.
