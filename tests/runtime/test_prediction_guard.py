@@ -318,9 +318,12 @@ def test_right_forecasts_that_cost_more_than_they_save_sleep(case):
     # paused once judged, for a whole sleep at least
     assert runs[True].prediction_lost_windows >= 1
     assert runs[True].prediction_paused_forwards >= _shortest_sleep(path, len({key[0] for key in accessed}))
-    # a fraction of its time: this model's misses (three a forward) end a first sleep of 16 within a few
+    # asleep most of the run: this model's misses (three a forward) end a first sleep of 16 within a few
     # forwards, so its probes (9 forwards each, before sleeps of 32 and 64 misses) are most of what is left
-    assert runs[True].predictor_seconds < 0.75 * runs[False].predictor_seconds
+    assert runs[True].prediction_paused_forwards > 0.6 * runs[True].forwards
+    # and a fraction of its time (measured: 0.40-0.43 in float32, 0.65-0.72 in bfloat16 on an idle machine;
+    # each wake-up's catch-up over the kept tokens is spent too, and its share varies with the machine's load)
+    assert runs[True].predictor_seconds < 0.9 * runs[False].predictor_seconds
 
 
 def test_asleep_the_shadow_waits_and_a_probe_starts_from_the_live_cache():
