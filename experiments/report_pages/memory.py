@@ -420,8 +420,8 @@ repeat by repeat 1.10x), the oracle 1.17x (1.22x); 31.9 tokens/s against 32.0, t
 memory-mapped 29.4, plain killed in 16 runs and past 45 s in 8. Where the oracle gains 1.5x (prompts
 4, 6, 7): 1.16x, 1.32x and 1.73x; prompt 4 loaded 137 experts in every repeat, as in the run below
 where it measured 1.29x (the oracle 104): the same work, the disk's spread. Prompt 8 was slower in
-every repeat (0.97x, 0.94x, 0.74x) with 54 loads against LRU's 56 and the predictor asleep from its
-21st forward, its runs' range within no predictor's; the oracle there 0.93x.
+every repeat (0.97x, 0.94x, 0.74x) with 54 loads against LRU's 56 and the predictor asleep after its
+first 21 forwards, its runs' range within no predictor's; the oracle there 0.93x.
 
 **A probe that has won acts at once; the first sleep is 16 misses; and the ratios repeat by repeat
 (9f60f82, 876288c).** On the prompt that loops before it turns to code (prompt 4) the guard paused the
@@ -1090,7 +1090,8 @@ def _count_wait_tables() -> tuple[Table, ...]:
               (COUNT_WAIT, COUNT_WAIT_17), f"{cmd}; {cmd_17}", partial(holds_rows, COUNT_WAIT, COUNT_WAIT_17)),
         _prefetch_sweep_table(PREFETCH_SWEEP_WIDE, "What this predictor's forecasts can win on runs/tw, in the timed "
                               "simulator over the sequences of the early-probe run's 8 prompts", 4, 25,
-                              "about the wait per demand load of the runtime without a predictor at 1.1 GB",
+                              "within the median waits per demand load of the runtime without a predictor at 1.1 GB "
+                              "in the last three runs (24.4, 28.9 and 26.7 ms)",
                               "18 and 36 slots: runs/tw's plans at 1.1 and 1.7 GB"),
     )
 
